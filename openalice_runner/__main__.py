@@ -1,0 +1,5 @@
+import sys
+
+from openalice_runner.cli import main
+
+sys.exit(main())

@@ -1,0 +1,44 @@
+"""`openalice-runner` command line. Each subcommand lives in its own module with `register()`.
+
+Heavy imports (torch, transformers, fastapi) happen inside the commands, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# module name under openalice_runner.cli -> registers one or more subcommands
+_COMMAND_MODULES = ("generate", "bench", "policy", "serve", "trace")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="openalice-runner",
+        description="Model backend for agentic loops: embedded speculative decoding, policy, sidecar.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"openalice_runner.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"openalice_runner.cli.{name}":
+                continue  # command not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Plain data types of the embedded engine: what a request asks for and what it reports.
+
+These are dataclasses, not pydantic models: the engine is internal and hot; validation of
+user input happens at the edges (CLI, Runner types, HTTP server) before it gets here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+SpecMethod = Literal["off", "ngram", "draft", "eagle"]
+SPEC_METHODS: tuple[str, ...] = ("off", "ngram", "draft", "eagle")
+FinishReason = Literal["stop", "length", "context_length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings, applied identically to target and draft distributions."""
+
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How one request speculates. `gamma` is the number of draft tokens per round."""
+
+    method: SpecMethod = "off"
+    gamma: int = 5
+    ngram_min: int = 1
+    ngram_max: int = 4
+    draft_model: str | None = None  # path of a separate draft LM sharing the vocabulary
+    draft_layers: int | None = None  # self-draft from the target's first N layers
+    eagle_head: str | None = None  # path of a trained EAGLE-style head
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.method != "off" and not (1 <= self.gamma <= 64):
+            raise ValueError(f"gamma must be in [1, 64], got {self.gamma!r}")
+        if not (1 <= self.ngram_min <= self.ngram_max):
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers!r}")
+
+
+@dataclass
+class GenerationStats:
+    """Figures every finished request reports (the CLI's JSON `stats`, snake_case, is a contract)."""
+
+    method: str = "off"
+    gamma: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    target_passes: int = 0  # target forward passes after prefill (decode or verify)
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    acceptance_rate: float = 0.0  # accepted / proposed (0 when nothing was proposed)
+    mean_tokens_per_pass: float = 0.0  # completion tokens / target passes (prefill's token counted)
+    accept_length_histogram: list[int] = field(default_factory=list)  # [n rounds that accepted k drafts]
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    tokens_per_second: float = 0.0  # completion tokens / total time, prefill included
+    finish_reason: str = "length"
+    rule: str | None = None  # policy rule that decided method and gamma, when a policy did
+    policy_version: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+
+@dataclass
+class StreamEvent:
+    """One piece of a token stream: text accepted in one round (possibly several tokens).
+
+    The last event of a stream has `result` set and an empty or final `text`.
+    """
+
+    text: str
+    token_ids: list[int]
+    result: GenerationResult | None = None
