@@ -1,0 +1,517 @@
+"""OpenAI-shaped request and response types, shared by the Runner API and the sidecar.
+
+Field names follow OpenAI's Chat Completions JSON one for one, so a body the openai client
+sends validates as `ChatRequest`, and `ChatResult` / `ChatChunk` dump (`to_openai()`) to what
+the openai client parses. Runner extensions (`speculation`, `provider`, `fallback_from`) are
+extra top-level keys, left out when unset; OpenAI clients ignore unknown keys.
+
+Bad input raises `pydantic.ValidationError`, whose location names the field
+(e.g. `messages.2.tool_call_id`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
+TurnType = str  # free-form ("chat", "tool_call", "code_edit", "summarize", ...); the policy interprets it
+
+# OpenAI's rule for function names.
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class _Strict(BaseModel):
+    """Unknown fields are an error, not silently dropped: a typo should name itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+# ---------------------------------------------------------------- messages
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Strict):
+    name: FunctionName
+    arguments: str = Field(description="JSON-encoded arguments, as OpenAI sends them")
+
+
+class ToolCall(_Strict):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    """One message of any role. Which fields are allowed depends on the role (checked below)."""
+
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant only
+    tool_call_id: str | None = None  # tool only
+
+    @model_validator(mode="after")
+    def _fields_fit_role(self) -> ChatMessage:
+        role = self.role
+        if role == "tool":
+            if not self.tool_call_id:
+                raise ValueError("tool_call_id is required for role 'tool'")
+        elif self.tool_call_id is not None:
+            raise ValueError(f"tool_call_id is only allowed for role 'tool', not {role!r}")
+        if self.tool_calls is not None and role != "assistant":
+            raise ValueError(f"tool_calls is only allowed for role 'assistant', not {role!r}")
+        if role == "assistant":
+            if self.content is None and not self.tool_calls:
+                raise ValueError("content is required for role 'assistant' without tool_calls")
+        elif self.content is None:
+            raise ValueError(f"content is required for role {role!r}")
+        return self
+
+    @property
+    def text(self) -> str:
+        """Content as one string (text parts joined); empty when there is none."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain OpenAI dict (what chat templates and litellm take), unset fields left out."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text if self.content is not None else None}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [tc.model_dump() for tc in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+# ---------------------------------------------------------------- tools
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters_is_object_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if v.get("type", "object") != "object":
+            raise ValueError("parameters must be a JSON schema of type 'object'")
+        return v
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    @property
+    def name(self) -> str:
+        return self.function.name
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+# ---------------------------------------------------------------- request
+
+
+class SamplingSettings(_Strict):
+    """Decoding settings in OpenAI's terms (top_k is the common extension)."""
+
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    seed: int | None = None
+    stop: list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_non_empty(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            if len(v) > 16:
+                raise ValueError("at most 16 stop strings")
+            if any(not s for s in v):
+                raise ValueError("stop strings must be non-empty")
+        return v
+
+    def to_engine(self, default_max_tokens: int = 256):
+        """Engine `SamplingParams` (imported lazily: the engine types are light, torch is not)."""
+        from openalice_runner.engine.types import SamplingParams
+
+        return SamplingParams(
+            temperature=0.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            max_tokens=self.max_tokens or default_max_tokens,
+            stop=tuple(self.stop or ()),
+        )
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens")
+
+
+class ChatRequest(SamplingSettings):
+    """A chat completion request, OpenAI's body field for field (unsupported fields refused)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    # Accepted only at their neutral values, so a client that sends them by default still works.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logprobs: bool | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _single_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float | None) -> float | None:
+        if v not in (None, 0, 0.0):
+            raise ValueError("penalties are not supported (only 0)")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @model_validator(mode="after")
+    def _tools_fit_choice(self) -> ChatRequest:
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens disagree; send one")
+            self.max_tokens = self.max_completion_tokens
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or ()}
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        if self.tools:
+            seen: set[str] = set()
+            for tool in self.tools:
+                if tool.function.name in seen:
+                    raise ValueError(f"tools: duplicate function name {tool.function.name!r}")
+                seen.add(tool.function.name)
+        return self
+
+    @property
+    def sampling(self) -> SamplingSettings:
+        return SamplingSettings(**{f: getattr(self, f) for f in _SAMPLING_FIELDS})
+
+    @property
+    def effective_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice:
+        """What the provider should do: no tools means "none"; tools without a choice mean "auto"."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice or "auto"
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.to_dict() for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+# ---------------------------------------------------------------- results
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class SpeculationInfo(BaseModel):
+    """What speculative decoding did for one request (runner extension to OpenAI's body)."""
+
+    method: str = "off"  # off | ngram | draft | eagle
+    gamma: int = 0  # draft tokens per round (SGLang: num_draft_tokens - 1)
+    proposed: int | None = None  # draft tokens proposed
+    accepted: int | None = None  # draft tokens accepted
+    acceptance_rate: float | None = None  # accepted / proposed
+    target_passes: int | None = None  # target forward passes (decode or verify) after prefill
+    accept_length: float | None = None  # completion tokens / target passes (SGLang's spec_accept_length)
+    rule: str | None = None  # policy rule that decided
+    policy_version: str | None = None
+    pool: str | None = None  # SGLang pool that served
+
+    @classmethod
+    def from_stats(cls, stats: Any, pool: str | None = None) -> SpeculationInfo:
+        """From the engine's `GenerationStats`."""
+        return cls(
+            method=stats.method,
+            gamma=stats.gamma,
+            proposed=stats.draft_proposed,
+            accepted=stats.draft_accepted,
+            acceptance_rate=stats.acceptance_rate,
+            target_passes=stats.target_passes,
+            accept_length=stats.mean_tokens_per_pass or None,
+            rule=stats.rule,
+            policy_version=stats.policy_version,
+            pool=pool,
+        )
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class _Extended(BaseModel):
+    """Shared by result and chunk: runner extensions are left out of the JSON when unset."""
+
+    speculation: SpeculationInfo | None = None
+    provider: str | None = None  # name of the provider that served
+    fallback_from: list[str] | None = None  # providers that failed before this one served
+
+    def to_openai(self) -> dict[str, Any]:
+        data = self.model_dump(exclude={"speculation", "provider", "fallback_from"})
+        for key in ("speculation", "provider", "fallback_from"):
+            value = getattr(self, key)
+            if value is not None:
+                data[key] = value.model_dump() if isinstance(value, BaseModel) else value
+        return data
+
+
+class ChatResult(_Extended):
+    id: str = Field(default_factory=lambda: new_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Choice]
+    usage: Usage = Field(default_factory=Usage)
+    # Engine stats of the request, for the policy's `observe` (not part of the JSON).
+    _stats: Any = PrivateAttr(default=None)
+
+    @classmethod
+    def single(
+        cls,
+        *,
+        model: str,
+        content: str | None,
+        tool_calls: list[ToolCall] | None = None,
+        finish_reason: FinishReason = "stop",
+        usage: Usage | None = None,
+        speculation: SpeculationInfo | None = None,
+        provider: str | None = None,
+        id: str | None = None,
+    ) -> ChatResult:
+        message = AssistantMessage(content=content, tool_calls=tool_calls or None)
+        kwargs: dict[str, Any] = {}
+        if id:
+            kwargs["id"] = id
+        return cls(
+            model=model,
+            choices=[Choice(message=message, finish_reason=finish_reason)],
+            usage=usage or Usage(),
+            speculation=speculation,
+            provider=provider,
+            **kwargs,
+        )
+
+    @property
+    def message(self) -> AssistantMessage:
+        return self.choices[0].message
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        return self.choices[0].finish_reason
+
+    @property
+    def content(self) -> str | None:
+        return self.message.content
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.message.tool_calls or []
+
+    @property
+    def stats(self) -> Any:
+        return self._stats
+
+    def attach_stats(self, stats: Any) -> ChatResult:
+        self._stats = stats
+        return self
+
+    def as_message(self) -> ChatMessage:
+        """The assistant message to append to the conversation for the next call."""
+        return ChatMessage(role="assistant", content=self.message.content, tool_calls=self.message.tool_calls)
+
+
+# ---------------------------------------------------------------- stream chunks
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta = Field(default_factory=Delta)
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatChunk(_Extended):
+    """One streamed piece. The last chunk carries finish_reason, usage and speculation."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChunkChoice] = Field(default_factory=list)
+    usage: Usage | None = None
+    _stats: Any = PrivateAttr(default=None)
+
+    @classmethod
+    def text(cls, id: str, model: str, text: str, role: bool = False) -> ChatChunk:
+        delta = Delta(role="assistant" if role else None, content=text)
+        return cls(id=id, model=model, choices=[ChunkChoice(delta=delta)])
+
+    @property
+    def delta_text(self) -> str:
+        return "".join(c.delta.content or "" for c in self.choices)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.choices[0].finish_reason if self.choices else None
+
+    @property
+    def tool_call_deltas(self) -> list[ToolCallDelta]:
+        return [tc for c in self.choices for tc in (c.delta.tool_calls or [])]
+
+    @property
+    def stats(self) -> Any:
+        return self._stats
+
+    def attach_stats(self, stats: Any) -> ChatChunk:
+        self._stats = stats
+        return self
+
+
+def coerce_messages(messages: Any) -> list[ChatMessage]:
+    """Accept dicts or ChatMessage objects (what the loop has at hand)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)):
+        raise TypeError("messages must be a list of dicts or ChatMessage")
+    return [m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m) for m in messages]
+
+
+__all__ = [
+    "AssistantMessage",
+    "ChatChunk",
+    "ChatMessage",
+    "ChatRequest",
+    "ChatResult",
+    "Choice",
+    "ChunkChoice",
+    "Delta",
+    "FinishReason",
+    "FunctionCall",
+    "FunctionCallDelta",
+    "FunctionDefinition",
+    "NamedToolChoice",
+    "SamplingSettings",
+    "SpeculationInfo",
+    "StreamOptions",
+    "TextPart",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolChoice",
+    "ToolDefinition",
+    "Usage",
+    "coerce_messages",
+    "new_id",
+]
