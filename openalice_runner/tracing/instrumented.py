@@ -1,0 +1,117 @@
+"""InstrumentedProvider: tracing added by wrapping a provider, not sprinkled through every provider.
+
+Each chat() or stream() becomes one `chat {model}` CLIENT span, child of whatever span is current when
+the call is made (the turn's `invoke_agent` span), plus the GenAI client metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from opentelemetry import context as otel_context
+
+from openalice_runner.tracing.telemetry import ChatCall, RunnerTelemetry, _first, _get
+
+try:
+    from openalice_runner.providers.wrapper import WrapperProvider
+except ImportError:  # pragma: no cover - the providers package is being written alongside
+
+    class WrapperProvider:  # type: ignore[no-redef]
+        """Stand-in with the contract's shape until providers/wrapper.py lands."""
+
+        def __init__(self, wrapped: Any) -> None:
+            self.wrapped = wrapped
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.wrapped, name)
+
+
+class InstrumentedProvider(WrapperProvider):
+    def __init__(self, wrapped: Any, telemetry: RunnerTelemetry) -> None:
+        super().__init__(wrapped)
+        self.telemetry = telemetry
+
+    def _start(
+        self, request: Any, ctx: Any, *, stream: bool, parent: otel_context.Context | None = None
+    ) -> ChatCall:
+        wrapped = self.wrapped
+        model = _get(request, "model") or _get(ctx, "model") or getattr(wrapped, "model_name", None)
+        call = self.telemetry.start_chat(
+            model=model,
+            provider=getattr(wrapped, "name", None),
+            gen_ai_provider=getattr(wrapped, "gen_ai_provider_name", None),
+            ctx=ctx,
+            request=request,
+            stream=stream,
+            parent=parent,
+        )
+        return call
+
+    async def chat(self, request: Any, ctx: Any) -> Any:
+        call = self._start(request, ctx, stream=False)
+        try:
+            result = await self.wrapped.chat(request, ctx)
+        except BaseException as exc:
+            call.fail(exc)
+            raise
+        call.finish(**_result_fields(result))
+        return result
+
+    def stream(self, request: Any, ctx: Any) -> AsyncIterator[Any]:
+        # The parent is taken now, at call time: an async generator's body runs later, in whatever
+        # context iterates it (e.g. the HTTP server's response task).
+        return self._stream(request, ctx, otel_context.get_current())
+
+    async def _stream(self, request: Any, ctx: Any, parent: otel_context.Context) -> AsyncIterator[Any]:
+        call = self._start(request, ctx, stream=True, parent=parent)
+        fields: dict[str, Any] = {}
+        try:
+            async for chunk in self.wrapped.stream(request, ctx):
+                if call.first_chunk_s is None and _chunk_has_content(chunk):
+                    call.first_chunk()
+                _merge_chunk_fields(fields, chunk)
+                yield chunk
+        except BaseException as exc:  # GeneratorExit too: the consumer went away mid-stream
+            call.fail(exc)
+            raise
+        call.finish(**fields)
+
+
+def _usage_tokens(usage: Any) -> tuple[int | None, int | None]:
+    return (
+        _first(usage, "prompt_tokens", "input_tokens"),
+        _first(usage, "completion_tokens", "output_tokens"),
+    )
+
+
+def _result_fields(result: Any) -> dict[str, Any]:
+    input_tokens, output_tokens = _usage_tokens(_get(result, "usage"))
+    return {
+        "response_id": _get(result, "id"),
+        "response_model": _get(result, "model"),
+        "finish_reason": _get(result, "finish_reason"),
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "speculation": _get(result, "speculation"),
+        "output_message": _get(result, "message"),
+    }
+
+
+def _chunk_has_content(chunk: Any) -> bool:
+    delta = _get(chunk, "delta", chunk)
+    return bool(_get(delta, "content") or _get(delta, "tool_calls") or _get(chunk, "text"))
+
+
+def _merge_chunk_fields(fields: dict[str, Any], chunk: Any) -> None:
+    if (value := _get(chunk, "id")) is not None:
+        fields["response_id"] = value
+    if (value := _get(chunk, "model")) is not None:
+        fields["response_model"] = value
+    if (value := _get(chunk, "finish_reason")) is not None:
+        fields["finish_reason"] = value
+    if (value := _get(chunk, "speculation")) is not None:
+        fields["speculation"] = value
+    usage = _get(chunk, "usage")
+    if usage is not None:
+        fields["input_tokens"], fields["output_tokens"] = _usage_tokens(usage)
