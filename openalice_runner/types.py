@@ -462,6 +462,11 @@ class ChatChunk(_Extended):
         return cls(id=id, model=model, choices=[ChunkChoice(delta=delta)])
 
     @property
+    def delta(self) -> Delta:
+        """The first choice's delta (an empty one for a usage-only chunk)."""
+        return self.choices[0].delta if self.choices else Delta()
+
+    @property
     def delta_text(self) -> str:
         return "".join(c.delta.content or "" for c in self.choices)
 

@@ -1,0 +1,35 @@
+"""Providers: where a chat request runs (embedded engine, SGLang pools, hosted APIs), composed by wrapping."""
+
+from __future__ import annotations
+
+from openalice_runner.providers.base import (
+    CallContext,
+    Capabilities,
+    NoProviderAvailable,
+    Provider,
+    ProviderBadRequest,
+    ProviderError,
+    ProviderLoad,
+    ProviderRateLimited,
+    ProviderTimeout,
+    ProviderUnavailable,
+    StreamBroken,
+)
+from openalice_runner.providers.fallback import FallbackProvider
+from openalice_runner.providers.wrapper import WrapperProvider
+
+__all__ = [
+    "CallContext",
+    "Capabilities",
+    "FallbackProvider",
+    "NoProviderAvailable",
+    "Provider",
+    "ProviderBadRequest",
+    "ProviderError",
+    "ProviderLoad",
+    "ProviderRateLimited",
+    "ProviderTimeout",
+    "ProviderUnavailable",
+    "StreamBroken",
+    "WrapperProvider",
+]

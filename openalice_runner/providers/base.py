@@ -1,0 +1,151 @@
+"""The provider interface: where a chat request runs (embedded engine, SGLang pool, hosted API).
+
+Providers are composed by wrapping (WrapperProvider): fallback and tracing are wrappers, not code
+inside every provider. Errors are typed so that a wrapper can tell "nothing was produced yet,
+another provider may serve" (`fallback_ok`) from "the request itself is wrong" or "the stream
+broke after tokens went out" (never retried).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    tools: bool = True
+    streaming: bool = True
+    spec_methods: frozenset[str] = frozenset({"off"})  # what this provider can realise
+
+
+@dataclass(frozen=True)
+class ProviderLoad:
+    """Current load as the provider sees it; None means unknown."""
+
+    batch_size: int | None = None  # requests being decoded now
+    queue_depth: int | None = None  # requests waiting
+
+    @property
+    def total(self) -> int | None:
+        if self.batch_size is None and self.queue_depth is None:
+            return None
+        return (self.batch_size or 0) + (self.queue_depth or 0)
+
+
+@dataclass
+class CallContext:
+    """Who is asking: the turn's identity and the policy decision for this one call."""
+
+    conversation_id: str | None = None
+    turn_type: str = "chat"
+    step: int = 0
+    agent: str | None = None
+    decision: Any = None  # openalice_runner.policies.Decision | None
+    model: str | None = None
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ProviderError(Exception):
+    """A provider failed. `fallback_ok`: nothing was produced and another provider may serve."""
+
+    fallback_ok = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        provider: str | None = None,
+        status_code: int | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.provider = provider
+        self.status_code = status_code
+        self.retry_after = retry_after
+
+    def __str__(self) -> str:
+        where = f"[{self.provider}] " if self.provider else ""
+        code = f" (HTTP {self.status_code})" if self.status_code else ""
+        return f"{where}{self.message}{code}"
+
+
+class ProviderUnavailable(ProviderError):
+    """Connection refused, 5xx, or a timeout before the first token: fallback allowed."""
+
+    fallback_ok = True
+
+
+class ProviderTimeout(ProviderUnavailable):
+    """No first token (or no response) within the configured timeout."""
+
+
+class ProviderRateLimited(ProviderError):
+    """429 from upstream. Nothing was produced, so another provider may serve."""
+
+    fallback_ok = True
+
+
+class ProviderBadRequest(ProviderError):
+    """The request itself is invalid for this provider (4xx other than 429): never retried."""
+
+    def __init__(self, message: str, **kwargs: Any) -> None:
+        kwargs.setdefault("status_code", 400)
+        super().__init__(message, **kwargs)
+
+
+class StreamBroken(ProviderError):
+    """The stream failed after its first token went out: reported, never retried silently."""
+
+
+class NoProviderAvailable(ProviderUnavailable):
+    """Every provider of a fallback chain failed before its first token."""
+
+    def __init__(self, message: str, errors: list[ProviderError], **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.errors = errors
+
+
+# ---------------------------------------------------------------- the interface
+
+
+class Provider(ABC):
+    """One place a request can run. Subclasses set `name` and `capabilities`."""
+
+    name: str = "provider"
+    kind: str = "provider"  # local | sglang | hosted (what the policy's RequestContext.provider sees)
+    gen_ai_provider_name: str = "openalice"  # OpenTelemetry gen_ai.provider.name
+    capabilities: Capabilities = Capabilities()
+
+    @abstractmethod
+    async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult: ...
+
+    @abstractmethod
+    def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+        """An async iterator of chunks; the last one carries finish_reason and usage."""
+
+    def load(self) -> ProviderLoad:
+        """Cheap, synchronous, never does I/O: the last known load."""
+        return ProviderLoad()
+
+    async def current_load(self) -> ProviderLoad:
+        """Load fresh enough to decide on; may refresh a cache (SGLang reads its servers)."""
+        return self.load()
+
+    @property
+    def model_names(self) -> list[str]:
+        return []
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"

@@ -1,0 +1,242 @@
+"""Tool calling for models served by the embedded engine: prompt rendering and output parsing.
+
+Two cases:
+- The model's chat template renders tools itself (its Jinja source mentions `tools`, e.g. Qwen2.5,
+  Hermes, Llama 3.1): messages and tools go to the template unchanged.
+- It does not (SmolLM2-135M-Instruct's template has no tool support). Then the **fallback form**,
+  the Hermes convention that many open models were trained on, is rendered into plain messages:
+    * a system block lists each tool as one JSON line inside <tools></tools> and asks for
+      `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call;
+    * an assistant message's tool calls become those blocks after its text;
+    * tool results become a user message of <tool_response>...</tool_response> blocks
+      (consecutive results merged), since such templates know no `tool` role.
+
+Output is parsed the same way in both cases: every <tool_call> block whose JSON is an object with
+a string `name` (one of the offered tools) and object `arguments` becomes a ToolCall with
+canonical JSON arguments; anything else stays content. Parsing never raises.
+
+`tool_choice` "required" or a named function also yields an assistant *prefill*, the opening of
+a tool call block that the prompt ends with, so that even a weak model writes the call in the
+expected form (the prefill is part of the text that is parsed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from openalice_runner.types import FunctionCall, NamedToolChoice, ToolCall
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+_SYSTEM_TEMPLATE = (
+    "You can call functions to help with the user's request. The functions are listed below, "
+    "one JSON signature per line, inside <tools></tools>:\n<tools>\n{tools}\n</tools>\n\n"
+    "To call a function, reply with a JSON object holding the function name and its arguments "
+    "inside <tool_call></tool_call> tags, one block per call:\n"
+    '<tool_call>\n{{"name": "<function-name>", "arguments": {{<arguments as JSON>}}}}\n</tool_call>\n'
+    "{rule}"
+)
+_RULE_AUTO = "Call a function only when it helps; otherwise answer directly."
+_RULE_REQUIRED = "You must call at least one function now."
+_RULE_NAMED = "You must call the function {name} now."
+
+
+def template_renders_tools(chat_template: str | None) -> bool:
+    """Whether a Jinja chat template uses the `tools` variable (then it renders them itself)."""
+    return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
+
+
+# ---------------------------------------------------------------- rendering (fallback form)
+
+
+def tools_system_block(tools: list[dict[str, Any]], tool_choice: Any = "auto") -> str:
+    lines = "\n".join(json.dumps(_signature(t), ensure_ascii=False) for t in tools)
+    if isinstance(tool_choice, NamedToolChoice):
+        rule = _RULE_NAMED.format(name=tool_choice.function.name)
+    elif tool_choice == "required":
+        rule = _RULE_REQUIRED
+    else:
+        rule = _RULE_AUTO
+    return _SYSTEM_TEMPLATE.format(tools=lines, rule=rule)
+
+
+def _signature(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool.get("function", tool)
+    sig: dict[str, Any] = {"name": fn["name"]}
+    if fn.get("description"):
+        sig["description"] = fn["description"]
+    sig["parameters"] = fn.get("parameters") or {"type": "object", "properties": {}}
+    return sig
+
+
+def format_tool_call(name: str, arguments: Any) -> str:
+    """One call block, as the model is asked to write it."""
+    if isinstance(arguments, str):
+        # Unparseable arguments stay raw text: that is what the model wrote.
+        with contextlib.suppress(json.JSONDecodeError):
+            arguments = json.loads(arguments) if arguments.strip() else {}
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
+
+
+def render_fallback_messages(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any = "auto",
+) -> list[dict[str, Any]]:
+    """Rewrite OpenAI messages (+ tools) into plain system/user/assistant messages."""
+    out: list[dict[str, Any]] = []
+    block = tools_system_block(tools, tool_choice) if tools and tool_choice != "none" else None
+    pending_results: list[str] = []
+
+    def flush_results() -> None:
+        if pending_results:
+            out.append({"role": "user", "content": "\n".join(pending_results)})
+            pending_results.clear()
+
+    for i, msg in enumerate(messages):
+        role = msg["role"]
+        content = msg.get("content") or ""
+        if role == "tool":
+            pending_results.append(f"<tool_response>\n{content}\n</tool_response>")
+            continue
+        flush_results()
+        if role in ("system", "developer"):
+            if block is not None and i == 0:
+                content = f"{content}\n\n{block}" if content else block
+                block = None
+            out.append({"role": "system", "content": content})
+        elif role == "assistant":
+            parts = [content] if content else []
+            for tc in msg.get("tool_calls") or []:
+                fn = tc["function"]
+                parts.append(format_tool_call(fn["name"], fn.get("arguments", "{}")))
+            out.append({"role": "assistant", "content": "\n".join(parts)})
+        else:
+            out.append({"role": role, "content": content})
+    flush_results()
+    if block is not None:  # no leading system message: the tools block becomes one
+        out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a template that renders tools: arguments as objects (what such templates expect)."""
+    out = []
+    for msg in messages:
+        if msg.get("tool_calls"):
+            msg = dict(msg)
+            calls = []
+            for tc in msg["tool_calls"]:
+                fn = dict(tc["function"])
+                with contextlib.suppress(json.JSONDecodeError, TypeError):
+                    fn["arguments"] = json.loads(fn.get("arguments") or "{}")
+                calls.append({**tc, "function": fn})
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def assistant_prefill(tool_choice: Any) -> str:
+    """Text the assistant turn starts with, to pin the output format when a call is required."""
+    if isinstance(tool_choice, NamedToolChoice):
+        return f'{TOOL_CALL_OPEN}\n{{"name": "{tool_choice.function.name}", "arguments": '
+    if tool_choice == "required":
+        return f'{TOOL_CALL_OPEN}\n{{"name": "'
+    return ""
+
+
+# ---------------------------------------------------------------- parsing
+
+
+@dataclass
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    malformed: list[str] = field(default_factory=list)  # call blocks that did not parse
+
+
+_DECODER = json.JSONDecoder()
+
+
+def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> ParsedOutput:
+    """Split model output into content and tool calls. Never raises.
+
+    A block is `<tool_call>` JSON-object `</tool_call>`; the closing tag may be missing at the end
+    of the output (generation stopped on it). Text after a valid object inside a block is ignored.
+    A block that does not hold a valid call (bad JSON, no name, unknown tool, non-object arguments)
+    is kept verbatim in the content and listed in `malformed`.
+    """
+    if TOOL_CALL_OPEN not in text:
+        return ParsedOutput(content=text)
+    calls: list[ToolCall] = []
+    malformed: list[str] = []
+    kept: list[str] = []
+    pos = 0
+    while True:
+        start = text.find(TOOL_CALL_OPEN, pos)
+        if start < 0:
+            kept.append(text[pos:])
+            break
+        kept.append(text[pos:start])
+        body_start = start + len(TOOL_CALL_OPEN)
+        end = text.find(TOOL_CALL_CLOSE, body_start)
+        block_end = len(text) if end < 0 else end + len(TOOL_CALL_CLOSE)
+        body = text[body_start : len(text) if end < 0 else end]
+        call = _parse_call(body, tool_names)
+        if call is None:
+            malformed.append(text[start:block_end])
+            kept.append(text[start:block_end])
+        else:
+            calls.append(call)
+        pos = block_end
+        if end < 0:
+            break
+    content = "".join(kept).strip()
+    return ParsedOutput(content=content or None, tool_calls=calls, malformed=malformed)
+
+
+def _parse_call(body: str, tool_names: set[str] | None) -> ToolCall | None:
+    stripped = body.strip()
+    if not stripped.startswith("{"):
+        return None
+    try:
+        obj, _ = _DECODER.raw_decode(stripped)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models double-encode the arguments
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(name, str) or not isinstance(args, dict):
+        return None
+    if tool_names is not None and name not in tool_names:
+        return None
+    try:
+        function = FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
+    except ValueError:  # a name OpenAI would not accept
+        return None
+    return ToolCall(id=new_call_id(), function=function)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def could_start_tool_call(tail: str) -> int:
+    """Length of the longest suffix of `tail` that is a prefix of the open tag (stream hold-back)."""
+    for n in range(min(len(tail), len(TOOL_CALL_OPEN)), 0, -1):
+        if TOOL_CALL_OPEN.startswith(tail[-n:]):
+            return n
+    return 0
