@@ -93,9 +93,27 @@ def _result_fields(result: Any) -> dict[str, Any]:
         "finish_reason": _get(result, "finish_reason"),
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
-        "speculation": _get(result, "speculation"),
+        "speculation": _figures(_get(result, "speculation"), _get(result, "stats")),
         "output_message": _get(result, "message"),
     }
+
+
+def _figures(speculation: Any, stats: Any) -> dict[str, Any] | None:
+    """One view of a call's figures: the engine's stats (latency parts, accept histogram) under the
+    reported SpeculationInfo (which also names the pool)."""
+    if speculation is None and stats is None:
+        return None
+    merged: dict[str, Any] = {}
+    if stats is not None:
+        merged.update(stats.to_dict() if hasattr(stats, "to_dict") else dict(vars(stats)))
+    if speculation is not None:
+        spec = (
+            speculation.model_dump(exclude_none=True) if hasattr(speculation, "model_dump") else speculation
+        )
+        merged.update({k: v for k, v in dict(spec).items() if v is not None})
+        if "accept_length" in merged:
+            merged.setdefault("mean_tokens_per_pass", merged["accept_length"])
+    return merged
 
 
 def _chunk_has_content(chunk: Any) -> bool:
@@ -110,8 +128,9 @@ def _merge_chunk_fields(fields: dict[str, Any], chunk: Any) -> None:
         fields["response_model"] = value
     if (value := _get(chunk, "finish_reason")) is not None:
         fields["finish_reason"] = value
-    if (value := _get(chunk, "speculation")) is not None:
-        fields["speculation"] = value
+    speculation, stats = _get(chunk, "speculation"), _get(chunk, "stats")
+    if speculation is not None or stats is not None:
+        fields["speculation"] = _figures(speculation, stats)
     usage = _get(chunk, "usage")
     if usage is not None:
         fields["input_tokens"], fields["output_tokens"] = _usage_tokens(usage)
