@@ -11,20 +11,12 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 
+from openalice_runner.providers.wrapper import WrapperProvider
 from openalice_runner.tracing.telemetry import ChatCall, RunnerTelemetry, _first, _get
 
-try:
-    from openalice_runner.providers.wrapper import WrapperProvider
-except ImportError:  # pragma: no cover - the providers package is being written alongside
-
-    class WrapperProvider:  # type: ignore[no-redef]
-        """Stand-in with the contract's shape until providers/wrapper.py lands."""
-
-        def __init__(self, wrapped: Any) -> None:
-            self.wrapped = wrapped
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.wrapped, name)
+#: CallContext.attributes key under which a caller may pass the OpenTelemetry context to parent the call
+#: span on (the sidecar does: its turn spans live across requests, not in the current context).
+OTEL_CONTEXT_KEY = "otel_context"
 
 
 class InstrumentedProvider(WrapperProvider):
@@ -49,7 +41,7 @@ class InstrumentedProvider(WrapperProvider):
         return call
 
     async def chat(self, request: Any, ctx: Any) -> Any:
-        call = self._start(request, ctx, stream=False)
+        call = self._start(request, ctx, stream=False, parent=_parent_of(ctx))
         try:
             result = await self.wrapped.chat(request, ctx)
         except BaseException as exc:
@@ -61,7 +53,7 @@ class InstrumentedProvider(WrapperProvider):
     def stream(self, request: Any, ctx: Any) -> AsyncIterator[Any]:
         # The parent is taken now, at call time: an async generator's body runs later, in whatever
         # context iterates it (e.g. the HTTP server's response task).
-        return self._stream(request, ctx, otel_context.get_current())
+        return self._stream(request, ctx, _parent_of(ctx) or otel_context.get_current())
 
     async def _stream(self, request: Any, ctx: Any, parent: otel_context.Context) -> AsyncIterator[Any]:
         call = self._start(request, ctx, stream=True, parent=parent)
@@ -76,6 +68,11 @@ class InstrumentedProvider(WrapperProvider):
             call.fail(exc)
             raise
         call.finish(**fields)
+
+
+def _parent_of(ctx: Any) -> otel_context.Context | None:
+    attributes = _get(ctx, "attributes")
+    return attributes.get(OTEL_CONTEXT_KEY) if attributes else None
 
 
 def _usage_tokens(usage: Any) -> tuple[int | None, int | None]:
