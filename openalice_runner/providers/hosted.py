@@ -1,0 +1,343 @@
+"""Hosted provider: any model litellm knows (OpenAI, Anthropic, Gemini, an OpenAI-compatible URL...).
+
+Calls `litellm.acompletion` per request with everything passed as arguments: no global litellm
+callback, setting or env mutation beyond one `setdefault` (below), so the host application keeps
+control of litellm. The API key is read from the environment variable the config names, at call
+time. Retries on rate limits (honouring Retry-After, capped) and on timeouts before the first
+token are done here, with litellm's and the OpenAI SDK's own retries switched off so the count is
+ours. litellm's exceptions become the runner's error types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from openalice_runner.providers.base import (
+    CallContext,
+    Capabilities,
+    Provider,
+    ProviderBadRequest,
+    ProviderError,
+    ProviderRateLimited,
+    ProviderTimeout,
+    ProviderUnavailable,
+    StreamBroken,
+)
+from openalice_runner.types import (
+    ChatChunk,
+    ChatRequest,
+    ChatResult,
+    ChunkChoice,
+    Delta,
+    FunctionCall,
+    FunctionCallDelta,
+    SpeculationInfo,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+    new_id,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class HostedConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["hosted"]
+    model: str  # litellm model string, e.g. "openai/gpt-4o-mini", "anthropic/claude-3-5-haiku-latest"
+    api_key_env: str | None = None  # env var holding the key; None lets litellm use its usual env var
+    api_base: str | None = None  # for OpenAI-compatible servers
+    timeout_s: float = Field(default=60.0, gt=0)  # whole request (non-streaming)
+    first_token_timeout_s: float = Field(default=30.0, gt=0)  # streaming: until the first chunk
+    max_retries: int = Field(default=2, ge=0, le=10)  # on 429 and timeouts, before the first token
+    retry_backoff_s: float = Field(default=0.5, ge=0)
+    max_retry_wait_s: float = Field(default=10.0, ge=0)  # cap on Retry-After / backoff
+    extra_headers: dict[str, str] | None = None
+
+
+_litellm = None
+
+
+def _import_litellm():
+    """Imported on first use: litellm takes seconds to import and most runs never need it."""
+    global _litellm
+    if _litellm is None:
+        # Without this, importing litellm fetches a price map from the internet (and retries for
+        # seconds when offline). setdefault: an application that wants the remote map still gets it.
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        import litellm
+
+        _litellm = litellm
+    return _litellm
+
+
+class HostedProvider(Provider):
+    kind = "hosted"
+
+    def __init__(self, name: str, config: HostedConfig) -> None:
+        self.name = name
+        self.config = config
+        self.capabilities = Capabilities(tools=True, streaming=True, spec_methods=frozenset({"off"}))
+        self.gen_ai_provider_name = config.model.split("/", 1)[0] if "/" in config.model else "openai"
+        if config.api_key_env and not os.environ.get(config.api_key_env):
+            # Checked again per call; warn early so a misconfiguration shows at startup.
+            logger.warning("provider %s: environment variable %s is not set", name, config.api_key_env)
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.config.model]
+
+    def _kwargs(self, request: ChatRequest, stream: bool) -> dict[str, Any]:
+        cfg = self.config
+        kwargs: dict[str, Any] = {
+            "model": cfg.model,
+            "messages": request.message_dicts(),
+            "num_retries": 0,  # retries are ours (see module docstring)
+            "max_retries": 0,
+        }
+        if cfg.api_key_env:
+            key = os.environ.get(cfg.api_key_env)
+            if not key:
+                raise ProviderUnavailable(
+                    f"environment variable {cfg.api_key_env} (API key) is not set", provider=self.name
+                )
+            kwargs["api_key"] = key
+        if cfg.api_base:
+            kwargs["api_base"] = cfg.api_base
+        if cfg.extra_headers:
+            kwargs["extra_headers"] = dict(cfg.extra_headers)
+        if request.tools:
+            kwargs["tools"] = request.tool_dicts()
+        if request.tool_choice is not None:
+            choice = request.tool_choice
+            kwargs["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
+        for field in ("temperature", "top_p", "seed", "stop", "max_tokens"):
+            value = getattr(request, field)
+            if value is not None:
+                kwargs[field] = value
+        if request.top_k is not None:
+            kwargs["top_k"] = request.top_k  # not an OpenAI param: litellm refuses it where unsupported
+        if stream:
+            kwargs["stream"] = True
+            kwargs["stream_options"] = {"include_usage": True}
+            kwargs["timeout"] = cfg.timeout_s
+        else:
+            kwargs["timeout"] = cfg.timeout_s
+        return kwargs
+
+    async def _with_retries(self, attempt):
+        """Run `attempt()` and retry it on 429 / timeout, which only happen before the first token."""
+        tries = 0
+        while True:
+            try:
+                return await attempt()
+            except (ProviderRateLimited, ProviderTimeout) as exc:
+                if tries >= self.config.max_retries:
+                    raise
+                wait = self._retry_wait(exc, tries)
+                tries += 1
+                logger.info("%s: %s; retry %d in %.2fs", self.name, exc, tries, wait)
+                await asyncio.sleep(wait)
+
+    def _retry_wait(self, exc: ProviderError, tries: int) -> float:
+        if exc.retry_after is not None:
+            return min(self.config.max_retry_wait_s, exc.retry_after)
+        backoff = self.config.retry_backoff_s * (2**tries)
+        return min(self.config.max_retry_wait_s, backoff * (0.5 + random.random() / 2))
+
+    # ---- chat ----
+
+    async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
+        kwargs = self._kwargs(request, stream=False)
+        litellm = _import_litellm()
+
+        async def attempt():
+            try:
+                return await litellm.acompletion(**kwargs)
+            except Exception as exc:
+                raise map_litellm_error(exc, self.name) from exc
+
+        response = await self._with_retries(attempt)
+        return self._result(response)
+
+    def _result(self, response: Any) -> ChatResult:
+        choice = response.choices[0]
+        message = choice.message
+        tool_calls = [
+            ToolCall(
+                id=tc.id or f"call_{i}",
+                function=FunctionCall(name=tc.function.name, arguments=tc.function.arguments or "{}"),
+            )
+            for i, tc in enumerate(getattr(message, "tool_calls", None) or [])
+        ] or None
+        usage = getattr(response, "usage", None)
+        finish = choice.finish_reason or "stop"
+        return ChatResult.single(
+            id=response.id,
+            model=response.model or self.config.model,
+            content=message.content,
+            tool_calls=tool_calls,
+            finish_reason=_finish_reason(finish, tool_calls),
+            usage=Usage.of(
+                int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
+            ),
+            speculation=SpeculationInfo(method="off"),
+            provider=self.name,
+        )
+
+    # ---- stream ----
+
+    def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+        return self._stream(request, ctx)
+
+    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+        kwargs = self._kwargs(request, stream=True)
+        litellm = _import_litellm()
+
+        async def open_stream():
+            """Start the stream and wait for its first chunk, so that retries cover both."""
+            try:
+                stream = await asyncio.wait_for(
+                    litellm.acompletion(**kwargs), timeout=self.config.first_token_timeout_s
+                )
+                iterator = stream.__aiter__()
+                first = await asyncio.wait_for(anext(iterator), timeout=self.config.first_token_timeout_s)
+            except TimeoutError as exc:
+                raise ProviderTimeout(
+                    f"no first chunk within {self.config.first_token_timeout_s}s", provider=self.name
+                ) from exc
+            except StopAsyncIteration:
+                return None, None
+            except Exception as exc:
+                raise map_litellm_error(exc, self.name) from exc
+            return iterator, first
+
+        iterator, first = await self._with_retries(open_stream)
+        if iterator is None:
+            raise ProviderUnavailable("stream ended before any chunk", provider=self.name)
+        chunk_id, model = new_id("chatcmpl"), self.config.model
+        finish: str | None = None
+        usage: Usage | None = None
+        started = False
+        saw_tool_calls = False
+        pending = first
+        while True:
+            if pending is None:
+                try:
+                    pending = await anext(iterator)
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:
+                    err = map_litellm_error(exc, self.name)
+                    if started:
+                        raise StreamBroken(f"stream broke: {err.message}", provider=self.name) from exc
+                    raise err from exc
+            raw, pending = pending, None
+            chunk_id = getattr(raw, "id", None) or chunk_id
+            model = getattr(raw, "model", None) or model
+            raw_usage = getattr(raw, "usage", None)
+            if raw_usage is not None and getattr(raw_usage, "completion_tokens", None) is not None:
+                usage = Usage.of(int(raw_usage.prompt_tokens or 0), int(raw_usage.completion_tokens or 0))
+            for choice in getattr(raw, "choices", None) or []:
+                if choice.finish_reason:
+                    finish = choice.finish_reason
+                delta = choice.delta
+                content = getattr(delta, "content", None)
+                calls = getattr(delta, "tool_calls", None)
+                if not content and not calls:
+                    continue
+                saw_tool_calls = saw_tool_calls or bool(calls)
+                yield ChatChunk(
+                    id=chunk_id,
+                    model=model,
+                    choices=[
+                        ChunkChoice(
+                            delta=Delta(
+                                role="assistant" if not started else None,
+                                content=content or None,
+                                tool_calls=[_tool_call_delta(tc) for tc in calls] if calls else None,
+                            )
+                        )
+                    ],
+                )
+                started = True
+        if finish is None and not started:
+            raise ProviderUnavailable("stream ended before any token", provider=self.name)
+        yield ChatChunk(
+            id=chunk_id,
+            model=model,
+            choices=[
+                ChunkChoice(finish_reason=_finish_reason(finish or "stop", [1] if saw_tool_calls else None))
+            ],
+            usage=usage or Usage(),
+            speculation=SpeculationInfo(method="off"),
+            provider=self.name,
+        )
+
+
+# ---------------------------------------------------------------- error mapping
+
+
+def map_litellm_error(exc: BaseException, provider: str) -> ProviderError:
+    """litellm (OpenAI-SDK style) exception -> runner error type."""
+    if isinstance(exc, ProviderError):
+        return exc
+    litellm = _import_litellm()
+    message = str(getattr(exc, "message", None) or exc)
+    status = getattr(exc, "status_code", None)
+    status = status if isinstance(status, int) else None
+    if isinstance(exc, (litellm.exceptions.Timeout, TimeoutError)):
+        return ProviderTimeout(message, provider=provider, status_code=status)
+    if isinstance(exc, litellm.exceptions.RateLimitError) or status == 429:
+        return ProviderRateLimited(message, provider=provider, status_code=429, retry_after=_retry_after(exc))
+    if isinstance(exc, litellm.exceptions.APIConnectionError) and (status is None or status >= 500):
+        return ProviderUnavailable(message, provider=provider, status_code=status)
+    if status is not None and status >= 500:
+        return ProviderUnavailable(message, provider=provider, status_code=status)
+    if status is not None and 400 <= status < 500:
+        return ProviderBadRequest(message, provider=provider, status_code=status)
+    if isinstance(exc, litellm.exceptions.APIError | litellm.exceptions.ServiceUnavailableError):
+        return ProviderUnavailable(message, provider=provider, status_code=status)
+    return ProviderError(f"{type(exc).__name__}: {message}", provider=provider, status_code=status)
+
+
+def _retry_after(exc: BaseException) -> float | None:
+    headers: Any = None
+    response = getattr(exc, "response", None)
+    if response is not None:
+        headers = getattr(response, "headers", None)
+    headers = headers or getattr(exc, "litellm_response_headers", None) or {}
+    try:
+        value = headers.get("retry-after") or headers.get("Retry-After")
+        return float(value) if value is not None else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _finish_reason(finish: str, tool_calls: Any) -> Any:
+    if tool_calls and finish in ("stop", "tool_calls", "function_call"):
+        return "tool_calls"
+    if finish in ("stop", "length", "tool_calls", "content_filter"):
+        return finish
+    return "stop"
+
+
+def _tool_call_delta(tc: Any) -> ToolCallDelta:
+    fn = getattr(tc, "function", None)
+    return ToolCallDelta(
+        index=int(getattr(tc, "index", 0) or 0),
+        id=getattr(tc, "id", None),
+        type="function" if getattr(tc, "id", None) else None,
+        function=FunctionCallDelta(
+            name=getattr(fn, "name", None) if fn else None,
+            arguments=getattr(fn, "arguments", None) if fn else None,
+        ),
+    )
