@@ -1,0 +1,94 @@
+"""`openalice-runner serve`: the OpenAI-compatible sidecar (FastAPI + uvicorn), on loopback by default."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ENV_API_KEY = "OPENALICE_API_KEY"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP sidecar")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--providers", metavar="FILE", help="providers/routes YAML (default: embedded engine)")
+    p.add_argument("--policy", metavar="FILE", help="speculation policy YAML, watched and hot-reloaded")
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${ENV_API_KEY}; none: open)",
+    )
+    p.add_argument("--trace-file", metavar="F", help="write spans as JSON lines to F (see `trace report`)")
+    p.add_argument(
+        "--trace-exporter",
+        choices=("none", "console", "file", "otlp"),
+        help="span exporter (default: file with --trace-file, else none; otlp reads OTEL_EXPORTER_OTLP_*)",
+    )
+    p.add_argument(
+        "--record-content", action="store_true", help="record message content in spans (off: privacy)"
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body accepted"
+    )
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from openalice_runner.server.app import ServerSettings, create_app
+    from openalice_runner.server.metrics import ServerMetrics
+    from openalice_runner.tracing.setup import configure_logging, configure_telemetry
+    from openalice_runner.tracing.telemetry import RunnerTelemetry
+
+    configure_logging(json_logs=True, level=args.log_level)
+    exporter = args.trace_exporter or ("file" if args.trace_file else "none")
+    if exporter == "file" and not args.trace_file:
+        print("error: --trace-exporter file needs --trace-file", file=sys.stderr)
+        return 2
+    if args.max_body_bytes < 1024:
+        print("error: --max-body-bytes must be at least 1024", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get(ENV_API_KEY) or None
+    reader = InMemoryMetricReader()  # /metrics renders the GenAI histograms from it
+    providers = configure_telemetry(exporter, args.trace_file, metric_readers=[reader])
+    telemetry = RunnerTelemetry(
+        providers.tracer_provider, providers.meter_provider, record_content=args.record_content
+    )
+    try:
+        runner = _build_runner(args, telemetry)
+    except Exception as exc:  # a bad config file names itself; no traceback for the operator
+        print(f"error: {exc}", file=sys.stderr)
+        providers.shutdown()
+        return 2
+    metrics = ServerMetrics(otel_reader=reader, dropped_spans=lambda: dict(providers.drops.counts))
+    app = create_app(
+        runner,
+        telemetry=telemetry,
+        settings=ServerSettings(api_key=api_key, max_body_bytes=args.max_body_bytes),
+        metrics=metrics,
+        on_shutdown=providers.force_flush,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,  # structlog owns the log format (configure_logging)
+        access_log=False,  # GuardMiddleware logs each request with its trace id
+        timeout_graceful_shutdown=30,
+    )
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        providers.shutdown()  # flush the spans still queued
+    return 0
+
+
+def _build_runner(args: argparse.Namespace, telemetry):
+    from openalice_runner.runner import Runner
+
+    return Runner.from_config(providers=args.providers, policy=args.policy, telemetry=telemetry)

@@ -1,0 +1,319 @@
+"""The sidecar: an OpenAI-compatible HTTP API over a Runner.
+
+Routes: POST /v1/chat/completions (plain and SSE), GET /v1/models, GET /v1/policy, GET /health, GET /metrics.
+Every request of a conversation lands in its agent turn (server/turns.py), so the trace shows the turn's
+model calls and the tool steps between them under one `invoke_agent` span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+
+from openalice_runner.providers.base import CallContext
+from openalice_runner.server.context import caller_trace_context, turn_context
+from openalice_runner.server.errors import APIError, install_error_handlers
+from openalice_runner.server.guard import GuardMiddleware
+from openalice_runner.server.mapping import api_error_from as _map_error
+from openalice_runner.server.metrics import ServerMetrics
+from openalice_runner.server.turns import Step, TurnTracker
+from openalice_runner.tracing.instrumented import OTEL_CONTEXT_KEY
+from openalice_runner.tracing.telemetry import RunnerTelemetry
+from openalice_runner.types import ChatChunk, ChatRequest
+
+log = structlog.get_logger("openalice_runner.server")
+
+
+@dataclass
+class ServerSettings:
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    turn_idle_timeout_s: float = 300.0
+    max_open_turns: int = 4096
+    watch_policy: bool = True
+
+
+def create_app(
+    runner: Any,
+    *,
+    telemetry: RunnerTelemetry | None = None,
+    settings: ServerSettings | None = None,
+    metrics: ServerMetrics | None = None,
+    on_shutdown: Any = None,
+) -> FastAPI:
+    """`runner`: a Runner (chat/stream/model_names/policy/aclose). `on_shutdown`: callable run last
+    (the CLI flushes the trace exporters there)."""
+    settings = settings or ServerSettings()
+    telemetry = telemetry or RunnerTelemetry()
+    metrics = metrics or ServerMetrics()
+    tracker = TurnTracker(
+        telemetry, max_open=settings.max_open_turns, idle_timeout_s=settings.turn_idle_timeout_s
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        policy = getattr(runner, "policy", None)
+        if settings.watch_policy and policy is not None:
+            policy.start_watching()
+        reaper = asyncio.create_task(_reap_idle_turns(tracker, metrics))
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            tracker.close_all("shutdown")
+            if settings.watch_policy and policy is not None:
+                policy.stop_watching()
+            await runner.aclose()
+            if on_shutdown is not None:
+                on_shutdown()
+
+    app = FastAPI(title="openalice-runner", version=_version(), lifespan=lifespan)
+    app.state.runner, app.state.tracker, app.state.metrics = runner, tracker, metrics
+    install_error_handlers(app)
+    app.add_middleware(
+        GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes, metrics=metrics
+    )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        tc = turn_context(request.headers, body.metadata)
+        step = tracker.begin(
+            conversation_id=tc.conversation_id,
+            turn_type=tc.turn_type,
+            agent=tc.agent,
+            parent=caller_trace_context(request.headers),
+            messages=body.messages,
+            step=tc.step,
+        )
+        metrics.open_turns.set(len(tracker))
+        ctx = CallContext(
+            conversation_id=tc.conversation_id,
+            turn_type=tc.turn_type,
+            step=step.step,
+            agent=tc.agent,
+            model=body.model,
+            attributes={OTEL_CONTEXT_KEY: step.turn.context},
+        )
+        span_ctx = step.turn.span.get_span_context()
+        request.state.trace_ids = (format(span_ctx.trace_id, "032x"), format(span_ctx.span_id, "016x"))
+        if body.stream:
+            return await _stream(body, ctx, step, request)
+        return await _complete(body, ctx, step)
+
+    async def _complete(body: ChatRequest, ctx: CallContext, step: Step) -> Response:
+        labels = {"turn_type": ctx.turn_type, "stream": "false"}
+        metrics.in_flight.inc()
+        try:
+            with trace.use_span(
+                step.turn.span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
+                result = await runner.chat(body, ctx)
+        except BaseException as exc:
+            tracker.finish(step, error=exc)
+            metrics.chat_completions.labels(**labels, outcome=_outcome(exc)).inc()
+            raise api_error_from(exc) from exc
+        finally:
+            metrics.in_flight.dec()
+            metrics.open_turns.set(len(tracker))
+        tracker.finish(
+            step,
+            finish_reason=result.finish_reason,
+            tool_calls=[(call.id, call.function.name) for call in result.tool_calls],
+        )
+        metrics.open_turns.set(len(tracker))
+        metrics.chat_completions.labels(**labels, outcome="ok").inc()
+        metrics.tokens.labels(type="input").inc(result.usage.prompt_tokens)
+        metrics.tokens.labels(type="output").inc(result.usage.completion_tokens)
+        return JSONResponse(result.to_openai())
+
+    async def _stream(body: ChatRequest, ctx: CallContext, step: Step, request: Request) -> Response:
+        labels = {"turn_type": ctx.turn_type, "stream": "true"}
+        t0 = time.perf_counter()
+        metrics.in_flight.inc()
+        chunks = runner.stream(body, ctx).__aiter__()
+        try:
+            # The first chunk is awaited before answering, so a failure up to here is a real HTTP status.
+            first: ChatChunk | None = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except BaseException as exc:
+            metrics.in_flight.dec()
+            tracker.finish(step, error=exc)
+            metrics.chat_completions.labels(**labels, outcome=_outcome(exc)).inc()
+            raise api_error_from(exc) from exc
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _sse_events(first, chunks, step, include_usage, labels, t0)
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    async def _sse_events(
+        first: ChatChunk | None,
+        chunks: AsyncIterator[ChatChunk],
+        step: Step,
+        include_usage: bool,
+        labels: dict[str, str],
+        t0: float,
+    ) -> AsyncIterator[bytes]:
+        calls: dict[int, list[str]] = {}  # tool call index -> [id, name]
+        finish_reason: str | None = None
+        usage: Any = None
+        last: ChatChunk | None = None
+        error: BaseException | None = None
+        first_token_seen = False
+        try:
+            chunk = first
+            while chunk is not None:
+                last = chunk
+                for delta in chunk.tool_call_deltas:
+                    entry = calls.setdefault(delta.index, ["", ""])
+                    if delta.id:
+                        entry[0] = delta.id
+                    if delta.function and delta.function.name:
+                        entry[1] = delta.function.name
+                finish_reason = chunk.finish_reason or finish_reason
+                usage = chunk.usage or usage
+                if not first_token_seen and (chunk.delta_text or chunk.tool_call_deltas):
+                    first_token_seen = True
+                    metrics.ttft.labels(turn_type=labels["turn_type"]).observe(time.perf_counter() - t0)
+                data = chunk.to_openai()
+                data.pop("usage", None)
+                if include_usage:
+                    data["usage"] = None
+                if data["choices"]:
+                    yield _sse(data)
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    chunk = None
+            if include_usage and usage is not None and last is not None:
+                final = {
+                    "id": last.id,
+                    "object": "chat.completion.chunk",
+                    "created": last.created,
+                    "model": last.model,
+                    "choices": [],
+                    "usage": usage.model_dump(),
+                }
+                if last.speculation is not None:
+                    final["speculation"] = last.speculation.model_dump()
+                yield _sse(final)
+            yield b"data: [DONE]\n\n"
+        except Exception as exc:  # failed mid-stream: the status line is gone, so say it in the stream
+            error = exc
+            api_error = api_error_from(exc)
+            log.warning("stream failed", error_type=type(exc).__name__, status=api_error.status_code)
+            yield _sse(api_error.body())
+        except BaseException as exc:  # cancelled: the client went away
+            error = exc
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(chunks, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            metrics.in_flight.dec()
+            tool_calls = [(cid, name) for cid, name in calls.values() if cid and name]
+            tracker.finish(step, finish_reason=finish_reason, tool_calls=tool_calls, error=error)
+            metrics.open_turns.set(len(tracker))
+            metrics.chat_completions.labels(
+                **labels, outcome="ok" if error is None else _outcome(error)
+            ).inc()
+            if usage is not None:
+                metrics.tokens.labels(type="input").inc(usage.prompt_tokens)
+                metrics.tokens.labels(type="output").inc(usage.completion_tokens)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        created = int(time.time())
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": created, "owned_by": "openalice-runner"}
+                for name in runner.model_names()
+            ],
+        }
+
+    @app.get("/v1/policy")
+    async def policy_in_force() -> dict[str, Any]:
+        store = getattr(runner, "policy", None)
+        if store is None:
+            raise APIError(404, "no policy is configured", code="no_policy")
+        return _policy_view(store)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        store = getattr(runner, "policy", None)
+        return {
+            "status": "ok",
+            "models": runner.model_names(),
+            "policy_version": getattr(store, "version", None),
+            "open_turns": len(tracker),
+        }
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def api_error_from(exc: BaseException) -> APIError:
+    error = _map_error(exc)
+    if error.status_code >= 500 and error.code == "internal_error":
+        log.error("request failed", error_type=type(exc).__name__, exc_info=exc)
+    return error
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    import json
+
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _outcome(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "cancelled"
+    return "error"
+
+
+def _policy_view(store: Any) -> dict[str, Any]:
+    policy = getattr(store, "policy", None)
+    view: dict[str, Any] = {
+        "version": getattr(store, "version", None),
+        "source": str(getattr(store, "source", None) or getattr(store, "path", None) or ""),
+        "policy": policy.model_dump(mode="json") if hasattr(policy, "model_dump") else policy,
+    }
+    # A broken edit keeps the last good policy in force; say so when the store knows.
+    for key in ("last_error", "last_reload_error"):
+        value = getattr(store, key, None)
+        if value is not None:
+            view["last_error"] = str(value)
+            break
+    return view
+
+
+async def _reap_idle_turns(tracker: TurnTracker, metrics: ServerMetrics) -> None:
+    interval = max(1.0, min(30.0, tracker.idle_timeout_s / 4))
+    while True:
+        await asyncio.sleep(interval)
+        tracker.reap_idle()
+        metrics.open_turns.set(len(tracker))
+
+
+def _version() -> str:
+    from openalice_runner import __version__
+
+    return __version__

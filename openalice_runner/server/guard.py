@@ -1,0 +1,133 @@
+"""GuardMiddleware: API key, body size limit, access log and HTTP metrics, before any route runs.
+
+Pure ASGI (not BaseHTTPMiddleware) so streamed responses pass through untouched and cancellation
+reaches the route when a client disconnects.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from typing import Any
+
+import structlog
+from fastapi import HTTPException
+
+from openalice_runner.server.errors import APIError
+from openalice_runner.server.metrics import ServerMetrics
+
+log = structlog.get_logger("openalice_runner.server.access")
+
+# Open without a key: liveness and scraping carry no secrets, and probes rarely hold tokens.
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+# Routes as metric labels; anything else is "other" so clients cannot mint label values.
+KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/models", "/v1/policy", "/health", "/metrics"})
+
+
+def _too_large(limit: int) -> str:
+    return f"request body exceeds {limit} bytes"
+
+
+class BodyTooLarge(APIError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, _too_large(limit), code="body_too_large")
+
+
+class GuardMiddleware:
+    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = path if path in KNOWN_ROUTES else "other"
+        t0 = time.perf_counter()
+        status_holder = {"status": 500}
+        state = scope.setdefault("state", {})
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status_holder["status"] = message["status"]
+            await send(message)
+
+        try:
+            error = self._check(scope, path)
+            if error is not None:
+                await _send_error(send_wrapper, error)
+                return
+            await self.app(scope, self._limited(receive), send_wrapper)
+        finally:
+            status = status_holder["status"]
+            elapsed = time.perf_counter() - t0
+            self.metrics.http_requests.labels(
+                route=route, method=scope.get("method", ""), status=str(status)
+            ).inc()
+            self.metrics.http_duration.labels(route=route).observe(elapsed)
+            ids = state.get("trace_ids")
+            extra = {"trace_id": ids[0], "span_id": ids[1]} if ids else {}
+            log.info(
+                "request",
+                method=scope.get("method"),
+                path=route,
+                status=status,
+                duration_ms=round(elapsed * 1000, 2),
+                **extra,
+            )
+
+    def _check(self, scope: dict, path: str) -> APIError | None:
+        headers = _headers(scope)
+        if self.api_key is not None and path not in PUBLIC_PATHS:
+            auth = headers.get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            # Constant-time compare: the time taken must not tell how much of a guess was right.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                return APIError(
+                    401,
+                    "missing or invalid API key (send Authorization: Bearer <key>)",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                if int(length) > self.max_body_bytes:
+                    return BodyTooLarge(self.max_body_bytes)
+            except ValueError:
+                return APIError(400, "invalid Content-Length header", code="invalid_header")
+        return None
+
+    def _limited(self, receive: Any) -> Any:
+        """Counts body bytes as they arrive (chunked bodies carry no Content-Length)."""
+        limit = self.max_body_bytes
+        seen = 0
+
+        async def receive_limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    # FastAPI re-raises HTTPException from body reading as is (others become a 400).
+                    raise HTTPException(413, _too_large(limit))
+            return message
+
+        return receive_limited
+
+
+def _headers(scope: dict) -> dict[bytes, bytes]:
+    return {k.lower(): v for k, v in scope.get("headers", [])}
+
+
+async def _send_error(send: Any, error: APIError) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    for key, value in (error.headers or {}).items():
+        headers.append((key.lower().encode(), value.encode()))
+    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,57 @@
+"""Runner and provider exceptions -> API errors (status, OpenAI type/code), with no secrets in messages."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pydantic import ValidationError
+
+from openalice_runner.providers.base import (
+    ProviderBadRequest,
+    ProviderError,
+    ProviderRateLimited,
+    ProviderTimeout,
+    ProviderUnavailable,
+    StreamBroken,
+)
+from openalice_runner.server.errors import APIError
+
+
+def _retry_after(seconds: float | None) -> dict[str, str]:
+    return {"Retry-After": str(max(1, round(seconds or 1)))}
+
+
+def api_error_from(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        return APIError(
+            400, f"{param}: {first.get('msg', 'invalid value')}", param=param, code="invalid_value"
+        )
+    name = type(exc).__name__
+    if name == "UnknownModelError" or isinstance(exc, LookupError) and "model" in str(exc).lower():
+        return APIError(404, str(exc), param="model", code="model_not_found")
+    if name == "ContextLengthError":
+        return APIError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, ProviderRateLimited):
+        return APIError(429, "upstream provider is rate limiting; retry later", code="rate_limited",
+                        headers=_retry_after(exc.retry_after))  # fmt: skip
+    if isinstance(exc, ProviderTimeout):
+        return APIError(504, "the provider did not answer in time", code="provider_timeout")
+    if isinstance(exc, ProviderUnavailable):
+        return APIError(503, "no provider could serve the request", code="provider_unavailable",
+                        headers=_retry_after(exc.retry_after))  # fmt: skip
+    if isinstance(exc, StreamBroken):
+        return APIError(502, "the provider's stream broke after it started", code="stream_broken")
+    if isinstance(exc, ProviderBadRequest):
+        status = exc.status_code if exc.status_code and 400 <= exc.status_code < 500 else 400
+        return APIError(status, exc.message, code="provider_rejected")
+    if isinstance(exc, ProviderError):
+        return APIError(502, f"provider error ({type(exc).__name__})", code="provider_error")
+    if isinstance(exc, asyncio.TimeoutError | TimeoutError):
+        return APIError(504, "the request timed out", code="timeout")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), code="invalid_value")
+    return APIError(500, "internal error", code="internal_error")

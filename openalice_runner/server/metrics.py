@@ -1,0 +1,152 @@
+"""/metrics: Prometheus text from the server's own registry (never the process-global one).
+
+Two sources:
+- HTTP-level counters and histograms kept here with prometheus_client;
+- the OpenTelemetry GenAI metrics RunnerTelemetry records (gen_ai.client.operation.duration, token usage,
+  time to first chunk, accepted length, tokens/s), read from an in-memory OTel reader at scrape time and
+  rendered as Prometheus histograms (dots become underscores, unit "s" becomes the _seconds suffix).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from opentelemetry.sdk.metrics.export import Histogram as OtelHistogram
+from opentelemetry.sdk.metrics.export import (
+    HistogramDataPoint,
+    InMemoryMetricReader,
+    NumberDataPoint,
+    Sum,
+)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_UNIT_SUFFIX = {"s": "_seconds", "ms": "_milliseconds", "By": "_bytes"}
+
+
+def _prom_name(name: str, unit: str | None) -> str:
+    base = re.sub(r"[^a-zA-Z0-9_]", "_", name)
+    suffix = _UNIT_SUFFIX.get(unit or "", "")
+    return base if not suffix or base.endswith(suffix) else base + suffix
+
+
+def _label_name(key: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+class OtelBridge(Collector):
+    """Renders the OTel SDK's cumulative metrics (from an InMemoryMetricReader) at each scrape."""
+
+    def __init__(self, reader: InMemoryMetricReader) -> None:
+        self.reader = reader
+
+    def collect(self) -> Iterator[Any]:
+        data = self.reader.get_metrics_data()
+        if data is None:
+            return
+        for rm in data.resource_metrics:
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    yield from self._family(metric)
+
+    def _family(self, metric: Any) -> Iterator[Any]:
+        name = _prom_name(metric.name, metric.unit)
+        points = list(metric.data.data_points)
+        if not points:
+            return
+        keys = sorted({k for p in points for k in (p.attributes or {})})
+        labels = [_label_name(k) for k in keys]
+        if isinstance(metric.data, OtelHistogram):
+            fam = HistogramMetricFamily(name, metric.description or metric.name, labels=labels)
+            for p in points:
+                assert isinstance(p, HistogramDataPoint)
+                values = [str((p.attributes or {}).get(k, "")) for k in keys]
+                cumulative, buckets = 0, []
+                for bound, count in zip(p.explicit_bounds, p.bucket_counts, strict=False):
+                    cumulative += count
+                    buckets.append((_fmt_bound(bound), cumulative))
+                buckets.append(("+Inf", p.count))
+                fam.add_metric(values, buckets, p.sum)
+            yield fam
+        elif isinstance(metric.data, Sum) and metric.data.is_monotonic:
+            fam = CounterMetricFamily(name, metric.description or metric.name, labels=labels)
+            for p in points:
+                assert isinstance(p, NumberDataPoint)
+                fam.add_metric([str((p.attributes or {}).get(k, "")) for k in keys], p.value)
+            yield fam
+        else:
+            fam = GaugeMetricFamily(name, metric.description or metric.name, labels=labels)
+            for p in points:
+                fam.add_metric([str((p.attributes or {}).get(k, "")) for k in keys], getattr(p, "value", 0))
+            yield fam
+
+
+def _fmt_bound(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else repr(float(bound))
+
+
+class _DroppedSpans(Collector):
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Any]:
+        fam = CounterMetricFamily(
+            "openalice_trace_spans_dropped",
+            "Spans lost on the way to the exporter, by reason.",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self.counts().items()):
+            fam.add_metric([reason], n)
+        yield fam
+
+
+class ServerMetrics:
+    def __init__(
+        self,
+        otel_reader: InMemoryMetricReader | None = None,
+        dropped_spans: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http_requests = Counter(
+            "openalice_http_requests",
+            "HTTP requests answered, by route and status.",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.http_duration = Histogram(
+            "openalice_http_request_duration_seconds", "HTTP request time (to the last byte).", ["route"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.chat_completions = Counter(
+            "openalice_chat_completions",
+            "Chat completion requests, by turn type, streaming and outcome (ok, error, cancelled).",
+            ["turn_type", "stream", "outcome"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "openalice_requests_in_flight", "Chat completions being served now.", registry=r
+        )
+        self.open_turns = Gauge(
+            "openalice_open_turns", "Agent turns waiting for their next step.", registry=r
+        )
+        self.ttft = Histogram(
+            "openalice_time_to_first_token_seconds", "Time from request to first streamed token.", ["turn_type"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "openalice_tokens", "Tokens processed, by type (input, output).", ["type"], registry=r
+        )
+        if otel_reader is not None:
+            r.register(OtelBridge(otel_reader))
+        if dropped_spans is not None:
+            r.register(_DroppedSpans(dropped_spans))
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
