@@ -1,0 +1,170 @@
+"""Adaptive γ: learn α and c from finished requests, pick the γ with the best expected speedup.
+
+Estimates
+* α per (turn type, method, provider): an exponential moving average (weight `ema_weight` for the
+  newest request) of each request's acceptance. Per request we use the truncated-geometric MLE from
+  the accept-length histogram, α̂ = accepted / (accepted + rounds that stopped early); it is unbiased
+  for the model the speedup formula assumes, where plain accepted/proposed underestimates α.
+  Until `warmup` requests have been seen the method's prior α is used instead.
+* c per (method, provider): EMA of draft_s / (γ · verify_s), the time of one draft step over the time
+  of one verify pass. Draft cost belongs to the drafter and the hardware, not to the turn type, so it is
+  pooled over turn types; the prior c is used until the first measurement.
+
+Choice: the γ in the rule's [min_gamma, max_gamma] (which the rule's batch range bounds: operators give
+big-batch rules smaller ranges) that maximises expected speedup; `off` if even that is below
+1 + margin. While a key sits at `off`, every `probe_every`-th decision for it speculates with min_gamma
+anyway (a counter per key, so probing is deterministic and testable) to notice when a turn type
+starts copying again.
+
+Concurrency: `observe` takes a lock and publishes a new immutable snapshot (copy-on-write);
+`choose` only reads the current snapshot reference, so deciding never waits for a lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from openalice_runner.policies.schema import AdaptiveSettings
+from openalice_runner.policies.speedup import best_gamma
+
+AlphaKey = tuple[str, str, str | None]  # (turn_type, method, provider)
+CostKey = tuple[str, str | None]  # (method, provider)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    value: float
+    count: int  # requests that contributed
+
+
+@dataclass(frozen=True)
+class Choice:
+    gamma: int  # 0 = off
+    alpha: float
+    draft_cost: float
+    speedup: float
+    measured: bool  # False while the prior is used
+    probe: bool = False
+
+    def describe(self) -> str:
+        src = "measured" if self.measured else "prior"
+        what = f"gamma {self.gamma}" if self.gamma else "off"
+        tag = "probe with " if self.probe else ""
+        return f"auto: {tag}{what} (alpha {self.alpha:.2f} {src}, c {self.draft_cost:.3f}, expected {self.speedup:.2f}x)"
+
+
+def request_alpha(stats: Any) -> float | None:
+    """Per-token acceptance of one request, or None when it proposed nothing."""
+    proposed = getattr(stats, "draft_proposed", 0) or 0
+    if proposed <= 0:
+        return None
+    hist = list(getattr(stats, "accept_length_histogram", None) or [])
+    gamma = getattr(stats, "gamma", 0) or 0
+    # The MLE needs every round to have proposed the full γ (n-gram rounds may propose fewer: then a
+    # short round that accepted all it proposed is not a rejection, and we fall back to accepted/proposed).
+    if len(hist) == gamma + 1 >= 2 and sum(hist) * gamma == proposed:
+        accepted = sum(k * n for k, n in enumerate(hist))
+        # rounds that accepted every draft (the last bucket) ended without a rejection
+        early_stops = sum(hist[:-1])
+        if accepted + early_stops > 0:
+            return accepted / (accepted + early_stops)
+    rate = getattr(stats, "acceptance_rate", None)
+    if rate is None:
+        rate = (getattr(stats, "draft_accepted", 0) or 0) / proposed
+    return min(1.0, max(0.0, float(rate)))
+
+
+def request_draft_cost(stats: Any) -> float | None:
+    gamma = getattr(stats, "gamma", 0) or 0
+    draft_s = getattr(stats, "draft_s", 0.0) or 0.0
+    verify_s = getattr(stats, "verify_s", 0.0) or 0.0
+    if gamma <= 0 or verify_s <= 0.0 or draft_s < 0.0:
+        return None
+    c = draft_s / (gamma * verify_s)
+    return c if math.isfinite(c) else None
+
+
+class AdaptiveGamma:
+    def __init__(self, settings: AdaptiveSettings | None = None):
+        self.settings = settings or AdaptiveSettings()
+        self._lock = threading.Lock()
+        self._alpha: dict[AlphaKey, Estimate] = {}  # replaced, never mutated
+        self._cost: dict[CostKey, Estimate] = {}
+        self._off_counters: dict[AlphaKey, itertools.count] = {}
+
+    def configure(self, settings: AdaptiveSettings) -> None:
+        """New knobs from a reloaded policy; measured estimates are kept (they describe the workload)."""
+        self.settings = settings
+
+    # ---- writes (lock) ----
+    def observe(self, turn_type: str, method: str, provider: str | None, stats: Any) -> None:
+        if method == "off":
+            return
+        alpha = request_alpha(stats)
+        cost = request_draft_cost(stats)
+        w = self.settings.ema_weight
+        with self._lock:
+            if alpha is not None:
+                key = (turn_type, method, provider)
+                self._alpha = {**self._alpha, key: _ema(self._alpha.get(key), alpha, w)}
+            if cost is not None:
+                ckey = (method, provider)
+                self._cost = {**self._cost, ckey: _ema(self._cost.get(ckey), cost, w)}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._alpha, self._cost, self._off_counters = {}, {}, {}
+
+    # ---- reads (no lock) ----
+    def estimate(
+        self, turn_type: str, method: str, provider: str | None, prior_alpha: float | None = None
+    ) -> tuple[float, float, bool]:
+        """(α, c, measured) as `choose` would use them now."""
+        s = self.settings
+        est = self._alpha.get((turn_type, method, provider))
+        measured = est is not None and est.count >= s.warmup
+        if measured:
+            alpha = est.value
+        else:
+            alpha = prior_alpha if prior_alpha is not None else getattr(s.prior_alpha, method)
+        cost_est = self._cost.get((method, provider))
+        cost = cost_est.value if cost_est is not None else getattr(s.prior_draft_cost, method)
+        return alpha, cost, measured
+
+    def choose(
+        self,
+        turn_type: str,
+        method: str,
+        provider: str | None,
+        lo: int,
+        hi: int,
+        prior_alpha: float | None = None,
+    ) -> Choice:
+        alpha, cost, measured = self.estimate(turn_type, method, provider, prior_alpha)
+        gamma, speedup = best_gamma(alpha, cost, lo, hi)
+        if speedup >= 1.0 + self.settings.margin:
+            return Choice(gamma, alpha, cost, speedup, measured)
+        key = (turn_type, method, provider)
+        counter = self._off_counters.get(key)
+        if counter is None:
+            counter = self._off_counters.setdefault(key, itertools.count(1))  # setdefault: atomic
+        if next(counter) % self.settings.probe_every == 0:
+            return Choice(lo, alpha, cost, best_gamma(alpha, cost, lo, lo)[1], measured, probe=True)
+        return Choice(0, alpha, cost, 1.0, measured)
+
+    def snapshot(self) -> dict:
+        """Current estimates, for `policy explain` and debugging."""
+        return {
+            "alpha": {"/".join(str(p) for p in k): vars(v) for k, v in self._alpha.items()},
+            "draft_cost": {"/".join(str(p) for p in k): vars(v) for k, v in self._cost.items()},
+        }
+
+
+def _ema(old: Estimate | None, x: float, w: float) -> Estimate:
+    if old is None:
+        return Estimate(x, 1)
+    return Estimate((1.0 - w) * old.value + w * x, old.count + 1)

@@ -1,0 +1,152 @@
+"""The policy file's schema (pydantic v2): ordered rules, a required default, adaptive-γ knobs, SGLang pools.
+
+Field-level problems (unknown keys, wrong types, out-of-range numbers, missing fields) are caught here;
+relations between fields and between rules are checked in `checks.py` and `analysis.py`, which
+know where each value sits in the file. Strict mode: YAML already types its scalars, so `"5"`
+is not silently accepted where an integer is meant.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Method = Literal["off", "ngram", "draft", "eagle"]
+MAX_GAMMA = 64  # SpecConfig's bound
+
+# Turn types the agent loop reports; any other name is allowed too (custom turn types).
+KNOWN_TURN_TYPES = ("chat", "reasoning", "tool_call", "summarize", "code_edit", "rag")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class BatchRange(_Strict):
+    """Inclusive batch-size range; `max` omitted means no upper bound."""
+
+    min: int = Field(1, ge=1)
+    max: int | None = Field(None, ge=1)
+
+
+class Match(_Strict):
+    """Conditions a request must meet; every condition given must hold. A list means any of."""
+
+    turn_type: str | list[str] | None = None
+    batch_size: BatchRange | None = None
+    provider: str | list[str] | None = None  # provider or SGLang pool name the request goes to
+    model: str | list[str] | None = None
+
+
+class MethodOptions(_Strict):
+    """Options of the speculation method; only the ones that belong to the rule's method are allowed."""
+
+    ngram_min: int | None = Field(None, ge=1, le=16)
+    ngram_max: int | None = Field(None, ge=1, le=16)
+    draft_model: str | None = None
+    draft_layers: int | None = Field(None, ge=1)
+    eagle_head: str | None = None
+
+
+OPTIONS_BY_METHOD: dict[str, frozenset[str]] = {
+    "off": frozenset(),
+    "ngram": frozenset({"ngram_min", "ngram_max"}),
+    "draft": frozenset({"draft_model", "draft_layers"}),
+    "eagle": frozenset({"eagle_head"}),
+}
+
+
+class DecisionSpec(_Strict):
+    """What to do: a method and its γ (draft tokens per round), fixed or `auto`."""
+
+    method: Method
+    gamma: Annotated[int, Field(ge=0, le=MAX_GAMMA)] | Literal["auto"] | None = None  # 0 only with off
+    min_gamma: int | None = Field(None, ge=1, le=MAX_GAMMA)  # only with gamma: auto (default 1)
+    max_gamma: int | None = Field(None, ge=1, le=MAX_GAMMA)  # only with gamma: auto (default 8)
+    prior_alpha: float | None = Field(
+        None, ge=0.0, le=1.0
+    )  # only with gamma: auto; overrides adaptive.prior_alpha
+    options: MethodOptions = MethodOptions()
+    pool: str | None = None  # SGLang pool (see `pools:`) that serves this decision
+
+    @property
+    def auto(self) -> bool:
+        return self.gamma == "auto"
+
+    @property
+    def gamma_bounds(self) -> tuple[int, int]:
+        """[min, max] γ: the auto range, or the fixed γ twice, or (0, 0) when off."""
+        if self.method == "off":
+            return (0, 0)
+        if self.gamma == "auto":
+            return (self.min_gamma or 1, self.max_gamma or 8)
+        return (int(self.gamma or 0), int(self.gamma or 0))
+
+
+class Rule(DecisionSpec):
+    name: str
+    match: Match
+
+
+class AlphaPriors(_Strict):
+    """α assumed per method until `warmup` requests have been observed."""
+
+    ngram: float = Field(0.5, ge=0.0, le=1.0)
+    draft: float = Field(0.6, ge=0.0, le=1.0)
+    eagle: float = Field(0.7, ge=0.0, le=1.0)
+
+
+class DraftCostPriors(_Strict):
+    """Draft-step cost relative to a target pass (c), assumed until measured."""
+
+    ngram: float = Field(0.02, ge=0.0, le=10.0)
+    draft: float = Field(0.3, ge=0.0, le=10.0)
+    eagle: float = Field(0.1, ge=0.0, le=10.0)
+
+
+class AdaptiveSettings(_Strict):
+    """How `gamma: auto` learns α and c (see adaptive.py)."""
+
+    ema_weight: float = Field(0.2, gt=0.0, le=1.0)  # weight of the newest request in the EMA
+    warmup: int = Field(3, ge=0)  # requests observed before the measured α replaces the prior
+    margin: float = Field(0.05, ge=0.0, le=1.0)  # speculate only if expected speedup >= 1 + margin
+    probe_every: int = Field(16, ge=1)  # while auto says off, every N-th decision probes with min_gamma
+    prior_alpha: AlphaPriors = AlphaPriors()
+    prior_draft_cost: DraftCostPriors = DraftCostPriors()
+
+
+class NgramPoolOptions(_Strict):
+    """SGLang NGRAM knobs (`--speculative-ngram-*`); omitted ones keep SGLang's defaults."""
+
+    min_bfs_breadth: int | None = Field(None, ge=1)
+    max_bfs_breadth: int | None = Field(None, ge=1)
+    match_type: Literal["BFS", "PROB"] | None = None
+    max_trie_depth: int | None = Field(None, ge=1)
+    capacity: int | None = Field(None, ge=1)
+
+
+class SGLangPool(_Strict):
+    """One SGLang server pool: its speculation is fixed at launch, so the policy compiles its flags."""
+
+    algorithm: Literal["EAGLE3", "EAGLE", "NGRAM", "NONE"]
+    draft_model_path: str | None = None
+    num_steps: int | None = Field(None, ge=1, le=MAX_GAMMA)
+    eagle_topk: int | None = Field(None, ge=1)
+    num_draft_tokens: int | None = Field(None, ge=2)
+    adaptive: bool = False  # SGLang's --speculative-adaptive (EAGLE/EAGLE3 with topk 1 only)
+    adaptive_config_path: str | None = None  # where the adaptive JSON is written and read from
+    ngram: NgramPoolOptions | None = None
+    extra_args: list[str] = []  # passed through verbatim after the generated flags
+
+
+class Policy(_Strict):
+    """A whole policy file."""
+
+    version: Literal[1] = 1
+    name: str | None = None
+    description: str | None = None
+    adaptive: AdaptiveSettings = AdaptiveSettings()
+    pools: dict[str, SGLangPool] = {}
+    rules: list[Rule] = []
+    default: DecisionSpec
