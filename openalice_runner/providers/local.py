@@ -1,0 +1,386 @@
+"""Local provider: the embedded engine (torch, CPU), with tool calling through the prompt.
+
+The engine is synchronous and serialises requests; this provider runs it in a worker thread so the
+event loop stays free, counts requests in flight (its load), and refuses new ones early when too
+many are already waiting (`ProviderRateLimited`, a 429 at the sidecar) instead of queueing without
+bound. Tool prompts and parsing live in tool_format.py. The policy's Decision becomes the request's
+SpecConfig; a method the engine cannot run is downgraded to "off" and the result says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from openalice_runner.providers import tool_format
+from openalice_runner.providers.base import (
+    CallContext,
+    Capabilities,
+    Provider,
+    ProviderBadRequest,
+    ProviderError,
+    ProviderLoad,
+    ProviderRateLimited,
+    StreamBroken,
+)
+from openalice_runner.types import (
+    ChatChunk,
+    ChatRequest,
+    ChatResult,
+    ChunkChoice,
+    Delta,
+    FunctionCallDelta,
+    SpeculationInfo,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+    new_id,
+)
+
+logger = logging.getLogger(__name__)
+
+ENGINE_SPEC_METHODS = frozenset({"off", "ngram", "draft"})
+
+
+class LocalConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["local"]
+    model: str | None = None  # None: the default SmolLM2-135M-Instruct; or a HF folder / .gguf path
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    tiny_random: bool = False  # a tiny random model with the real tokenizer (tests, overhead benchmarks)
+    threads: int | None = Field(default=None, ge=1)
+    max_tokens_default: int = Field(default=256, ge=1)
+    max_waiting: int = Field(default=16, ge=0)  # requests allowed to wait for the engine; more get 429
+
+
+@dataclass
+class _Prompt:
+    ids: list[int]
+    prefill: str  # assistant text the prompt already ends with (part of the parsed output)
+    tool_names: set[str] | None  # None: do not parse tool calls
+
+
+class LocalProvider(Provider):
+    kind = "local"
+    gen_ai_provider_name = "openalice"
+
+    def __init__(self, name: str, config: LocalConfig, engine: Any = None) -> None:
+        self.name = name
+        self.config = config
+        self.capabilities = Capabilities(tools=True, streaming=True, spec_methods=ENGINE_SPEC_METHODS)
+        self._engine = engine
+        self._engine_lock = threading.Lock()
+        self._in_flight = 0
+        self._template_tools: bool | None = None
+
+    # ---- engine ----
+
+    @property
+    def engine(self) -> Any:
+        """The engine, loaded on first use (a real model takes seconds to load)."""
+        if self._engine is None:
+            with self._engine_lock:
+                if self._engine is None:
+                    from openalice_runner.engine import Engine
+
+                    cfg = self.config
+                    if cfg.tiny_random:
+                        self._engine = Engine.tiny_random()
+                    else:
+                        self._engine = Engine.load(cfg.model, dtype=cfg.dtype, threads=cfg.threads)
+        return self._engine
+
+    async def ensure_loaded(self) -> None:
+        await asyncio.to_thread(lambda: self.engine)
+
+    @property
+    def model_names(self) -> list[str]:
+        if self._engine is not None:
+            return [self._engine.model_name]
+        return [self.config.model or "SmolLM2-135M-Instruct"]
+
+    def load(self) -> ProviderLoad:
+        return ProviderLoad(batch_size=self._in_flight, queue_depth=max(0, self._in_flight - 1))
+
+    def _admit(self) -> None:
+        if self._in_flight > self.config.max_waiting:
+            raise ProviderRateLimited(
+                f"embedded engine busy: {self._in_flight} requests in flight",
+                provider=self.name,
+                retry_after=1.0,
+            )
+        self._in_flight += 1
+
+    # ---- prompt ----
+
+    def _renders_tools(self) -> bool:
+        if self._template_tools is None:
+            template = getattr(self.engine.tokenizer, "chat_template", None)
+            self._template_tools = tool_format.template_renders_tools(
+                template if isinstance(template, str) else None
+            )
+        return self._template_tools
+
+    def build_prompt(self, request: ChatRequest) -> _Prompt:
+        engine = self.engine
+        messages = request.message_dicts()
+        choice = request.effective_tool_choice
+        tools = request.tool_dicts() if choice != "none" else None
+        history_has_tools = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        if self._renders_tools():
+            ids = engine.render_chat(tool_format.template_messages(messages), tools)
+        elif tools or history_has_tools:
+            ids = engine.render_chat(tool_format.render_fallback_messages(messages, tools, choice))
+        else:
+            ids = engine.render_chat(messages)
+        prefill = tool_format.assistant_prefill(choice) if tools else ""
+        if prefill:
+            ids = list(ids) + engine.encode(prefill)
+        names = {t["function"]["name"] for t in tools} if tools else None
+        return _Prompt(ids=list(ids), prefill=prefill, tool_names=names)
+
+    def _settings(self, request: ChatRequest, ctx: CallContext, prompt: _Prompt):
+        from openalice_runner.engine.types import SpecConfig
+
+        sampling = request.sampling.to_engine(self.config.max_tokens_default)
+        if prompt.prefill and tool_format.TOOL_CALL_CLOSE not in sampling.stop:
+            # A forced call is one call: stop at its closing tag instead of rambling on.
+            sampling = _replace_stop(sampling, (*sampling.stop, tool_format.TOOL_CALL_CLOSE))
+        decision = ctx.decision
+        spec = SpecConfig()
+        if decision is not None:
+            if decision.method in ENGINE_SPEC_METHODS:
+                spec = decision.to_spec_config()
+            else:
+                logger.info(
+                    "%s: method %r not available in the engine; running without speculation",
+                    self.name,
+                    decision.method,
+                )
+        return sampling, spec
+
+    # ---- chat ----
+
+    async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
+        self._admit()
+        cancel = threading.Event()
+        try:
+            prompt = await asyncio.to_thread(self.build_prompt, request)
+            sampling, spec = self._settings(request, ctx, prompt)
+            try:
+                result = await asyncio.to_thread(self.engine.generate, prompt.ids, sampling, spec, cancel)
+            except ValueError as exc:  # ContextLengthError and other bad input
+                raise ProviderBadRequest(str(exc), provider=self.name) from exc
+        except asyncio.CancelledError:
+            cancel.set()  # the worker thread stops at its next round
+            raise
+        finally:
+            self._in_flight -= 1
+        stats = result.stats
+        _stamp(stats, ctx)
+        content, tool_calls = _split(prompt, result.text)
+        finish = "tool_calls" if tool_calls else _finish_reason(result.finish_reason)
+        out = ChatResult.single(
+            model=self.engine.model_name,
+            content=content,
+            tool_calls=tool_calls,
+            finish_reason=finish,
+            usage=Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens),
+            speculation=SpeculationInfo.from_stats(stats),
+            provider=self.name,
+        )
+        return out.attach_stats(stats)
+
+    # ---- stream ----
+
+    def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+        return self._stream(request, ctx)
+
+    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+        self._admit()
+        try:
+            prompt = await asyncio.to_thread(self.build_prompt, request)
+            sampling, spec = self._settings(request, ctx, prompt)
+            chunk_id, model = new_id("chatcmpl"), self.engine.model_name
+            holder = _ToolHoldBack(prompt)
+            started = False
+            result = None
+            events = _threaded(self.engine.stream, prompt.ids, sampling, spec)
+            try:
+                async for event in events:
+                    if event.result is not None:
+                        result = event.result
+                    text = holder.feed(event.text) if event.text else ""
+                    if text:
+                        yield ChatChunk.text(chunk_id, model, text, role=not started)
+                        started = True
+            except ValueError as exc:
+                if started:
+                    raise StreamBroken(str(exc), provider=self.name) from exc
+                raise ProviderBadRequest(str(exc), provider=self.name) from exc
+            except ProviderError:
+                raise
+            except Exception as exc:
+                if started:
+                    raise StreamBroken(f"engine failed mid-stream: {exc!r}", provider=self.name) from exc
+                raise ProviderError(f"engine failed: {exc!r}", provider=self.name) from exc
+            finally:
+                await events.aclose()
+        finally:
+            self._in_flight -= 1
+        assert result is not None, "engine stream ended without a result"
+        stats = result.stats
+        _stamp(stats, ctx)
+        tail, tool_calls = holder.finish()
+        if tail or tool_calls:
+            deltas = [
+                ToolCallDelta(
+                    index=i,
+                    id=tc.id,
+                    type="function",
+                    function=FunctionCallDelta(name=tc.function.name, arguments=tc.function.arguments),
+                )
+                for i, tc in enumerate(tool_calls)
+            ]
+            delta = Delta(
+                role=None if started else "assistant", content=tail or None, tool_calls=deltas or None
+            )
+            yield ChatChunk(id=chunk_id, model=model, choices=[ChunkChoice(delta=delta)])
+        finish = "tool_calls" if tool_calls else _finish_reason(result.finish_reason)
+        final = ChatChunk(
+            id=chunk_id,
+            model=model,
+            choices=[ChunkChoice(finish_reason=finish)],
+            usage=Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens),
+            speculation=SpeculationInfo.from_stats(stats),
+            provider=self.name,
+        )
+        yield final.attach_stats(stats)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+class _ToolHoldBack:
+    """Streams plain text through, but holds back anything that may be a tool-call block."""
+
+    def __init__(self, prompt: _Prompt) -> None:
+        self.prompt = prompt
+        self.parse = prompt.tool_names is not None
+        self.held = prompt.prefill  # a prefilled call is held from the start
+        self.holding = bool(prompt.prefill)
+
+    def feed(self, text: str) -> str:
+        if not self.parse:
+            return text
+        if self.holding:
+            self.held += text
+            return ""
+        buf = self.held + text
+        at = buf.find(tool_format.TOOL_CALL_OPEN)
+        if at >= 0:
+            self.holding, self.held = True, buf[at:]
+            return buf[:at]
+        keep = tool_format.could_start_tool_call(buf)
+        self.held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        if not self.held:
+            return "", []
+        if not self.holding:
+            return self.held, []
+        parsed = tool_format.parse_tool_calls(self.held, self.prompt.tool_names)
+        return parsed.content or "", parsed.tool_calls
+
+
+def _split(prompt: _Prompt, text: str) -> tuple[str | None, list[ToolCall] | None]:
+    if prompt.tool_names is None:
+        return text, None
+    parsed = tool_format.parse_tool_calls(prompt.prefill + text, prompt.tool_names)
+    if parsed.malformed:
+        logger.info("model wrote %d malformed tool call(s); returned as content", len(parsed.malformed))
+    return parsed.content, parsed.tool_calls or None
+
+
+def _finish_reason(engine_finish: str) -> Literal["stop", "length"]:
+    return "length" if engine_finish in ("length", "context_length") else "stop"
+
+
+def _stamp(stats: Any, ctx: CallContext) -> None:
+    decision = ctx.decision
+    if decision is not None:
+        stats.rule = getattr(decision, "rule", None)
+        stats.policy_version = getattr(decision, "policy_version", None)
+
+
+def _replace_stop(sampling: Any, stop: tuple[str, ...]) -> Any:
+    from dataclasses import replace
+
+    return replace(sampling, stop=stop)
+
+
+_END = object()
+
+
+class _threaded:
+    """Iterate a blocking iterator in a worker thread as an async iterator; aclose() cancels it."""
+
+    def __init__(self, fn, *args) -> None:
+        self._cancel = threading.Event()
+        self._fn, self._args = fn, args
+        self._queue: asyncio.Queue | None = None
+        self._future: asyncio.Future | None = None
+
+    def __aiter__(self):
+        return self
+
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queue = queue
+        cancel = self._cancel
+
+        def put(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone: nobody is listening any more
+                cancel.set()
+
+        def work() -> None:
+            iterator: Iterator[Any] = self._fn(*self._args, cancel=cancel)
+            try:
+                for item in iterator:
+                    put(item)
+                    if cancel.is_set():
+                        break
+            except BaseException as exc:  # handed to the consumer
+                put(exc)
+            finally:
+                close = getattr(iterator, "close", None)
+                if close is not None:
+                    close()  # releases the engine's lock at once
+                put(_END)
+
+        self._future = loop.run_in_executor(None, work)
+
+    async def __anext__(self) -> Any:
+        if self._queue is None:
+            self._start()
+        assert self._queue is not None
+        item = await self._queue.get()
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self._cancel.set()
