@@ -1,0 +1,152 @@
+"""Compile an SGLang pool of a policy into the server's launch flags.
+
+SGLang fixes speculation per server at launch, so the runner realises a policy by routing requests
+among pools and by generating each pool's flags from the rules that route to it. Flag names and
+constraints follow SGLang 0.5.x `server_args` (checked against 0.5.23, see tests/test_policy_sglang.py):
+
+* `--speculative-algorithm EAGLE3|EAGLE|NGRAM`, `--speculative-draft-model-path` (EAGLE head).
+* EAGLE with `--speculative-eagle-topk 1` is a chain: SGLang forces num_draft_tokens = num_steps + 1.
+* `--speculative-adaptive` (EAGLE/EAGLE3, topk 1 only) with `--speculative-adaptive-config PATH`:
+  a JSON *file* whose integer-string keys are batch sizes, each `{"candidate_steps": [...]}`;
+  SGLang routes a batch to the largest key <= its size, and steps 0 means no speculation.
+  Top-level non-numeric keys (e.g. "ema_alpha") are defaults for every slot. `--speculative-num-steps`
+  must be one of the candidates. Here each rule routed to the pool adds its γ candidates under the
+  key of its batch range's lower bound: fixed γ -> [γ], auto -> spread over [min_gamma, max_gamma], off -> [0].
+* NGRAM drafts a tree: `--speculative-num-draft-tokens` is its size (we use max γ + 1),
+  `--speculative-ngram-{min,max}-bfs-breadth|match-type|max-trie-depth|capacity` tune it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from openalice_runner.policies.schema import DecisionSpec, Policy, Rule
+
+
+@dataclass(frozen=True)
+class SGLangLaunch:
+    pool: str
+    args: list[str]
+    adaptive_config: dict | None  # JSON content for --speculative-adaptive-config, when adaptive
+    adaptive_config_path: str | None
+
+    def line(self) -> str:
+        return shlex.join(self.args)
+
+    def write_adaptive_config(self) -> Path | None:
+        if self.adaptive_config is None or self.adaptive_config_path is None:
+            return None
+        path = Path(self.adaptive_config_path)
+        path.write_text(json.dumps(self.adaptive_config, indent=2) + "\n")
+        return path
+
+
+def gamma_candidates(lo: int, hi: int) -> list[int]:
+    """Step candidates for an auto range: every value when narrow, else every other one plus the ends.
+
+    Each candidate costs SGLang a CUDA-graph set, so wide ranges are thinned (1..7 -> 1,3,5,7).
+    """
+    if hi - lo <= 3:
+        return list(range(lo, hi + 1))
+    return sorted({*range(lo, hi + 1, 2), hi})
+
+
+def _routed(policy: Policy, pool: str) -> list[tuple[int, DecisionSpec]]:
+    """(batch lower bound, decision) for every rule (and the default) that routes to `pool`."""
+    out: list[tuple[int, DecisionSpec]] = []
+    for rule in policy.rules:
+        if rule.pool == pool:
+            b = rule.match.batch_size
+            out.append((b.min if b else 1, rule))
+    if policy.default.pool == pool:
+        out.append((1, policy.default))
+    return out
+
+
+def _steps_of(d: DecisionSpec | Rule) -> list[int]:
+    if d.method == "off":
+        return [0]
+    lo, hi = d.gamma_bounds
+    return gamma_candidates(lo, hi) if d.auto else [lo]
+
+
+def compile_pool(policy: Policy, pool_name: str, adaptive_config_path: str | None = None) -> SGLangLaunch:
+    """Launch flags for one pool. Raises KeyError for an unknown pool, ValueError if nothing sets γ."""
+    if pool_name not in policy.pools:
+        raise KeyError(f"unknown pool {pool_name!r} (pools: {', '.join(sorted(policy.pools)) or 'none'})")
+    pool = policy.pools[pool_name]
+    routed = _routed(policy, pool_name)
+    all_steps = sorted({s for _, d in routed for s in _steps_of(d)})
+    positive = [s for s in all_steps if s > 0]
+    args: list[str] = []
+    adaptive_cfg: dict | None = None
+    cfg_path: str | None = None
+
+    if pool.algorithm in ("EAGLE", "EAGLE3"):
+        topk = pool.eagle_topk or 1
+        if pool.adaptive:
+            slots: dict[int, set[int]] = {}
+            for lo, d in routed:
+                slots.setdefault(lo, set()).update(_steps_of(d))
+            if not positive and pool.num_steps is None:
+                raise ValueError(
+                    f"pool {pool_name!r}: no rule routes to it with speculation on; set num_steps"
+                )
+            if not slots:
+                slots[1] = {pool.num_steps}
+            union = sorted(set().union(*slots.values()))
+            steps = pool.num_steps if pool.num_steps is not None else positive[len(positive) // 2]
+            if steps not in union:
+                raise ValueError(
+                    f"pool {pool_name!r}: num_steps {steps} is not among the rules' candidates {union}"
+                )
+            adaptive_cfg = {"ema_alpha": policy.adaptive.ema_weight}
+            for lo in sorted(slots):
+                adaptive_cfg[str(lo)] = {"candidate_steps": sorted(slots[lo])}
+            cfg_path = (
+                adaptive_config_path or pool.adaptive_config_path or f"sglang-adaptive-{pool_name}.json"
+            )
+            draft_tokens = steps + 1
+        else:
+            steps = pool.num_steps if pool.num_steps is not None else (max(positive) if positive else None)
+            if steps is None:
+                raise ValueError(
+                    f"pool {pool_name!r}: no rule routes to it with speculation on; set num_steps"
+                )
+            draft_tokens = pool.num_draft_tokens if pool.num_draft_tokens is not None else steps + 1
+        args += ["--speculative-algorithm", pool.algorithm]
+        args += ["--speculative-draft-model-path", str(pool.draft_model_path)]
+        args += ["--speculative-num-steps", str(steps)]
+        args += ["--speculative-eagle-topk", str(topk)]
+        args += ["--speculative-num-draft-tokens", str(draft_tokens)]
+        if pool.adaptive:
+            args += ["--speculative-adaptive", "--speculative-adaptive-config", str(cfg_path)]
+    elif pool.algorithm == "NGRAM":
+        if pool.num_draft_tokens is not None:
+            draft_tokens = pool.num_draft_tokens
+        elif positive:
+            draft_tokens = max(positive) + 1
+        else:
+            raise ValueError(
+                f"pool {pool_name!r}: no rule routes to it with speculation on; set num_draft_tokens"
+            )
+        args += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(draft_tokens)]
+        if pool.num_steps is not None:
+            args += ["--speculative-num-steps", str(pool.num_steps)]
+        ng = pool.ngram
+        if ng is not None:
+            for field, flag in (
+                ("min_bfs_breadth", "--speculative-ngram-min-bfs-breadth"),
+                ("max_bfs_breadth", "--speculative-ngram-max-bfs-breadth"),
+                ("match_type", "--speculative-ngram-match-type"),
+                ("max_trie_depth", "--speculative-ngram-max-trie-depth"),
+                ("capacity", "--speculative-ngram-capacity"),
+            ):
+                value = getattr(ng, field)
+                if value is not None:
+                    args += [flag, str(value)]
+    args += list(pool.extra_args)
+    return SGLangLaunch(pool_name, args, adaptive_cfg, cfg_path)
