@@ -1,0 +1,166 @@
+"""Routing config (operator YAML under providers/): the providers, and routes naming fallback chains.
+
+    providers:
+      local: {type: local}
+      gpu:   {type: sglang, model: ..., pools: {eagle3: {...}, ngram: {...}}}
+      cloud: {type: hosted, model: openai/gpt-4o-mini, api_key_env: OPENAI_API_KEY}
+    routes:                      # first match wins
+      - name: tools
+        match: {turn_types: [tool_call, code_edit], models: [...]}   # both optional
+        chain: [gpu, cloud]      # fallback order
+      - name: default
+        chain: [local]
+
+Validated like the policy: every problem is reported as FILE:LINE:COL (positions from the
+POLICY helper's YAML loader, openalice_runner/policies/yaml_nodes.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from openalice_runner.policies.errors import PolicyError, Problem
+from openalice_runner.policies.yaml_nodes import Located, load_located
+from openalice_runner.providers.hosted import HostedConfig
+from openalice_runner.providers.local import LocalConfig
+from openalice_runner.providers.sglang import SGLangConfig
+
+ProviderConfig = Annotated[LocalConfig | SGLangConfig | HostedConfig, Field(discriminator="type")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RouteMatch(_Strict):
+    turn_types: list[str] | None = None  # None: any turn type
+    models: list[str] | None = None  # requested model names; None: any (and requests without one)
+
+
+class Route(_Strict):
+    name: str
+    match: RouteMatch = Field(default_factory=RouteMatch)
+    chain: list[str] = Field(min_length=1)
+
+    def matches(self, turn_type: str, model: str | None) -> bool:
+        m = self.match
+        if m.turn_types is not None and turn_type not in m.turn_types:
+            return False
+        return not (m.models is not None and model not in m.models)
+
+
+class RoutingConfig(_Strict):
+    providers: dict[str, ProviderConfig] = Field(min_length=1)
+    routes: list[Route] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _chains_name_providers(self) -> RoutingConfig:
+        names = set()
+        for i, route in enumerate(self.routes):
+            if route.name in names:
+                raise _AtPath(("routes", i, "name"), f"duplicate route name {route.name!r}")
+            names.add(route.name)
+            for j, provider in enumerate(route.chain):
+                if provider not in self.providers:
+                    raise _AtPath(
+                        ("routes", i, "chain", j),
+                        f"route {route.name!r} names provider {provider!r}, which is not in providers "
+                        f"({', '.join(self.providers)})",
+                    )
+            if len(set(route.chain)) != len(route.chain):
+                raise _AtPath(("routes", i, "chain"), f"route {route.name!r} lists a provider twice")
+        return self
+
+    def route_for(self, turn_type: str, model: str | None) -> Route:
+        for route in self.routes:
+            if route.matches(turn_type, model):
+                return route
+        raise LookupError(
+            f"no route matches turn_type={turn_type!r}, model={model!r}; add a catch-all route (no `match`)"
+        )
+
+    @classmethod
+    def default(cls) -> RoutingConfig:
+        """What providers/default.yaml holds: the embedded default model, nothing else."""
+        return cls.model_validate(
+            {"providers": {"local": {"type": "local"}}, "routes": [{"name": "default", "chain": ["local"]}]}
+        )
+
+
+class RoutingConfigError(PolicyError):
+    """A routing file that cannot be used; `problems` lists each as FILE:LINE:COL: message."""
+
+
+class _AtPath(ValueError):
+    """A cross-field problem that knows where in the file it belongs."""
+
+    def __init__(self, path: tuple, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.message = message
+
+
+def load_routing_file(path: str | Path) -> RoutingConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RoutingConfigError([Problem(str(path), 1, 1, f"cannot read: {exc.strerror or exc}")]) from None
+    return load_routing_text(text, str(path))
+
+
+def load_routing_text(text: str, source: str = "<providers>") -> RoutingConfig:
+    try:
+        loc = load_located(text, source)
+    except PolicyError as exc:  # YAML syntax or duplicate keys, already positioned
+        raise RoutingConfigError(exc.problems) from None
+    if not isinstance(loc.data, dict):
+        raise RoutingConfigError(
+            [loc.problem((), "a routing file must be a mapping with `providers:` and `routes:`")]
+        )
+    try:
+        return RoutingConfig.model_validate(loc.data)
+    except ValidationError as exc:
+        raise RoutingConfigError(_problems(exc, loc)) from None
+
+
+def _problems(exc: ValidationError, loc: Located) -> list[Problem]:
+    problems = []
+    for err in exc.errors(include_url=False):
+        ctx_error = (err.get("ctx") or {}).get("error")
+        if isinstance(ctx_error, _AtPath):
+            problems.append(loc.problem(ctx_error.path, ctx_error.message))
+            continue
+        path = _data_path(err["loc"], loc)
+        where = _label(err["loc"])
+        if err["type"] == "extra_forbidden":
+            problems.append(loc.problem(path, f"unknown key {err['loc'][-1]!r} at {where}", key=True))
+        elif err["type"] == "missing":
+            problems.append(loc.problem(path, f"{where}: missing required key"))
+        else:
+            problems.append(loc.problem(path, f"{where}: {err['msg']}"))
+    # One error per union branch can repeat a message: keep each once.
+    return list(dict.fromkeys(problems))
+
+
+def _label(err_loc: tuple) -> str:
+    """Dotted field path as the operator wrote it (the provider-type union tag dropped)."""
+    parts = [
+        str(p)
+        for i, p in enumerate(err_loc)
+        if not (i == 2 and err_loc[0] == "providers" and p in ("local", "sglang", "hosted"))
+    ]
+    return ".".join(parts) or "(top level)"
+
+
+def _data_path(err_loc: tuple, loc: Located) -> tuple:
+    """pydantic's loc without union branch tags (e.g. 'sglang'), as far as it exists in the file."""
+    path: tuple = ()
+    for part in err_loc:
+        candidate = (*path, part)
+        if candidate in loc.values or candidate in loc.keys:
+            path = candidate
+    return path
