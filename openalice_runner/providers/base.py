@@ -144,6 +144,12 @@ class Provider(ABC):
     def model_names(self) -> list[str]:
         return []
 
+    @property
+    def model_name(self) -> str | None:
+        """The model this provider serves by default (tracing names the call after it)."""
+        names = self.model_names
+        return names[0] if names else None
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         pass
 

@@ -1,0 +1,67 @@
+"""PolicyProvider: asks the speculation policy before each call and feeds it the outcome after.
+
+It wraps one provider of a fallback chain, so each attempt is decided for the provider that will
+actually serve it, with that provider's own load as the batch size (the request itself included).
+The decision travels in a copy of the CallContext (tracing reads it there); the finished request's
+stats go to `policy.observe` for adaptive γ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from openalice_runner.providers.base import CallContext, Provider
+from openalice_runner.providers.wrapper import WrapperProvider
+from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
+
+
+class PolicyProvider(WrapperProvider):
+    def __init__(self, wrapped: Provider, policy: Any, provider_name: str | None = None) -> None:
+        super().__init__(wrapped)
+        self.policy = policy  # openalice_runner.policies.PolicyStore
+        self.provider_name = provider_name or wrapped.name
+
+    async def decide(self, request: ChatRequest, ctx: CallContext) -> CallContext:
+        if ctx.decision is not None:
+            return ctx  # decided upstream (e.g. pinned by the caller)
+        from openalice_runner.policies import RequestContext
+
+        load = await self.wrapped.current_load()
+        batch = (load.batch_size or 0) + 1
+        decision = self.policy.decide(
+            RequestContext(
+                turn_type=ctx.turn_type,
+                batch_size=batch,
+                provider=self.provider_name,
+                model=request.model or ctx.model,
+            )
+        )
+        return replace(ctx, decision=decision)
+
+    def observe(self, ctx: CallContext, stats: Any) -> None:
+        if stats is not None:
+            self.policy.observe(ctx.turn_type, stats.method, self.provider_name, stats)
+
+    async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
+        ctx = await self.decide(request, ctx)
+        result = await self.wrapped.chat(request, ctx)
+        self.observe(ctx, result.stats)
+        return result
+
+    def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+        return self._stream(request, ctx)
+
+    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+        ctx = await self.decide(request, ctx)
+        chunks = self.wrapped.stream(request, ctx)
+        try:
+            async for chunk in chunks:
+                if chunk.finish_reason is not None:
+                    self.observe(ctx, chunk.stats)
+                yield chunk
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()

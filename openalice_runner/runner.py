@@ -1,0 +1,431 @@
+"""The Runner: the agentic loop's model backend.
+
+    runner = Runner.from_config()                       # embedded default model
+    async with runner.turn(conversation_id="c1", turn_type="tool_call", agent="alice") as turn:
+        result = await turn.chat(messages, tools=tools)
+        async with turn.tool("get_weather", call_id=result.tool_calls[0].id):
+            ...                                         # the loop runs its tool here
+        async for chunk in turn.stream(messages): ...
+    await runner.aclose()
+
+Per call: the route (turn type, model) names a fallback chain; each provider in it is wrapped as
+PolicyProvider(InstrumentedProvider(provider)): the policy decides speculation for the provider that
+will serve, with its current load as batch size, tracing records the call, and the fallback moves on
+only before the first token. The sidecar calls `runner.chat` / `runner.stream` directly.
+Sync code uses `SyncRunner` (`runner.sync()`), which drives the same Runner on a private loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+from openalice_runner.providers.base import CallContext, Provider
+from openalice_runner.providers.config import RoutingConfig, load_routing_file
+from openalice_runner.providers.deciding import PolicyProvider
+from openalice_runner.providers.fallback import FallbackProvider
+from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, coerce_messages
+
+logger = logging.getLogger(__name__)
+
+_REPO_POLICY = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
+OTEL_CONTEXT_KEY = "otel_context"  # same key as openalice_runner.tracing.instrumented
+
+
+def build_provider(name: str, config: Any, engine: Any = None) -> Provider:
+    """Provider instance for one entry of the routing config (imports only what that type needs)."""
+    if config.type == "local":
+        from openalice_runner.providers.local import LocalProvider
+
+        return LocalProvider(name, config, engine=engine)
+    if config.type == "sglang":
+        from openalice_runner.providers.sglang import SGLangProvider
+
+        return SGLangProvider(name, config)
+    if config.type == "hosted":
+        from openalice_runner.providers.hosted import HostedProvider
+
+        return HostedProvider(name, config)
+    raise ValueError(f"unknown provider type {config.type!r}")
+
+
+class Runner:
+    def __init__(
+        self,
+        routing: RoutingConfig,
+        providers: dict[str, Provider],
+        policy: Any = None,
+        telemetry: Any = None,
+    ) -> None:
+        self.routing = routing
+        self.providers = providers  # name -> the bare provider
+        self.policy = policy  # PolicyStore | None
+        self.telemetry = telemetry  # RunnerTelemetry | None
+        self._chains = {route.name: self._chain(route.chain) for route in routing.routes}
+        self._owns_policy_watch = False
+
+    # ---- construction ----
+
+    @classmethod
+    def from_config(
+        cls,
+        providers: str | Path | RoutingConfig | None = None,
+        policy: str | Path | Any | None = None,
+        tracer_provider: Any = None,
+        meter_provider: Any = None,
+        *,
+        telemetry: Any = None,
+        watch_policy: bool = False,
+        engine: Any = None,
+        record_content: bool = False,
+    ) -> Runner:
+        """Build from a routing file (None: embedded default) and a policy file or PolicyStore.
+
+        policy None: the repository's policies/default.yaml when present, else no policy
+        (speculation off); policy False: no policy. telemetry False: no tracing; None: a
+        RunnerTelemetry on the given (or the global OpenTelemetry) providers. engine: an Engine
+        for every `local` provider (tests and benchmarks pass a tiny one).
+        """
+        if providers is None:
+            routing = RoutingConfig.default()
+        elif isinstance(providers, RoutingConfig):
+            routing = providers
+        else:
+            routing = load_routing_file(providers)
+        store = _policy_store(policy, watch_policy)
+        if telemetry is None:
+            from openalice_runner.tracing import RunnerTelemetry
+
+            telemetry = RunnerTelemetry(tracer_provider, meter_provider, record_content=record_content)
+        elif telemetry is False:
+            telemetry = None
+        built = {name: build_provider(name, cfg, engine) for name, cfg in routing.providers.items()}
+        runner = cls(routing, built, policy=store, telemetry=telemetry)
+        runner._owns_policy_watch = watch_policy and store is not None
+        return runner
+
+    def _chain(self, names: list[str]) -> FallbackProvider:
+        wrapped: list[Provider] = []
+        for name in names:
+            provider = self.providers[name]
+            if self.telemetry is not None:
+                from openalice_runner.tracing import InstrumentedProvider
+
+                provider = InstrumentedProvider(provider, self.telemetry)
+            if self.policy is not None:
+                provider = PolicyProvider(provider, self.policy, name)
+            wrapped.append(provider)
+        return FallbackProvider(wrapped)
+
+    # ---- what the sidecar calls ----
+
+    def model_names(self) -> list[str]:
+        names: list[str] = []
+        for route in self.routing.routes:
+            names += route.match.models or []
+        for provider in self.providers.values():
+            names += provider.model_names
+        return list(dict.fromkeys(names))
+
+    def chain_for(self, turn_type: str, model: str | None) -> FallbackProvider:
+        return self._chains[self.routing.route_for(turn_type, model).name]
+
+    async def chat(self, request: ChatRequest, ctx: CallContext | None = None) -> ChatResult:
+        ctx = ctx or CallContext()
+        return await self.chain_for(ctx.turn_type, request.model).chat(request, ctx)
+
+    def stream(self, request: ChatRequest, ctx: CallContext | None = None) -> AsyncIterator[ChatChunk]:
+        ctx = ctx or CallContext()
+        return self.chain_for(ctx.turn_type, request.model).stream(request, ctx)
+
+    # ---- what the loop calls ----
+
+    def turn(
+        self, conversation_id: str | None = None, turn_type: str = "chat", agent: str | None = None
+    ) -> Turn:
+        return Turn(self, conversation_id, turn_type, agent)
+
+    def sync(self) -> SyncRunner:
+        return SyncRunner(self)
+
+    async def aclose(self) -> None:
+        if self._owns_policy_watch:
+            self.policy.stop_watching()
+        for provider in self.providers.values():
+            try:
+                await provider.aclose()
+            except Exception:
+                logger.exception("closing provider %s failed", provider.name)
+
+    async def __aenter__(self) -> Runner:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+def _policy_store(policy: Any, watch: bool) -> Any:
+    if policy is False:
+        return None
+    if policy is None:
+        if not _REPO_POLICY.exists():
+            logger.info("no policy given and %s not found: speculation off", _REPO_POLICY)
+            return None
+        policy = _REPO_POLICY
+    if isinstance(policy, str | Path):
+        from openalice_runner.policies import PolicyStore
+
+        return PolicyStore.from_file(policy, watch=watch)
+    if watch:
+        policy.start_watching()
+    return policy  # a PolicyStore (or anything with decide/observe)
+
+
+class Turn:
+    """One turn of the agent: several model calls and tool steps, numbered in order (step 1, 2, ...).
+
+    `attach_context`: make the turn span current inside `async with` (so the loop's own spans nest
+    under it). SyncTurn turns it off: its calls run in different tasks, so parents are passed explicitly.
+    """
+
+    def __init__(
+        self,
+        runner: Runner,
+        conversation_id: str | None,
+        turn_type: str,
+        agent: str | None,
+        *,
+        attach_context: bool = True,
+    ) -> None:
+        self.runner = runner
+        self.conversation_id = conversation_id
+        self.turn_type = turn_type
+        self.agent = agent
+        self.step = 0
+        self._attach = attach_context
+        self._span: Any = None
+        self._otel_ctx: Any = None
+        self._token: Any = None
+
+    async def __aenter__(self) -> Turn:
+        tel = self.runner.telemetry
+        if tel is not None:
+            from opentelemetry import context as otel_context
+            from opentelemetry import trace
+
+            self._span = tel.start_turn(self.agent, self.conversation_id, self.turn_type)
+            self._otel_ctx = trace.set_span_in_context(self._span)
+            if self._attach:
+                self._token = otel_context.attach(self._otel_ctx)
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        tel = self.runner.telemetry
+        if tel is None or self._span is None:
+            return
+        if self._token is not None:
+            from opentelemetry import context as otel_context
+
+            with contextlib.suppress(ValueError):  # exited in another context than entered
+                otel_context.detach(self._token)
+            self._token = None
+        tel.end_turn(self._span, error=exc, steps=self.step)
+        self._span = None
+
+    def _next_ctx(self, turn_type: str | None, model: str | None) -> CallContext:
+        self.step += 1
+        attributes = {OTEL_CONTEXT_KEY: self._otel_ctx} if self._otel_ctx is not None else {}
+        return CallContext(
+            conversation_id=self.conversation_id,
+            turn_type=turn_type or self.turn_type,
+            step=self.step,
+            agent=self.agent,
+            model=model,
+            attributes=attributes,
+        )
+
+    @staticmethod
+    def _request(
+        messages: Any, tools: Any, tool_choice: Any, model: str | None, sampling: dict
+    ) -> ChatRequest:
+        if isinstance(messages, ChatRequest):
+            return messages
+        return ChatRequest(
+            messages=coerce_messages(messages), tools=tools, tool_choice=tool_choice, model=model, **sampling
+        )
+
+    async def chat(
+        self,
+        messages: Any,
+        *,
+        tools: Any = None,
+        tool_choice: Any = None,
+        turn_type: str | None = None,
+        model: str | None = None,
+        **sampling: Any,
+    ) -> ChatResult:
+        """One model call. `messages`: dicts or ChatMessage (or a ready ChatRequest); `sampling`:
+        temperature, top_p, top_k, seed, stop, max_tokens."""
+        request = self._request(messages, tools, tool_choice, model, sampling)
+        ctx = self._next_ctx(turn_type, request.model)
+        return await self.runner.chat(request, ctx)
+
+    def stream(
+        self,
+        messages: Any,
+        *,
+        tools: Any = None,
+        tool_choice: Any = None,
+        turn_type: str | None = None,
+        model: str | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[ChatChunk]:
+        """One streamed model call; the last chunk carries finish_reason, usage and speculation."""
+        request = self._request(messages, tools, tool_choice, model, sampling)
+        ctx = self._next_ctx(turn_type, request.model)
+        return self.runner.stream(request, ctx)
+
+    @contextlib.asynccontextmanager
+    async def tool(
+        self, name: str, call_id: str | None = None, arguments: Any = None
+    ) -> AsyncIterator[ToolStep]:
+        """A tool step run by the loop: timed and traced as `execute_tool {name}`."""
+        async with self._tool_step(name, call_id, arguments) as step:
+            yield step
+
+    @contextlib.asynccontextmanager
+    async def _tool_step(self, name: str, call_id: str | None, arguments: Any) -> AsyncIterator[ToolStep]:
+        self.step += 1
+        step = ToolStep(name, call_id, self.step)
+        tel = self.runner.telemetry
+        if tel is None:
+            yield step
+            return
+        from opentelemetry import context as otel_context
+        from opentelemetry import trace
+
+        span = tel.start_tool(
+            name, call_id, self.step, self.turn_type, parent=self._otel_ctx, arguments=arguments
+        )
+        token = otel_context.attach(trace.set_span_in_context(span)) if self._attach else None
+        try:
+            yield step
+        except BaseException as exc:
+            tel.end_tool(span, error=exc, result=step.result)
+            raise
+        else:
+            tel.end_tool(span, result=step.result)
+        finally:
+            if token is not None:
+                with contextlib.suppress(ValueError):
+                    otel_context.detach(token)
+
+
+class ToolStep:
+    """Handle given inside `turn.tool(...)`: set `.result` to record the tool's output."""
+
+    def __init__(self, name: str, call_id: str | None, step: int) -> None:
+        self.name = name
+        self.call_id = call_id
+        self.step = step
+        self.result: Any = None
+
+
+# ---------------------------------------------------------------- sync wrappers
+
+
+class SyncRunner:
+    """Blocking facade: the Runner runs on a private event loop in a daemon thread."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="openalice-runner-loop", daemon=True
+        )
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, *args: Any, **kwargs: Any) -> SyncRunner:
+        return cls(Runner.from_config(*args, **kwargs))
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def chat(self, request: ChatRequest, ctx: CallContext | None = None) -> ChatResult:
+        return self._run(self.runner.chat(request, ctx))
+
+    def turn(
+        self, conversation_id: str | None = None, turn_type: str = "chat", agent: str | None = None
+    ) -> SyncTurn:
+        return SyncTurn(self, Turn(self.runner, conversation_id, turn_type, agent, attach_context=False))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self.runner.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> SyncRunner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class SyncTurn:
+    def __init__(self, sync: SyncRunner, turn: Turn) -> None:
+        self._sync = sync
+        self.turn = turn
+
+    @property
+    def step(self) -> int:
+        return self.turn.step
+
+    def __enter__(self) -> SyncTurn:
+        self._sync._run(self.turn.__aenter__())
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._sync._run(self.turn.__aexit__(exc_type, exc, tb))
+
+    def chat(self, messages: Any, **kwargs: Any) -> ChatResult:
+        return self._sync._run(self.turn.chat(messages, **kwargs))
+
+    def stream(self, messages: Any, **kwargs: Any) -> Iterator[ChatChunk]:
+        chunks = self.turn.stream(messages, **kwargs)
+        done = object()
+
+        async def next_chunk() -> Any:
+            # StopAsyncIteration cannot cross a future: turn it into a sentinel.
+            try:
+                return await anext(chunks)
+            except StopAsyncIteration:
+                return done
+
+        try:
+            while (chunk := self._sync._run(next_chunk())) is not done:
+                yield chunk
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                self._sync._run(aclose())
+
+    @contextlib.contextmanager
+    def tool(self, name: str, call_id: str | None = None, arguments: Any = None) -> Iterator[ToolStep]:
+        cm = self.turn.tool(name, call_id, arguments)
+        step = self._sync._run(cm.__aenter__())
+        try:
+            yield step
+        except BaseException as exc:
+            if not self._sync._run(cm.__aexit__(type(exc), exc, exc.__traceback__)):
+                raise
+        else:
+            self._sync._run(cm.__aexit__(None, None, None))
