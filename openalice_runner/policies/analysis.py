@@ -99,7 +99,8 @@ def decision_key(rule: Rule) -> tuple:
 
 def analyse_rules(rules: list[Rule], loc: Located) -> list[Problem]:
     sets = [MatchSet.of(r.match) for r in rules]
-    unreachable = _unreachable(sets)
+    # a rule with an empty batch range is already reported by checks.py
+    unreachable = {j for j in _unreachable(sets) if sets[j].batch_lo <= sets[j].batch_hi}
     problems: list[Problem] = []
     for j in sorted(unreachable):
         covering = [

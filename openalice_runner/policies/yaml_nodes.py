@@ -62,7 +62,10 @@ def _pos(node: yaml.Node) -> tuple[int, int]:
 
 def load_located(text: str, source: str) -> Located:
     """Parse YAML text; raise PolicyError (with position) on syntax errors or duplicate keys."""
-    loader = _Loader(text)
+    try:
+        loader = _Loader(text)
+    except yaml.YAMLError as exc:  # the reader rejects control characters up front
+        raise PolicyError([Problem(source, 1, 1, f"YAML: {exc}")]) from None
     try:
         try:
             root = loader.get_single_node()
