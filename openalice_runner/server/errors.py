@@ -90,6 +90,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    if tuple(first.get("loc", ())) == ("body",):
+        return APIError(
+            400, "request body must be a JSON object (Content-Type: application/json)", code="invalid_body"
+        )
     param = _loc_to_param(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value"))
     if msg.startswith("Value error, "):
