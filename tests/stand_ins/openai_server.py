@@ -22,8 +22,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tests.stand_ins.responder import Answer, answer, stream_pieces
-from tests.stand_ins.serve import ServerThread
+from .responder import Answer, answer, stream_pieces
+from .serve import ServerThread
 
 
 @dataclass

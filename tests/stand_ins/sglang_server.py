@@ -34,8 +34,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from tests.stand_ins.responder import answer, stream_pieces
-from tests.stand_ins.serve import ServerThread
+from .responder import answer, stream_pieces
+from .serve import ServerThread
 
 
 @dataclass

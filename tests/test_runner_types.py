@@ -1,0 +1,126 @@
+"""The OpenAI-shaped types: validation names the field; dumps are what the openai client parses."""
+
+from __future__ import annotations
+
+import openai.types.chat as oai
+import pytest
+from pydantic import ValidationError
+
+from openalice_runner.types import (
+    ChatChunk,
+    ChatMessage,
+    ChatRequest,
+    ChatResult,
+    ChunkChoice,
+    Delta,
+    SpeculationInfo,
+    Usage,
+)
+
+USER = {"role": "user", "content": "hi"}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _locs(exc: ValidationError) -> list[str]:
+    return [".".join(str(p) for p in e["loc"]) for e in exc.errors()]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [USER], "temperature": 3}, "temperature"),
+        ({"messages": [USER], "top_p": 0}, "top_p"),
+        ({"messages": [USER], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [USER], "stop": [""]}, "stop"),
+        ({"messages": [USER], "n": 2}, "n"),
+        ({"messages": [USER], "temprature": 0.5}, "temprature"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        (
+            {"messages": [USER], "tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tools.0.function.name",
+        ),
+    ],
+)
+def test_bad_input_names_the_field(body, field):
+    with pytest.raises(ValidationError) as info:
+        ChatRequest.model_validate(body)
+    assert any(loc.startswith(field) for loc in _locs(info.value)), _locs(info.value)
+
+
+def test_role_rules_are_reported_with_the_message_index():
+    with pytest.raises(ValidationError) as info:
+        ChatRequest(messages=[USER, {"role": "tool", "content": "42"}])
+    assert "messages.1" in _locs(info.value)
+    assert "tool_call_id" in str(info.value)
+    with pytest.raises(ValidationError, match="tool_calls is only allowed"):
+        ChatMessage(role="user", content="x", tool_calls=[])
+
+
+def test_tool_choice_must_name_an_offered_tool():
+    with pytest.raises(ValidationError, match="not in tools"):
+        ChatRequest(
+            messages=[USER], tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}
+        )
+    with pytest.raises(ValidationError, match="tool_choice needs tools"):
+        ChatRequest(messages=[USER], tool_choice="required")
+    req = ChatRequest(messages=[USER], tools=[TOOL])
+    assert req.effective_tool_choice == "auto"
+    assert ChatRequest(messages=[USER]).effective_tool_choice == "none"
+
+
+def test_openai_client_body_validates():
+    body = {
+        "model": "x",
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            {"role": "tool", "tool_call_id": "c", "content": "ok"},
+        ],
+        "tools": [TOOL],
+        "tool_choice": "auto",
+        "stop": "END",
+        "max_completion_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = ChatRequest.model_validate(body)
+    assert req.messages[1].text == "ab"
+    assert req.sampling.stop == ["END"] and req.max_tokens == 12
+    assert req.message_dicts()[2]["tool_calls"][0]["function"]["name"] == "f"
+
+
+def test_result_and_chunk_dump_to_openai_shapes():
+    res = ChatResult.single(
+        model="m",
+        content=None,
+        tool_calls=[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        finish_reason="tool_calls",
+        usage=Usage.of(3, 4),
+        speculation=SpeculationInfo(method="ngram", gamma=4, proposed=8, accepted=6, acceptance_rate=0.75),
+        provider="local",
+    )
+    data = res.to_openai()
+    parsed = oai.ChatCompletion.model_validate(data)
+    assert parsed.choices[0].message.tool_calls[0].function.name == "f"
+    assert data["speculation"]["acceptance_rate"] == 0.75 and data["provider"] == "local"
+    assert "fallback_from" not in data
+    assert res.as_message().tool_calls[0].id == "c"
+
+    chunk = ChatChunk(id="x", model="m", choices=[ChunkChoice(delta=Delta(role="assistant", content="he"))])
+    parsed_chunk = oai.ChatCompletionChunk.model_validate(chunk.to_openai())
+    assert parsed_chunk.choices[0].delta.content == "he"
+    assert chunk.delta.content == "he" and chunk.finish_reason is None
+
+
+def test_engine_sampling_conversion():
+    s = ChatRequest(
+        messages=[USER], temperature=0.7, top_k=20, seed=3, stop="x", max_tokens=9
+    ).sampling.to_engine()
+    assert (s.temperature, s.top_k, s.seed, s.stop, s.max_tokens) == (0.7, 20, 3, ("x",), 9)
+    assert ChatRequest(messages=[USER]).sampling.to_engine(default_max_tokens=5).greedy
