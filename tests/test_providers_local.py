@@ -1,0 +1,249 @@
+"""Local provider: the embedded engine (tiny random model) and, for exact tool-call text, a scripted engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from types import SimpleNamespace
+
+import pytest
+from stand_ins.engines import tiny_engine
+
+from openalice_runner.engine.types import GenerationResult, GenerationStats, StreamEvent
+from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderRateLimited
+from openalice_runner.providers.local import LocalConfig, LocalProvider
+from openalice_runner.types import ChatRequest
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+
+
+class ScriptedEngine:
+    """The engine's interface with a fixed answer: shows what the provider does with given output."""
+
+    model_name = "scripted"
+
+    def __init__(self, text: str, pieces: list[str] | None = None) -> None:
+        real = tiny_engine()
+        self.tokenizer = real.tokenizer
+        self._real = real
+        self.text = text
+        self.pieces = pieces or [text]
+        self.prompts: list[list[int]] = []
+        self.calls: list[tuple] = []
+        self.gate: threading.Event | None = None
+
+    def render_chat(self, messages, tools=None):
+        return self._real.render_chat(messages, tools)
+
+    def encode(self, text):
+        return self._real.encode(text)
+
+    def _result(self, prompt_ids, spec):
+        stats = GenerationStats(
+            method=spec.method, gamma=spec.gamma, prompt_tokens=len(prompt_ids), completion_tokens=7
+        )
+        stats.finish_reason = "stop"
+        return GenerationResult(self.text, [1] * 7, stats)
+
+    def stream(self, prompt_ids, sampling, spec, cancel=None):
+        self.prompts.append(prompt_ids)
+        self.calls.append((sampling, spec))
+        if self.gate is not None:
+            self.gate.wait(5)
+        for piece in self.pieces:
+            yield StreamEvent(piece, [1])
+        yield StreamEvent("", [], result=self._result(prompt_ids, spec))
+
+    def generate(self, prompt_ids, sampling, spec, cancel=None):
+        result = None
+        for event in self.stream(prompt_ids, sampling, spec, cancel):
+            result = event.result or result
+        return result
+
+
+def local(engine, **kw) -> LocalProvider:
+    return LocalProvider("local", LocalConfig.model_validate({"type": "local", **kw}), engine=engine)
+
+
+def decision(method="ngram", gamma=4):
+    from openalice_runner.engine.types import SpecConfig
+
+    return SimpleNamespace(
+        method=method,
+        gamma=gamma,
+        pool=None,
+        rule="r",
+        policy_version="v",
+        to_spec_config=lambda: SpecConfig(method=method, gamma=gamma),
+    )
+
+
+async def test_chat_with_the_tiny_model():
+    engine = tiny_engine()
+    p = local(engine)
+    req = ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    r = await p.chat(req, CallContext(decision=decision()))
+    direct = engine.generate(
+        engine.render_chat([{"role": "user", "content": "hi"}]), req.sampling.to_engine()
+    )
+    assert r.content == direct.text and r.model == "tiny-random" and r.provider == "local"
+    assert r.usage.completion_tokens == 5 and r.finish_reason == "length"
+    assert r.speculation.method == "ngram" and r.speculation.gamma == 4
+    assert (r.speculation.rule, r.speculation.policy_version) == ("r", "v")
+    assert r.stats.rule == "r"  # stats for the policy's observe
+    assert p.load().batch_size == 0
+
+
+async def test_stream_with_the_tiny_model_matches_chat():
+    p = local(tiny_engine())
+    req = ChatRequest(messages=[{"role": "user", "content": "hello"}], max_tokens=6)
+    full = await p.chat(req, CallContext())
+    chunks = [c async for c in p.stream(req, CallContext())]
+    assert "".join(c.delta_text for c in chunks) == full.content
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 6
+    assert chunks[0].delta.role == "assistant"
+
+
+async def test_unsupported_method_runs_without_speculation():
+    p = local(tiny_engine())
+    r = await p.chat(
+        ChatRequest(messages=[{"role": "user", "content": "x"}], max_tokens=2),
+        CallContext(decision=decision("eagle")),
+    )
+    assert r.speculation.method == "off"  # what ran, honestly
+
+
+async def test_context_too_long_is_a_bad_request():
+    p = local(tiny_engine())
+    long = "word " * 3000
+    with pytest.raises(ProviderBadRequest):
+        await p.chat(ChatRequest(messages=[{"role": "user", "content": long}], max_tokens=2), CallContext())
+    assert p.load().batch_size == 0
+
+
+async def test_valid_tool_calls_become_tool_calls():
+    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    engine = ScriptedEngine(text)
+    p = local(engine)
+    r = await p.chat(
+        ChatRequest(messages=[{"role": "user", "content": "weather?"}], tools=TOOLS), CallContext()
+    )
+    assert r.finish_reason == "tool_calls" and r.content == "Checking."
+    assert [c.function.name for c in r.tool_calls] == ["get_weather", "get_time"]
+    assert json.loads(r.tool_calls[0].function.arguments) == {"city": "Paris"}
+    # SmolLM2's template renders no tools: the fallback system block is in the prompt.
+    prompt = engine.tokenizer.decode(engine.prompts[0])
+    assert "<tools>" in prompt and '"name": "get_weather"' in prompt
+
+
+async def test_malformed_tool_call_is_content_not_an_error():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    r = await local(ScriptedEngine(text)).chat(
+        ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS), CallContext()
+    )
+    assert r.tool_calls == [] and r.content == text and r.finish_reason == "stop"
+
+
+async def test_named_tool_choice_prefills_and_stops_at_the_close_tag():
+    engine = ScriptedEngine('{"city": "Lima"}}\n')
+    p = local(engine)
+    req = ChatRequest(
+        messages=[{"role": "user", "content": "Lima?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    r = await p.chat(req, CallContext())
+    assert r.tool_calls[0].function.name == "get_weather" and json.loads(
+        r.tool_calls[0].function.arguments
+    ) == {"city": "Lima"}
+    prompt = engine.tokenizer.decode(engine.prompts[0])
+    assert prompt.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert "</tool_call>" in engine.calls[0][0].stop
+
+
+async def test_tool_choice_none_renders_no_tools_and_parses_nothing():
+    engine = ScriptedEngine('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    req = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="none")
+    r = await local(engine).chat(req, CallContext())
+    assert r.tool_calls == [] and "<tools>" not in engine.tokenizer.decode(engine.prompts[0])
+
+
+async def test_stream_holds_back_tool_calls_and_streams_text():
+    pieces = ["Sure", ", one moment <tool", '_call>{"name": "get_time", ', '"arguments": {}}</tool_call>']
+    engine = ScriptedEngine("".join(pieces), pieces)
+    chunks = [
+        c
+        async for c in local(engine).stream(
+            ChatRequest(messages=[{"role": "user", "content": "t?"}], tools=TOOLS), CallContext()
+        )
+    ]
+    text = "".join(c.delta_text for c in chunks)
+    assert "<tool" not in text and text.startswith("Sure, one moment")
+    (call,) = [d for c in chunks for d in c.tool_call_deltas]
+    assert call.function.name == "get_time" and call.function.arguments == "{}" and call.id
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
+async def test_stream_passes_lookalike_text_through():
+    pieces = ["a < b", " and <tool", "box> done"]
+    engine = ScriptedEngine("".join(pieces), pieces)
+    chunks = [
+        c
+        async for c in local(engine).stream(
+            ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS), CallContext()
+        )
+    ]
+    assert "".join(c.delta_text for c in chunks) == "a < b and <toolbox> done"
+    assert chunks[-1].finish_reason == "stop"
+
+
+async def test_history_with_tool_results_is_rendered():
+    engine = ScriptedEngine("It is sunny.")
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21C"},
+    ]
+    r = await local(engine).chat(ChatRequest(messages=messages), CallContext())  # no tools offered now
+    assert r.content == "It is sunny."
+    prompt = engine.tokenizer.decode(engine.prompts[0])
+    assert "<tool_response>\nsunny, 21C\n</tool_response>" in prompt and '"city": "Paris"' in prompt
+
+
+async def test_overload_is_refused_early():
+    engine = ScriptedEngine("ok")
+    engine.gate = threading.Event()
+    p = local(engine, max_waiting=1)
+    req = ChatRequest(messages=[{"role": "user", "content": "x"}])
+    first = [asyncio.create_task(p.chat(req, CallContext())) for _ in range(2)]
+    await asyncio.sleep(0.2)
+    assert p.load().batch_size == 2
+    with pytest.raises(ProviderRateLimited) as info:
+        await p.chat(req, CallContext())
+    assert info.value.retry_after and info.value.fallback_ok
+    engine.gate.set()
+    assert [r.content for r in await asyncio.gather(*first)] == ["ok", "ok"]
+    assert p.load().batch_size == 0
