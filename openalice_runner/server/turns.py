@@ -32,7 +32,7 @@ class OpenTurn:
     conversation_id: str | None
     turn_type: str
     trace_id: int
-    steps: int = 0  # model calls so far
+    steps: int = 0  # steps so far: model calls and tool calls, numbered 1, 2, ... as the Runner does
     pending_tools: dict[str, str] = field(default_factory=dict)  # call id -> tool name
     pending_since_ns: int = 0  # when the response asking for those tools went out
     last_active: float = field(default_factory=time.monotonic)
@@ -104,12 +104,13 @@ class TurnTracker:
                 turn = None
             else:
                 for call_id in answered:
+                    turn.steps += 1
                     self.telemetry.record_tool_call(
                         turn.pending_tools[call_id],
                         call_id,
                         start_time_ns=turn.pending_since_ns,
                         end_time_ns=now_ns,
-                        step=turn.steps - 1,
+                        step=turn.steps,
                         turn_type=turn.turn_type,
                         parent=turn.context,
                     )
@@ -125,8 +126,8 @@ class TurnTracker:
                 self._evict()
         turn.busy = True
         turn.last_active = time.monotonic()
-        number = step if step is not None else turn.steps
         turn.steps += 1
+        number = step if step is not None else turn.steps
         return Step(turn, number, tracked=tracked)
 
     def finish(
