@@ -51,7 +51,13 @@ def test_request_alpha_mle_and_fallbacks():
     # 4 rounds of γ=2: accepted 0,1,2,2 -> 5 accepted, 2 early stops -> 5/7
     assert request_alpha(stats(2, [1, 1, 2])) == pytest.approx(5 / 7)
     # rounds that proposed fewer than γ: falls back to accepted/proposed
-    s = GenerationStats(gamma=4, draft_proposed=6, draft_accepted=3, acceptance_rate=0.5, accept_length_histogram=[1, 0, 0, 1, 0])
+    s = GenerationStats(
+        gamma=4,
+        draft_proposed=6,
+        draft_accepted=3,
+        acceptance_rate=0.5,
+        accept_length_histogram=[1, 0, 0, 1, 0],
+    )
     assert request_alpha(s) == 0.5
     assert request_alpha(GenerationStats(gamma=4)) is None  # nothing proposed: no evidence
     assert request_draft_cost(stats(4, [0, 0, 0, 0, 1], draft_s=0.02, verify_s=0.1)) == pytest.approx(0.05)
@@ -93,7 +99,9 @@ def test_auto_picks_larger_gamma_for_higher_alpha_and_lower_cost():
     dear = AdaptiveGamma(settings())
     feed(cheap, "rag", [1, 1, 1, 1, 1, 6], 5, draft_s=0.001)
     feed(dear, "rag", [1, 1, 1, 1, 1, 6], 5, draft_s=0.2)
-    assert cheap.choose("rag", "ngram", "local", 1, 12).gamma > dear.choose("rag", "ngram", "local", 1, 12).gamma
+    assert (
+        cheap.choose("rag", "ngram", "local", 1, 12).gamma > dear.choose("rag", "ngram", "local", 1, 12).gamma
+    )
 
 
 def test_off_for_small_alpha_with_deterministic_probe():
@@ -111,7 +119,9 @@ def test_margin_decides_off():
     # α 0.35, c 0.3: best expected speedup is about 1.04x, above 1.0 but below 1 + margin
     _, s = best_gamma(0.35, 0.3, 1, 8)
     assert 1.0 < s < 1.05
-    a = AdaptiveGamma(settings(margin=0.05, prior_alpha={"ngram": 0.35}, prior_draft_cost={"ngram": 0.3}, probe_every=1000))
+    a = AdaptiveGamma(
+        settings(margin=0.05, prior_alpha={"ngram": 0.35}, prior_draft_cost={"ngram": 0.3}, probe_every=1000)
+    )
     assert a.choose("chat", "ngram", None, 1, 8).gamma == 0
     a.configure(settings(margin=0.0, prior_alpha={"ngram": 0.35}, prior_draft_cost={"ngram": 0.3}))
     assert a.choose("chat", "ngram", None, 1, 8).gamma > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
 
 import pytest
@@ -75,7 +76,10 @@ def test_every_rule_field_decides():
     assert (d.method, d.gamma, d.pool) == ("eagle", 4, "e3")
     assert s.decide(RequestContext("reasoning", 1, model="tiny")).to_spec_config().draft_layers == 2
     assert s.decide(RequestContext("reasoning", 1, model="big")).to_spec_config().eagle_head == "/heads/big"
-    assert s.decide(RequestContext("reasoning", 1, model="other")).to_spec_config().draft_model == "/models/small"
+    assert (
+        s.decide(RequestContext("reasoning", 1, model="other")).to_spec_config().draft_model
+        == "/models/small"
+    )
     assert s.decide(RequestContext("reasoning", 1, model=None)).rule == "default"
     d = s.decide(RequestContext("summarize", 9))
     assert (d.method, d.gamma, d.rule) == ("off", 0, "unbounded-batch")
@@ -93,23 +97,44 @@ def test_yaml12_booleans_keep_off_a_string():
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("default:\n  method: off\n  gama: 3\n", "p.yaml:3:3: unknown key 'gama' in default (did you mean 'gamma'?)"),
+        (
+            "default:\n  method: off\n  gama: 3\n",
+            "p.yaml:3:3: unknown key 'gama' in default (did you mean 'gamma'?)",
+        ),
         (
             "rules:\n  - name: a\n    match: {turn_type: chat}\n    method: ngram\n    gamma: five\n",
             "p.yaml:5:12: rules[0].gamma: input should be a valid integer or input should be 'auto', got 'five'",
         ),
         ("rules: []\n", "p.yaml:1:1: (top level): missing required key 'default'"),
-        ("default: {method: fast}\n", "p.yaml:1:19: default.method: input should be 'off', 'ngram', 'draft' or 'eagle', got 'fast'"),
-        ("default: {method: ngram, gamma: 65}\n", "p.yaml:1:33: default.gamma: input should be less than or equal to 64"),
-        ("default: {method: ngram, gamma: 4}\ndefault: {method: off}\n", "p.yaml:2:1: duplicate key 'default'"),
+        (
+            "default: {method: fast}\n",
+            "p.yaml:1:19: default.method: input should be 'off', 'ngram', 'draft' or 'eagle', got 'fast'",
+        ),
+        (
+            "default: {method: ngram, gamma: 65}\n",
+            "p.yaml:1:33: default.gamma: input should be less than or equal to 64",
+        ),
+        (
+            "default: {method: ngram, gamma: 4}\ndefault: {method: off}\n",
+            "p.yaml:2:1: duplicate key 'default'",
+        ),
         ("default: [method\n", "p.yaml:2:1: YAML syntax"),
         ("", "p.yaml:1:1: file is empty"),
         ("- a\n", "p.yaml:1:1: a policy file must be a mapping"),
         ("default: {method: ngram}\n", "p.yaml:1:10: method ngram needs gamma"),
         ("default: {method: off, gamma: 2}\n", "p.yaml:1:31: gamma must be omitted"),
-        ("default: {method: ngram, gamma: 3, max_gamma: 5}\n", "p.yaml:1:47: max_gamma only applies with gamma: auto"),
-        ("default: {method: ngram, gamma: auto, min_gamma: 6, max_gamma: 2}\n", "p.yaml:1:64: max_gamma 2 < min_gamma 6"),
-        ("default: {method: ngram, gamma: 3, options: {eagle_head: x}}\n", "p.yaml:1:46: option eagle_head does not apply to method ngram"),
+        (
+            "default: {method: ngram, gamma: 3, max_gamma: 5}\n",
+            "p.yaml:1:47: max_gamma only applies with gamma: auto",
+        ),
+        (
+            "default: {method: ngram, gamma: auto, min_gamma: 6, max_gamma: 2}\n",
+            "p.yaml:1:64: max_gamma 2 < min_gamma 6",
+        ),
+        (
+            "default: {method: ngram, gamma: 3, options: {eagle_head: x}}\n",
+            "p.yaml:1:46: option eagle_head does not apply to method ngram",
+        ),
         ("default: {method: eagle, gamma: 3}\n", "p.yaml:1:10: method eagle needs options.eagle_head"),
         ("default: {method: draft, gamma: 3}\n", "p.yaml:1:10: method draft needs options.draft_model"),
         ("default: {method: off, pool: nope}\n", "p.yaml:1:30: unknown pool 'nope'"),
@@ -117,7 +142,10 @@ def test_yaml12_booleans_keep_off_a_string():
             "pools: {n: {algorithm: NGRAM}}\ndefault: {method: eagle, gamma: 2, pool: n}\n",
             "p.yaml:2:19: method eagle cannot be served by pool 'n' (NGRAM)",
         ),
-        ("pools: {e: {algorithm: EAGLE3}}\ndefault: {method: off}\n", "p.yaml:1:12: EAGLE3 pool needs draft_model_path"),
+        (
+            "pools: {e: {algorithm: EAGLE3}}\ndefault: {method: off}\n",
+            "p.yaml:1:12: EAGLE3 pool needs draft_model_path",
+        ),
         (
             "pools: {n: {algorithm: NGRAM, adaptive: true}}\ndefault: {method: off}\n",
             "p.yaml:1:41: SGLang's adaptive speculation supports EAGLE/EAGLE3 only",
@@ -176,7 +204,9 @@ def test_unreachable_by_union_of_earlier_rules():
             method: off
         default: {method: ngram, gamma: 2}
         """)
-    assert found == ["p.yaml:9:12: rule 'chat' is unreachable: earlier rules 'small' (line 2), 'big' (line 5) already match everything it matches"]
+    assert found == [
+        "p.yaml:9:12: rule 'chat' is unreachable: earlier rules 'small' (line 2), 'big' (line 5) already match everything it matches"
+    ]
 
 
 def test_exception_before_general_rule_is_allowed_and_same_decision_overlap_is_fine():
@@ -247,7 +277,10 @@ matches = st.fixed_dictionaries(
     {},
     optional={
         "turn_type": st.one_of(names, st.lists(names, max_size=3)),
-        "batch_size": st.one_of(scalars, st.fixed_dictionaries({}, optional={"min": st.integers(-1, 40), "max": st.integers(-1, 40)})),
+        "batch_size": st.one_of(
+            scalars,
+            st.fixed_dictionaries({}, optional={"min": st.integers(-1, 40), "max": st.integers(-1, 40)}),
+        ),
         "provider": st.one_of(names, st.lists(st.sampled_from(["local", "e"]), max_size=2)),
         "model": names,
         "bogus": scalars,
@@ -262,21 +295,38 @@ decisions = st.fixed_dictionaries(
         "prior_alpha": st.floats(-0.5, 1.5),
         "pool": st.sampled_from(["e", "n", "zz"]),
         "options": st.fixed_dictionaries(
-            {}, optional={"ngram_min": st.integers(0, 5), "ngram_max": st.integers(0, 5), "eagle_head": st.just("h"), "draft_layers": st.integers(0, 3)}
+            {},
+            optional={
+                "ngram_min": st.integers(0, 5),
+                "ngram_max": st.integers(0, 5),
+                "eagle_head": st.just("h"),
+                "draft_layers": st.integers(0, 3),
+            },
         ),
     },
 )
-rules = st.builds(lambda name, m, d: {"name": name, "match": m, **d}, st.sampled_from(["a", "b", "c", ""]), matches, decisions)
+rules = st.builds(
+    lambda name, m, d: {"name": name, "match": m, **d},
+    st.sampled_from(["a", "b", "c", ""]),
+    matches,
+    decisions,
+)
 pools = st.dictionaries(
     st.sampled_from(["e", "n"]),
     st.fixed_dictionaries(
         {"algorithm": st.sampled_from(["EAGLE3", "NGRAM", "NONE", "X"])},
-        optional={"draft_model_path": st.just("h"), "adaptive": st.booleans(), "eagle_topk": st.integers(0, 3), "num_steps": st.integers(0, 8)},
+        optional={
+            "draft_model_path": st.just("h"),
+            "adaptive": st.booleans(),
+            "eagle_topk": st.integers(0, 3),
+            "num_steps": st.integers(0, 8),
+        },
     ),
     max_size=2,
 )
 policies = st.fixed_dictionaries(
-    {"rules": st.lists(rules, max_size=5)}, optional={"default": decisions, "pools": pools, "version": st.sampled_from([1, 2])}
+    {"rules": st.lists(rules, max_size=5)},
+    optional={"default": decisions, "pools": pools, "version": st.sampled_from([1, 2])},
 )
 
 
@@ -300,7 +350,5 @@ def test_random_policies_load_or_raise_policy_error(data):
 @settings(max_examples=150, deadline=None)
 @given(st.text(max_size=200))
 def test_random_text_never_crashes_the_loader(text):
-    try:
+    with contextlib.suppress(PolicyError):
         load_policy_text(text, "t.yaml")
-    except PolicyError:
-        pass

@@ -1,0 +1,131 @@
+"""SGLang launch flags compiled from a policy, checked against SGLang's own argument parser when available.
+
+SGLang is not a dependency (it needs a GPU). To run the parser check, unpack its wheel somewhere:
+    pip download --no-deps sglang -d /tmp/sgl && cd /tmp/sgl && unzip -q sglang-*.whl 'sglang/*' -d src
+and set OPENALICE_SGLANG_SRC=/tmp/sgl/src. Its import needs a few small packages beyond ours (msgspec,
+orjson, pybase64, pyzmq, IPython, traitlets, triton); install them into a throwaway folder with
+`pip install --no-deps --target DIR ...` and set OPENALICE_SGLANG_SITE=DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from openalice_runner.policies import PolicyStore, load_policy_text
+from openalice_runner.policies.sglang_args import compile_pool, gamma_candidates
+
+
+def gpu_policy():
+    return PolicyStore.from_file("policies/gpu-sglang.yaml").policy
+
+
+def test_eagle3_adaptive_pool_flags():
+    launch = compile_pool(gpu_policy(), "eagle3", "/tmp/x.json")
+    a = launch.args
+    assert a[a.index("--speculative-algorithm") + 1] == "EAGLE3"
+    steps = int(a[a.index("--speculative-num-steps") + 1])
+    assert a[a.index("--speculative-eagle-topk") + 1] == "1"
+    assert int(a[a.index("--speculative-num-draft-tokens") + 1]) == steps + 1  # SGLang's rule for topk 1
+    assert a[a.index("--speculative-adaptive-config") + 1] == "/tmp/x.json"
+    # batch-size keys are the lower bounds of the rules' batch ranges
+    cfg = launch.adaptive_config
+    assert {k for k in cfg if k.isdigit()} == {"1", "9", "33"}
+    assert cfg["1"]["candidate_steps"] == [1, 3, 5, 7]
+    assert cfg["9"]["candidate_steps"] == [1, 2, 3]
+    assert cfg["33"]["candidate_steps"] == [0]
+    assert steps in {s for k, v in cfg.items() if k.isdigit() for s in v["candidate_steps"]}
+    assert a[-2:] == ["--max-running-requests", "32"]
+
+
+def test_ngram_and_plain_pools():
+    ngram = compile_pool(gpu_policy(), "ngram").args
+    assert ngram[:4] == ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
+    assert ngram[ngram.index("--speculative-ngram-max-bfs-breadth") + 1] == "2"
+    assert compile_pool(gpu_policy(), "plain").args == []
+
+
+def test_fixed_eagle_pool_takes_gamma_from_rules():
+    policy = load_policy_text(
+        textwrap.dedent("""\
+        pools:
+          e: {algorithm: EAGLE, draft_model_path: /h, eagle_topk: 4, num_draft_tokens: 16}
+        rules:
+          - name: chat
+            match: {turn_type: chat}
+            method: eagle
+            gamma: 5
+            pool: e
+        default: {method: off}
+        """)
+    ).policy
+    a = compile_pool(policy, "e").args
+    assert a[a.index("--speculative-num-steps") + 1] == "5"
+    assert a[a.index("--speculative-eagle-topk") + 1] == "4"
+    assert a[a.index("--speculative-num-draft-tokens") + 1] == "16"
+    assert "--speculative-adaptive" not in a
+
+
+def test_gamma_candidates():
+    assert gamma_candidates(1, 3) == [1, 2, 3]
+    assert gamma_candidates(1, 7) == [1, 3, 5, 7]
+    assert gamma_candidates(2, 8) == [2, 4, 6, 8]
+    assert gamma_candidates(1, 8) == [1, 3, 5, 7, 8]
+
+
+_CHECK = """
+import argparse, json, shlex, sys
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.adaptive_spec_params import resolve_candidate_steps_from_config
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+ns = parser.parse_args(["--model-path", "m", *shlex.split(sys.argv[1])])
+out = {k: v for k, v in vars(ns).items() if k.startswith("speculative")}
+if ns.speculative_adaptive_config:
+    out["candidate_steps"] = resolve_candidate_steps_from_config(ns.speculative_adaptive_config)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(
+    not (
+        os.environ.get("OPENALICE_SGLANG_SRC")
+        and Path(os.environ["OPENALICE_SGLANG_SRC"], "sglang/srt/server_args.py").exists()
+    ),
+    reason="SGLang sources not available: set OPENALICE_SGLANG_SRC (see this module's docstring) to parse with SGLang's own parser",
+)
+@pytest.mark.parametrize("pool", ["eagle3", "ngram", "plain"])
+def test_flags_parse_with_sglang_parser(pool, tmp_path):
+    launch = compile_pool(gpu_policy(), pool, str(tmp_path / "adaptive.json"))
+    launch.write_adaptive_config()
+    paths = [os.environ["OPENALICE_SGLANG_SRC"], os.environ.get("OPENALICE_SGLANG_SITE", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHECK, launch.line()],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parsed = json.loads(proc.stdout.strip().splitlines()[-1])
+    a = launch.args
+    if pool == "plain":
+        assert parsed["speculative_algorithm"] is None
+        return
+    assert parsed["speculative_algorithm"] == a[1]
+    assert parsed["speculative_num_draft_tokens"] == int(a[a.index("--speculative-num-draft-tokens") + 1])
+    if pool == "eagle3":
+        assert parsed["speculative_adaptive"] is True
+        assert parsed["speculative_num_steps"] in parsed["candidate_steps"]
+        assert parsed["speculative_eagle_topk"] == 1
+    if pool == "ngram":
+        assert parsed["speculative_ngram_max_bfs_breadth"] == 2
+        assert parsed["speculative_ngram_match_type"] == "BFS"
