@@ -25,11 +25,12 @@ class ServerThread:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("stand-in server did not start")
             time.sleep(0.01)
+        self._port = self.server.servers[0].sockets[0].getsockname()[1]
         return self
 
     @property
     def port(self) -> int:
-        return self.server.servers[0].sockets[0].getsockname()[1]
+        return self._port  # kept after stop(): a stopped server's URL then refuses connections
 
     @property
     def url(self) -> str:
