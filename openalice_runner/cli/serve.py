@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 ENV_API_KEY = "OPENALICE_API_KEY"
@@ -69,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(
         runner,
         telemetry=telemetry,
+        tracer_provider=providers.tracer_provider,
+        meter_provider=providers.meter_provider,
         settings=ServerSettings(api_key=api_key, max_body_bytes=args.max_body_bytes),
         metrics=metrics,
         on_shutdown=providers.force_flush,
@@ -81,9 +84,13 @@ def run(args: argparse.Namespace) -> int:
         access_log=False,  # GuardMiddleware logs each request with its trace id
         timeout_graceful_shutdown=30,
     )
+    # uvicorn re-raises the SIGTERM it handled once it has shut down; a handler of our own takes it,
+    # so the process goes on to flush its spans and exits 0 instead of dying by the signal.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         uvicorn.Server(config).run()
     finally:
+        signal.signal(signal.SIGTERM, previous)
         providers.shutdown()  # flush the spans still queued
     return 0
 

@@ -50,9 +50,12 @@ def create_app(
     settings: ServerSettings | None = None,
     metrics: ServerMetrics | None = None,
     on_shutdown: Any = None,
+    tracer_provider: Any = None,
+    meter_provider: Any = None,
 ) -> FastAPI:
     """`runner`: a Runner (chat/stream/model_names/policy/aclose). `on_shutdown`: callable run last
-    (the CLI flushes the trace exporters there)."""
+    (the CLI flushes the trace exporters there). `tracer_provider`/`meter_provider`: for FastAPI's own
+    HTTP server spans and metrics (None: the global ones)."""
     settings = settings or ServerSettings()
     telemetry = telemetry or RunnerTelemetry()
     metrics = metrics or ServerMetrics()
@@ -77,7 +80,21 @@ def create_app(
             if on_shutdown is not None:
                 on_shutdown()
 
-    app = FastAPI(title="openalice-runner", version=_version(), lifespan=lifespan)
+    app = FastAPI(
+        title="openalice-runner",
+        version=_version(),
+        lifespan=lifespan,
+        # FastAPI's built-in OpenTelemetry: keep its HTTP SERVER span per request (it continues a
+        # traceparent); drop its per-dependency spans (noise) and its exception logs (we log ourselves).
+        telemetry={
+            "tracer_provider": tracer_provider,
+            "meter_provider": meter_provider,
+            "operation_spans": False,
+            "logs": False,
+            # A scrape a second would bury the agent's spans.
+            "exclude": lambda scope: scope.get("path") in ("/health", "/metrics"),
+        },
+    )
     app.state.runner, app.state.tracker, app.state.metrics = runner, tracker, metrics
     install_error_handlers(app)
     app.add_middleware(
@@ -91,7 +108,7 @@ def create_app(
             conversation_id=tc.conversation_id,
             turn_type=tc.turn_type,
             agent=tc.agent,
-            parent=caller_trace_context(request.headers),
+            parent=_turn_parent(request, tracked=tc.conversation_id is not None),
             messages=body.messages,
             step=tc.step,
         )
@@ -275,6 +292,20 @@ def api_error_from(exc: BaseException) -> APIError:
     if error.status_code >= 500 and error.code == "internal_error":
         log.error("request failed", error_type=type(exc).__name__, exc_info=exc)
     return error
+
+
+def _turn_parent(request: Request, *, tracked: bool) -> Any:
+    """Parent of a new turn span. A conversation's turn outlives the request that opens it, so it hangs
+    off the caller's span (traceparent) or starts a trace of its own; a one-request turn sits under the
+    request's HTTP server span when there is one (which itself continues the caller's trace)."""
+    from opentelemetry import context as otel_context
+
+    caller = caller_trace_context(request.headers)
+    if tracked:
+        return caller or otel_context.Context()
+    if trace.get_current_span().get_span_context().is_valid:
+        return None  # the current context: the HTTP server span
+    return caller
 
 
 def _sse(data: dict[str, Any]) -> bytes:
