@@ -1,0 +1,178 @@
+"""The embedded engine: a model, its tokenizer and the decode loop behind a small API."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from openalice_runner.engine.drafters.base import Drafter
+from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
+from openalice_runner.engine.drafters.ngram import NgramDrafter
+from openalice_runner.engine.generator import new_sequence, run_sequence
+from openalice_runner.engine.llama import KVCache, LlamaModel
+from openalice_runner.engine.model_loading import (
+    DEFAULT_MODEL_NAME,
+    converted_folder,
+    load_hf_model,
+    resolve_model_source,
+)
+from openalice_runner.engine.types import GenerationResult, SamplingParams, SpecConfig, StreamEvent
+
+DTYPES = ("bf16", "fp32")
+CACHE_GRANULE = 512  # KV caches grow in steps of this many positions
+
+
+def default_draft_layers(n_layers: int) -> int:
+    # A quarter of the depth: enough to agree with the target often on easy tokens while
+    # costing about a quarter of a target step.
+    return max(1, n_layers // 4)
+
+
+class Engine:
+    def __init__(self, hf_model, tokenizer, model_name: str, dtype: str, context_length: int | None = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        self.hf_model = hf_model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.dtype = dtype
+        self.model = LlamaModel(hf_model)
+        self.context_length = min(context_length or self.model.cfg.max_positions, self.model.cfg.max_positions)
+        self.eos_token_ids = self._eos_ids()
+        self._lock = threading.Lock()  # one request at a time until continuous batching
+        self._cache: KVCache | None = None
+        self._draft_models: dict[int, LlamaModel] = {}
+        self._draft_caches: dict[int, KVCache] = {}
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def load(cls, model: str | None = None, dtype: str = "bf16", threads: int | None = None) -> Engine:
+        """Load the default model (None) or a local HF folder / .gguf file."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if threads:
+            torch.set_num_threads(threads)
+        source = resolve_model_source(model)
+        folder = converted_folder(source)
+        hf_model, tokenizer = load_hf_model(folder, dtype)
+        name = DEFAULT_MODEL_NAME if model is None else source.name
+        return cls(hf_model, tokenizer, name, dtype)
+
+    @classmethod
+    def tiny_random(cls, seed: int = 0, dtype: str = "fp32", layers: int = 4) -> Engine:
+        """A tiny random Llama with the default model's tokenizer, for fast tests."""
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(converted_folder(resolve_model_source(None)))
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        torch.manual_seed(seed)
+        torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        hf_model = LlamaForCausalLM(config).to(torch_dtype).eval()
+        return cls(hf_model, tokenizer, "tiny-random", dtype)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        for source in (self.hf_model.config.eos_token_id, self.tokenizer.eos_token_id,
+                       getattr(self.hf_model.generation_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(x) for x in source)
+        im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
+            ids.add(im_end)
+        return frozenset(ids)
+
+    # ---- prompts --------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of OpenAI-shaped messages through the model's chat template."""
+        ids = self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- decoding -------------------------------------------------------------------------
+    def stream(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams | None = None,
+        spec: SpecConfig | None = None,
+        cancel: threading.Event | None = None,
+        drafter: Drafter | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Generate, yielding text as rounds are accepted; the last event carries the result.
+
+        `drafter` overrides the one `spec` names (tests use it for all-accept/all-reject drafters).
+        """
+        sampling = sampling or SamplingParams()
+        spec = spec or SpecConfig()
+        with self._lock:
+            need = len(prompt_ids) + sampling.max_tokens + spec.gamma + 1
+            cache = self._target_cache(min(need, self.context_length + spec.gamma + 1))
+            if drafter is None and spec.method != "off":
+                drafter = self._make_drafter(spec, cache.max_len)
+            seq = new_sequence(
+                prompt_ids, sampling, spec, drafter, cache, self.tokenizer, self.eos_token_ids,
+                self.context_length,
+            )
+            yield from run_sequence(self.model, seq, cancel)
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams | None = None,
+        spec: SpecConfig | None = None,
+        cancel: threading.Event | None = None,
+        drafter: Drafter | None = None,
+    ) -> GenerationResult:
+        result = None
+        for event in self.stream(prompt_ids, sampling, spec, cancel, drafter):
+            result = event.result or result
+        assert result is not None
+        return result
+
+    # ---- caches and drafters --------------------------------------------------------------
+    def _target_cache(self, need: int) -> KVCache:
+        if self._cache is None or self._cache.max_len < need:
+            size = -(-need // CACHE_GRANULE) * CACHE_GRANULE
+            self._cache = None  # free the old one before allocating
+            self._cache = self.model.new_cache(1, size)
+        return self._cache
+
+    def _make_drafter(self, spec: SpecConfig, max_len: int) -> Drafter:
+        if spec.method == "ngram":
+            return NgramDrafter(spec.ngram_min, spec.ngram_max)
+        if spec.method == "draft":
+            if spec.draft_model:
+                raise NotImplementedError("separate draft models: use draft_layers (self-draft) for now")
+            n = spec.draft_layers or default_draft_layers(self.model.cfg.n_layers)
+            if n not in self._draft_models:
+                self._draft_models[n] = self.model.truncated(n)
+            cache = self._draft_caches.get(n)
+            if cache is None or cache.max_len < max_len:
+                cache = self._draft_models[n].new_cache(1, max_len)
+                self._draft_caches[n] = cache
+            drafter = DraftModelDrafter(self._draft_models[n], max_len)
+            drafter.cache = cache
+            return drafter
+        raise ValueError(f"speculation method {spec.method!r} is not available in the embedded engine yet")

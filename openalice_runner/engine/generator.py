@@ -1,0 +1,228 @@
+"""The decode loop: prefill, then rounds of (propose, verify in one target pass, roll back).
+
+Plain decoding is the same round with nothing proposed, so one code path serves every method.
+The state of one request lives in `Sequence`; `prefill` and `decode_round` are small
+functions over it, so a scheduler can interleave many sequences (continuous batching).
+
+Cache invariant: the target's KV cache holds every token of `seq.tokens` except the last one
+(`seq.tokens[-1]`, emitted but not yet fed). A round feeds that token plus k drafts, and rolls
+the cache back to the accepted prefix by moving the slot's length pointer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from openalice_runner.engine.drafters.base import Drafter, Proposal
+from openalice_runner.engine.llama import KVCache, LlamaModel
+from openalice_runner.engine.rejection import Verdict, verify_greedy, verify_sampled
+from openalice_runner.engine.sampling import make_generator, processed_probs
+from openalice_runner.engine.stopping import TextStream
+from openalice_runner.engine.types import (
+    GenerationResult,
+    GenerationStats,
+    SamplingParams,
+    SpecConfig,
+    StreamEvent,
+)
+
+PREFILL_CHUNK = 512  # tokens per prefill pass: bounds the attention-score memory
+
+
+class ContextLengthError(ValueError):
+    """The prompt does not fit the model's context window."""
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    sampling: SamplingParams
+    spec: SpecConfig
+    drafter: Drafter | None
+    cache: KVCache
+    slot: int
+    text: TextStream
+    eos_ids: frozenset[int]
+    context_length: int
+    generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)  # prompt + generated (EOS excluded)
+    finish_reason: str | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    accept_lengths: list[int] = field(default_factory=list)
+    emitted_by_passes: int = 0
+    started: float = 0.0
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def choose_token(logits: torch.Tensor, seq: Sequence) -> int:
+    if seq.sampling.greedy:
+        return int(logits.argmax())
+    probs = processed_probs(logits, seq.sampling)
+    return int(torch.multinomial(probs, 1, generator=seq.generator).item())
+
+
+def prefill(model: LlamaModel, seq: Sequence) -> list[int]:
+    """Feed the prompt (all but nothing: the first token needs the last prompt position)."""
+    start = time.perf_counter()
+    seq.cache.lengths[seq.slot] = 0
+    hidden = None
+    for i in range(0, len(seq.prompt), PREFILL_CHUNK):
+        chunk = torch.tensor([seq.prompt[i : i + PREFILL_CHUNK]])
+        hidden = model.forward(chunk, seq.cache, [seq.slot])
+    first = choose_token(model.logits(hidden[0, -1]), seq)
+    seq.stats.prefill_s = time.perf_counter() - start
+    # The prompt is in the cache in full; re-state the invariant by counting `first` as the
+    # emitted-but-unfed last token.
+    return accept_tokens(seq, [first])
+
+
+def decode_round(model: LlamaModel, seq: Sequence) -> list[int]:
+    """One target pass: verify the drafter's proposal (possibly empty) and emit 1..k+1 tokens."""
+    room_context = seq.context_length - len(seq.tokens)  # cache after the pass holds len + k
+    room_budget = seq.sampling.max_tokens - seq.generated
+    max_draft = min(seq.spec.gamma, room_budget - 1, room_context)
+    proposal = Proposal([])
+    if seq.drafter is not None and max_draft > 0:
+        t0 = time.perf_counter()
+        proposal = seq.drafter.propose(seq.tokens, max_draft, seq.sampling, seq.generator)
+        seq.stats.draft_s += time.perf_counter() - t0
+    draft = proposal.tokens[:max_draft]
+
+    t0 = time.perf_counter()
+    length_before = seq.cache.lengths[seq.slot]
+    feed = torch.tensor([[seq.tokens[-1], *draft]])
+    hidden = model.forward(feed, seq.cache, [seq.slot])
+    logits = model.logits(hidden[0])  # (k+1, V)
+    verdict = verify(logits, proposal, draft, seq)
+    # Roll back: keep the fed last token and the accepted drafts.
+    seq.cache.lengths[seq.slot] = length_before + 1 + verdict.accepted
+    seq.stats.verify_s += time.perf_counter() - t0
+
+    seq.stats.target_passes += 1
+    if draft:
+        seq.stats.draft_proposed += len(draft)
+        seq.stats.draft_accepted += verdict.accepted
+        seq.accept_lengths.append(verdict.accepted)
+    if seq.drafter is not None:
+        emitted = verdict.emitted(draft)
+        seq.drafter.update(seq.tokens + emitted, len(draft), verdict.accepted)
+    return accept_tokens(seq, verdict.emitted(draft), from_pass=True)
+
+
+def verify(logits: torch.Tensor, proposal: Proposal, draft: list[int], seq: Sequence) -> Verdict:
+    if seq.sampling.greedy:
+        return verify_greedy(logits.argmax(dim=-1).tolist(), draft)
+    p = processed_probs(logits, seq.sampling)
+    q = None if proposal.q is None else proposal.q[: len(draft)]
+    return verify_sampled(p, q, draft, seq.generator)
+
+
+def accept_tokens(seq: Sequence, tokens: list[int], from_pass: bool = False) -> list[int]:
+    """Append emitted tokens, applying EOS, the token budget and the context limit."""
+    kept: list[int] = []
+    for token in tokens:
+        if token in seq.eos_ids:
+            seq.finish_reason = "stop"
+            break
+        kept.append(token)
+        if seq.generated + len(kept) >= seq.sampling.max_tokens:
+            seq.finish_reason = "length"
+            break
+        if len(seq.tokens) + len(kept) >= seq.context_length:
+            seq.finish_reason = "length"
+            break
+    seq.tokens.extend(kept)
+    if from_pass:
+        seq.emitted_by_passes += len(kept)
+    return kept
+
+
+def run_sequence(model: LlamaModel, seq: Sequence, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+    """Drive one sequence to the end, yielding text as it is accepted."""
+    seq.started = time.perf_counter()
+    if seq.drafter is not None:
+        seq.drafter.start(seq.prompt)
+    seq.tokens = list(seq.prompt)
+    tokens = prefill(model, seq)
+    seq.stats.ttft_s = time.perf_counter() - seq.started
+    while True:
+        delta = seq.text.add(tokens)
+        if seq.text.stopped:
+            seq.finish_reason = "stop"
+        if delta or tokens:
+            yield StreamEvent(delta, tokens)
+        if seq.finished:
+            break
+        if cancel is not None and cancel.is_set():
+            seq.finish_reason = "cancelled"
+            break
+        tokens = decode_round(model, seq)
+    rest = seq.text.finish()
+    yield StreamEvent(rest, [], result=finish(seq))
+
+
+def finish(seq: Sequence) -> GenerationResult:
+    stats = seq.stats
+    stats.method = seq.spec.method
+    stats.gamma = seq.spec.gamma if seq.spec.method != "off" else 0
+    stats.prompt_tokens = len(seq.prompt)
+    stats.completion_tokens = len(seq.text.token_ids)
+    stats.total_s = time.perf_counter() - seq.started
+    stats.finish_reason = seq.finish_reason or "length"
+    if stats.draft_proposed:
+        stats.acceptance_rate = stats.draft_accepted / stats.draft_proposed
+    if stats.target_passes:
+        stats.mean_tokens_per_pass = seq.emitted_by_passes / stats.target_passes
+    if seq.accept_lengths:
+        histogram = [0] * (max(seq.accept_lengths) + 1)
+        for n in seq.accept_lengths:
+            histogram[n] += 1
+        stats.accept_length_histogram = histogram
+    if stats.total_s > 0:
+        stats.tokens_per_second = stats.completion_tokens / stats.total_s
+    return GenerationResult(text=seq.text.text, token_ids=list(seq.text.token_ids), stats=stats)
+
+
+def new_sequence(
+    prompt: list[int],
+    sampling: SamplingParams,
+    spec: SpecConfig,
+    drafter: Drafter | None,
+    cache: KVCache,
+    tokenizer,
+    eos_ids: frozenset[int],
+    context_length: int,
+    slot: int = 0,
+) -> Sequence:
+    if not prompt:
+        raise ValueError("prompt is empty")
+    if len(prompt) >= context_length:
+        raise ContextLengthError(
+            f"prompt has {len(prompt)} tokens; the model's context is {context_length} tokens "
+            "and at least one must be left for the reply"
+        )
+    generator = None if sampling.greedy else make_generator(sampling.seed)
+    return Sequence(
+        prompt=list(prompt),
+        sampling=sampling,
+        spec=spec,
+        drafter=drafter if spec.method != "off" else None,
+        cache=cache,
+        slot=slot,
+        text=TextStream(tokenizer, sampling.stop),
+        eos_ids=eos_ids,
+        context_length=context_length,
+        generator=generator,
+    )

@@ -1,0 +1,256 @@
+"""A lean forward pass for Llama-family decoders, on weights taken from a transformers model.
+
+Why not call the transformers module: at one token per step on a CPU the model's own Python
+overhead, the growing `DynamicCache` (a `torch.cat` per layer per step) and the LM head over
+every position cost as much as the matmuls. Here the KV cache is preallocated and rolled back
+by moving a position pointer (as in gpt-fast), q/k/v and gate/up are fused into one matmul
+each, and logits are computed only for the positions the caller asks for.
+
+Weights stay in the dtype asked for. On CPUs without native bf16 arithmetic (AVX2 only) a
+bf16 matmul over several rows costs several times one row, which would make verifying γ
+draft tokens as slow as decoding them; `Linear` therefore keeps an fp32 copy of each bf16
+weight for multi-row inputs (prefill, verify) and the bf16 copy for one-row decode, where the
+halved memory traffic is what counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def has_native_bf16() -> bool:
+    """True where the CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class Linear:
+    """y = x @ W.T with a per-shape choice of weight copy (see module docstring)."""
+
+    __slots__ = ("weight", "weight_rows", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split_multi_row: bool):
+        self.weight = weight.contiguous()
+        self.bias = bias
+        # fp32 copy used when more than one row is multiplied (None: use `weight` always)
+        self.weight_rows = weight.float().contiguous() if split_multi_row else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.weight_rows is not None and rows > 1:
+            y = F.linear(x.float(), self.weight_rows, None if self.bias is None else self.bias.float())
+            return y.to(self.weight.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+@dataclass
+class LlamaConfig:
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab_size: int
+    eps: float
+    rope_theta: float
+    max_positions: int
+
+
+class RotaryTable:
+    """cos/sin for every position up to the context length (HF rotate-half layout)."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        emb = torch.cat([angles, angles], dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: (B, heads, T, D); positions: (B, T)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class KVCache:
+    """Preallocated keys and values for `batch` sequence slots; `lengths[b]` tokens are valid.
+
+    Rolling back a rejected draft is `lengths[b] = n`: the stale entries beyond it are
+    overwritten by the next write and masked out until then.
+    """
+
+    def __init__(self, cfg: LlamaConfig, batch: int, max_len: int, dtype: torch.dtype):
+        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.lengths = [0] * batch
+        self.max_len = max_len
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+class LlamaModel:
+    """Tensor-in, tensor-out forward over a `KVCache`; no autograd, no module hooks."""
+
+    def __init__(self, hf_model, split_multi_row: bool | None = None):
+        config = hf_model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {config.model_type!r} not supported by the lean forward")
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+        if rope_type != "default":
+            raise ValueError(f"rope type {rope_type!r} not supported by the lean forward")
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        theta = theta or getattr(config, "rope_theta", 10000.0)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.cfg = LlamaConfig(
+            n_layers=config.num_hidden_layers,
+            n_heads=config.num_attention_heads,
+            n_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            eps=config.rms_norm_eps,
+            rope_theta=float(theta),
+            max_positions=config.max_position_embeddings,
+        )
+        inner = hf_model.model
+        self.dtype = inner.embed_tokens.weight.dtype
+        if split_multi_row is None:
+            split_multi_row = self.dtype == torch.bfloat16 and not has_native_bf16()
+
+        def linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> Linear:
+            w = torch.cat([t.detach() for t in weights], dim=0)
+            b = None
+            if biases and all(x is not None for x in biases):
+                b = torch.cat([x.detach() for x in biases], dim=0)
+            return Linear(w, b, split_multi_row)
+
+        self.layers: list[Layer] = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                Layer(
+                    attn_norm=layer.input_layernorm.weight.detach(),
+                    qkv=linear(
+                        [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                        [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias],
+                    ),
+                    o=linear([attn.o_proj.weight]),
+                    mlp_norm=layer.post_attention_layernorm.weight.detach(),
+                    gate_up=linear([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    down=linear([mlp.down_proj.weight]),
+                )
+            )
+        self.embed = inner.embed_tokens.weight.detach()
+        self.norm = inner.norm.weight.detach()
+        self.lm_head = linear([hf_model.lm_head.weight])
+        self.rotary = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.max_positions, self.dtype)
+
+    def truncated(self, n_layers: int) -> LlamaModel:
+        """A self-draft: the first `n_layers` layers with the final norm and LM head, sharing weights."""
+        if not (1 <= n_layers <= self.cfg.n_layers):
+            raise ValueError(f"draft layers must be in [1, {self.cfg.n_layers}], got {n_layers}")
+        draft = copy.copy(self)
+        draft.layers = self.layers[:n_layers]
+        draft.cfg = dataclasses.replace(self.cfg, n_layers=n_layers)
+        return draft
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
+        return KVCache(self.cfg, batch, max_len or self.cfg.max_positions, self.dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # in fp32 as transformers does, then back
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.eps)
+        return weight * xf.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: KVCache, slots: list[int] | None = None) -> torch.Tensor:
+        """Run `tokens` (B, T) appended at each slot's current length; returns hidden (B, T, H).
+
+        All sequences in the call append the same number T of tokens. Cache lengths advance
+        by T; the caller rolls back rejected tokens by lowering `cache.lengths`.
+        """
+        cfg = self.cfg
+        batch, steps = tokens.shape
+        slots = list(range(batch)) if slots is None else slots
+        starts = [cache.lengths[s] for s in slots]
+        ends = [s + steps for s in starts]
+        if max(ends) > cache.max_len:
+            raise ValueError(f"sequence of {max(ends)} tokens exceeds the cache of {cache.max_len}")
+        positions = torch.tensor([list(range(s, s + steps)) for s in starts])
+        span = max(ends)
+        mask = self._attention_mask(starts, steps, span)
+        x = self.embed[tokens]
+        q_size = cfg.n_heads * cfg.head_dim
+        kv_size = cfg.n_kv_heads * cfg.head_dim
+        same_slots = slots == list(range(batch)) and len(set(starts)) == 1
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.attn_norm)
+            qkv = layer.qkv(h)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(batch, steps, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+            k = k.view(batch, steps, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+            v = v.view(batch, steps, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+            q = self.rotary.apply(q, positions)
+            k = self.rotary.apply(k, positions)
+            keys, values = cache.keys[i], cache.values[i]
+            if same_slots:
+                keys[:, :, starts[0] : ends[0]] = k
+                values[:, :, starts[0] : ends[0]] = v
+                k_all, v_all = keys[:batch, :, :span], values[:batch, :, :span]
+            else:
+                for b, s in enumerate(slots):
+                    keys[s, :, starts[b] : ends[b]] = k[b]
+                    values[s, :, starts[b] : ends[b]] = v[b]
+                index = torch.tensor(slots)
+                k_all, v_all = keys[index, :, :span], values[index, :, :span]
+            attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
+            attn = attn.transpose(1, 2).reshape(batch, steps, q_size)
+            x = x + layer.o(attn)
+            h = self._rms_norm(x, layer.mlp_norm)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        for b, s in enumerate(slots):
+            cache.lengths[s] = ends[b]
+        return self._rms_norm(x, self.norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head in fp32 (sampling and acceptance tests want full precision probabilities)."""
+        return self.lm_head(hidden).float()
+
+    @staticmethod
+    def _attention_mask(starts: list[int], steps: int, span: int) -> torch.Tensor | None:
+        # Query t of sequence b (absolute position starts[b] + t) sees keys 0..starts[b] + t.
+        if steps == 1 and len(set(starts)) == 1:
+            return None  # one new token per sequence, all caches equally long: sees everything
+        key_pos = torch.arange(span)
+        query_pos = torch.tensor(starts).view(-1, 1) + torch.arange(steps).view(1, -1)
+        return (key_pos.view(1, 1, 1, -1) <= query_pos.view(-1, 1, steps, 1))
