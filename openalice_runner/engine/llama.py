@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 def has_native_bf16() -> bool:
     """True where the CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
     try:
-        flags = open("/proc/cpuinfo").read()
+        flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags

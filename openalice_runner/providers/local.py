@@ -140,7 +140,7 @@ class LocalProvider(Provider):
             ids = engine.render_chat(tool_format.render_fallback_messages(messages, tools, choice))
         else:
             ids = engine.render_chat(messages)
-        prefill = tool_format.assistant_prefill(choice) if tools else ""
+        prefill = tool_format.assistant_prefill(choice, tools) if tools else ""
         if prefill:
             ids = list(ids) + engine.encode(prefill)
         names = {t["function"]["name"] for t in tools} if tools else None

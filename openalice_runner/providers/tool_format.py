@@ -143,13 +143,33 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def assistant_prefill(tool_choice: Any) -> str:
-    """Text the assistant turn starts with, to pin the output format when a call is required."""
+def assistant_prefill(tool_choice: Any, tools: list[dict[str, Any]] | None = None) -> str:
+    """Text the assistant turn starts with, to pin the output format when a call is required.
+
+    For a named function whose schema requires arguments, the prefill also opens the arguments
+    object with the first required key (and the quote of a string value): small models otherwise
+    tend to copy the JSON schema instead of filling it. The value, and anything after it, is the
+    model's own.
+    """
     if isinstance(tool_choice, NamedToolChoice):
-        return f'{TOOL_CALL_OPEN}\n{{"name": "{tool_choice.function.name}", "arguments": '
+        name = tool_choice.function.name
+        prefill = f'{TOOL_CALL_OPEN}\n{{"name": "{name}", "arguments": '
+        return prefill + _first_argument_opening(name, tools or [])
     if tool_choice == "required":
         return f'{TOOL_CALL_OPEN}\n{{"name": "'
     return ""
+
+
+def _first_argument_opening(name: str, tools: list[dict[str, Any]]) -> str:
+    fn = next((t.get("function", t) for t in tools if t.get("function", t).get("name") == name), None)
+    params = (fn or {}).get("parameters") or {}
+    required = params.get("required") or []
+    props = params.get("properties") or {}
+    if not required or required[0] not in props:
+        return ""
+    key = required[0]
+    opening = "{" + json.dumps(key) + ": "
+    return opening + '"' if props[key].get("type") == "string" else opening
 
 
 # ---------------------------------------------------------------- parsing

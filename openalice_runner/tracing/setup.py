@@ -71,17 +71,36 @@ class _CountingExporter(SpanExporter):
         self.inner.shutdown()
 
 
-class _CountingBatchSpanProcessor(BatchSpanProcessor):
-    """BatchSpanProcessor that counts the spans it drops when its queue is full."""
+class _DropHook:
+    """Stands in for the batch processor's internal metrics object, which it tells of every drop."""
 
-    def __init__(
-        self, exporter: SpanExporter, drops: DropCounter, max_queue_size: int, **kwargs: Any
-    ) -> None:
+    def __init__(self, inner: Any, drops: DropCounter) -> None:
+        self._inner, self._drops = inner, drops
+
+    def drop_items(self, count: int, error_type: str = "queue_full") -> None:
+        self._drops.add(error_type, count)
+        self._inner.drop_items(count, error_type)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _CountingBatchSpanProcessor(BatchSpanProcessor):
+    """BatchSpanProcessor that counts the spans it drops (queue full, or ended after shutdown).
+
+    The SDK reports drops only to its internal metrics object; we hook that object (private in the
+    SDK 1.4x) and fall back to comparing the queue length with its bound if it ever moves."""
+
+    def __init__(self, exporter: SpanExporter, drops: DropCounter, max_queue_size: int, **kwargs: Any) -> None:
         super().__init__(exporter, max_queue_size=max_queue_size, **kwargs)
         self._drops = drops
         self._max_queue = max_queue_size
-        # The SDK keeps its queue private; read its length if it is where 1.4x keeps it.
-        self._queue = getattr(getattr(self, "_batch_processor", None), "_queue", None)
+        batch = getattr(self, "_batch_processor", None)
+        self._queue = None
+        if batch is not None and hasattr(batch, "_metrics") and hasattr(batch._metrics, "drop_items"):
+            batch._metrics = _DropHook(batch._metrics, drops)
+        else:  # pragma: no cover - another SDK layout
+            self._queue = getattr(batch, "_queue", None)
 
     def on_end(self, span: ReadableSpan) -> None:
         if self._queue is not None and len(self._queue) >= self._max_queue:
@@ -150,6 +169,7 @@ def configure_telemetry(
                 _CountingExporter(span_exporter, drops),
                 drops,
                 max_queue_size=max_queue_size,
+                max_export_batch_size=min(512, max_queue_size),
                 schedule_delay_millis=schedule_delay_millis,
             )
         )
