@@ -34,15 +34,37 @@ SERVICE_NAME = "openalice-runner"
 
 
 class DropCounter:
-    """Spans lost on the way out, by reason: queue_full (processor queue at its bound) or export_failed."""
+    """Spans lost on the way out, by reason: queue_full (the processor's bounded queue overflowed) or
+    export_failed (collector down, disk full).
+
+    Drops are derived from spans in and out (ended - handed to the exporter - still queued) rather than
+    from the SDK's own drop signal, which can count a drop that a concurrent export made room for.
+    Exact whenever the queue is quiet; kept monotonic in between."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.counts: dict[str, int] = {"queue_full": 0, "export_failed": 0}
+        self.ended = 0
+        self.handed = 0  # spans passed to the exporter, successfully or not
+        self.failed = 0
+        self.queued: Any = lambda: 0
+        self._queue_full_peak = 0
 
-    def add(self, reason: str, n: int = 1) -> None:
+    def span_ended(self) -> None:
         with self._lock:
-            self.counts[reason] = self.counts.get(reason, 0) + n
+            self.ended += 1
+
+    def handed_over(self, n: int, ok: bool) -> None:
+        with self._lock:
+            self.handed += n
+            if not ok:
+                self.failed += n
+
+    @property
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            lost = self.ended - self.handed - self.queued()
+            self._queue_full_peak = max(self._queue_full_peak, lost)
+            return {"queue_full": self._queue_full_peak, "export_failed": self.failed}
 
     @property
     def total(self) -> int:
@@ -60,8 +82,7 @@ class _CountingExporter(SpanExporter):
             result = self.inner.export(spans)
         except Exception:  # an exporter bug must not kill the batch worker
             result = SpanExportResult.FAILURE
-        if result is not SpanExportResult.SUCCESS:
-            self.drops.add("export_failed", len(spans))
+        self.drops.handed_over(len(spans), ok=result is SpanExportResult.SUCCESS)
         return result
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
@@ -71,40 +92,22 @@ class _CountingExporter(SpanExporter):
         self.inner.shutdown()
 
 
-class _DropHook:
-    """Stands in for the batch processor's internal metrics object, which it tells of every drop."""
-
-    def __init__(self, inner: Any, drops: DropCounter) -> None:
-        self._inner, self._drops = inner, drops
-
-    def drop_items(self, count: int, error_type: str = "queue_full") -> None:
-        self._drops.add(error_type, count)
-        self._inner.drop_items(count, error_type)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
 class _CountingBatchSpanProcessor(BatchSpanProcessor):
-    """BatchSpanProcessor that counts the spans it drops (queue full, or ended after shutdown).
+    """BatchSpanProcessor that counts the spans it is given, so that DropCounter can tell what it lost."""
 
-    The SDK reports drops only to its internal metrics object; we hook that object (private in the
-    SDK 1.4x) and fall back to comparing the queue length with its bound if it ever moves."""
-
-    def __init__(self, exporter: SpanExporter, drops: DropCounter, max_queue_size: int, **kwargs: Any) -> None:
+    def __init__(
+        self, exporter: SpanExporter, drops: DropCounter, max_queue_size: int, **kwargs: Any
+    ) -> None:
         super().__init__(exporter, max_queue_size=max_queue_size, **kwargs)
         self._drops = drops
-        self._max_queue = max_queue_size
-        batch = getattr(self, "_batch_processor", None)
-        self._queue = None
-        if batch is not None and hasattr(batch, "_metrics") and hasattr(batch._metrics, "drop_items"):
-            batch._metrics = _DropHook(batch._metrics, drops)
-        else:  # pragma: no cover - another SDK layout
-            self._queue = getattr(batch, "_queue", None)
+        # The queue is private to the SDK (1.4x keeps it here); without it, drops show once it drains.
+        queue = getattr(getattr(self, "_batch_processor", None), "_queue", None)
+        if queue is not None:
+            drops.queued = lambda: len(queue)
 
     def on_end(self, span: ReadableSpan) -> None:
-        if self._queue is not None and len(self._queue) >= self._max_queue:
-            self._drops.add("queue_full")
+        if span.context is not None and span.context.trace_flags.sampled:
+            self._drops.span_ended()
         super().on_end(span)
 
 
