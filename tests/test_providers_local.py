@@ -20,7 +20,11 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
         },
     },
     {
@@ -158,7 +162,7 @@ async def test_malformed_tool_call_is_content_not_an_error():
 
 
 async def test_named_tool_choice_prefills_and_stops_at_the_close_tag():
-    engine = ScriptedEngine('{"city": "Lima"}}\n')
+    engine = ScriptedEngine('Lima"}}\n')
     p = local(engine)
     req = ChatRequest(
         messages=[{"role": "user", "content": "Lima?"}],
@@ -170,7 +174,9 @@ async def test_named_tool_choice_prefills_and_stops_at_the_close_tag():
         r.tool_calls[0].function.arguments
     ) == {"city": "Lima"}
     prompt = engine.tokenizer.decode(engine.prompts[0])
-    assert prompt.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert prompt.endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "'
+    )
     assert "</tool_call>" in engine.calls[0][0].stop
 
 
@@ -230,7 +236,7 @@ async def test_history_with_tool_results_is_rendered():
     r = await local(engine).chat(ChatRequest(messages=messages), CallContext())  # no tools offered now
     assert r.content == "It is sunny."
     prompt = engine.tokenizer.decode(engine.prompts[0])
-    assert "<tool_response>\nsunny, 21C\n</tool_response>" in prompt and '"city": "Paris"' in prompt
+    assert "The get_weather tool returned: sunny, 21C" in prompt and '"city": "Paris"' in prompt
 
 
 async def test_overload_is_refused_early():

@@ -122,10 +122,7 @@ def test_fallback_rendering_of_a_tool_conversation():
     assert out[2]["content"].count("<tool_call>") == 2
     parsed = tf.parse_tool_calls(out[2]["content"], NAMES)  # what we render, we parse back
     assert [json.loads(c.function.arguments)["city"] for c in parsed.tool_calls] == ["Paris", "Rome"]
-    assert (
-        out[3]["content"]
-        == "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>"
-    )
+    assert out[3]["content"] == "The get_weather tool returned: sunny\nThe get_weather tool returned: rain"
 
 
 def test_fallback_without_system_message_adds_one_and_none_choice_hides_tools():
@@ -138,6 +135,10 @@ def test_fallback_without_system_message_adds_one_and_none_choice_hides_tools():
 def test_prefill_pins_the_format():
     named = NamedToolChoice(function={"name": "get_weather"})
     assert tf.assistant_prefill(named) == '<tool_call>\n{"name": "get_weather", "arguments": '
+    # With the schema at hand, the first required key is opened too (the value is the model's).
+    assert tf.assistant_prefill(named, TOOLS).endswith('"arguments": {"city": "')
+    time_call = NamedToolChoice(function={"name": "get_time"})
+    assert tf.assistant_prefill(time_call, TOOLS).endswith('"arguments": ')
     assert tf.assistant_prefill("required").startswith("<tool_call>")
     assert tf.assistant_prefill("auto") == ""
     # The prefill plus a good continuation parses.

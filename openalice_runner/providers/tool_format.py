@@ -8,8 +8,9 @@ Two cases:
     * a system block lists each tool as one JSON line inside <tools></tools> and asks for
       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call;
     * an assistant message's tool calls become those blocks after its text;
-    * tool results become a user message of <tool_response>...</tool_response> blocks
-      (consecutive results merged), since such templates know no `tool` role.
+    * tool results become one user message, a line "The NAME tool returned: CONTENT" per result
+      (consecutive results merged), since such templates know no `tool` role. Plain words, not
+      Hermes' <tool_response> tags: SmolLM2 echoes the tags back instead of answering from them.
 
 Output is parsed the same way in both cases: every <tool_call> block whose JSON is an object with
 a string `name` (one of the offered tools) and object `arguments` becomes a ToolCall with
@@ -94,6 +95,7 @@ def render_fallback_messages(
     out: list[dict[str, Any]] = []
     block = tools_system_block(tools, tool_choice) if tools and tool_choice != "none" else None
     pending_results: list[str] = []
+    call_names: dict[str, str] = {}  # tool_call_id -> function name, from the assistant turns
 
     def flush_results() -> None:
         if pending_results:
@@ -104,7 +106,8 @@ def render_fallback_messages(
         role = msg["role"]
         content = msg.get("content") or ""
         if role == "tool":
-            pending_results.append(f"<tool_response>\n{content}\n</tool_response>")
+            name = call_names.get(msg.get("tool_call_id") or "", "function")
+            pending_results.append(f"The {name} tool returned: {content}")
             continue
         flush_results()
         if role in ("system", "developer"):
@@ -116,6 +119,7 @@ def render_fallback_messages(
             parts = [content] if content else []
             for tc in msg.get("tool_calls") or []:
                 fn = tc["function"]
+                call_names[tc.get("id", "")] = fn["name"]
                 parts.append(format_tool_call(fn["name"], fn.get("arguments", "{}")))
             out.append({"role": "assistant", "content": "\n".join(parts)})
         else:
