@@ -95,21 +95,36 @@ def _result_fields(result: Any) -> dict[str, Any]:
     }
 
 
+# What the spans and metrics read off the engine's GenerationStats (read field by field: asdict() of the
+# whole dataclass costs more than the rest of the tracing of a call).
+_STATS_FIELDS = (
+    "method", "gamma", "draft_proposed", "draft_accepted", "acceptance_rate", "target_passes",
+    "mean_tokens_per_pass", "tokens_per_second", "ttft_s", "draft_s", "verify_s", "total_s",
+    "queue_s", "decode_s", "rule", "policy_version",
+)  # fmt: skip
+_SPEC_FIELDS = ("method", "gamma", "proposed", "accepted", "acceptance_rate", "target_passes", "rule",
+                "policy_version", "pool")  # fmt: skip
+
+
 def _figures(speculation: Any, stats: Any) -> dict[str, Any] | None:
-    """One view of a call's figures: the engine's stats (latency parts, accept histogram) under the
-    reported SpeculationInfo (which also names the pool)."""
+    """One view of a call's figures: the engine's stats (latency parts) under the reported
+    SpeculationInfo (which also names the pool)."""
     if speculation is None and stats is None:
         return None
     merged: dict[str, Any] = {}
     if stats is not None:
-        merged.update(stats.to_dict() if hasattr(stats, "to_dict") else dict(vars(stats)))
+        for name in _STATS_FIELDS:
+            value = getattr(stats, name, None)
+            if value is not None:
+                merged[name] = value
     if speculation is not None:
-        spec = (
-            speculation.model_dump(exclude_none=True) if hasattr(speculation, "model_dump") else speculation
-        )
-        merged.update({k: v for k, v in dict(spec).items() if v is not None})
-        if "accept_length" in merged:
-            merged.setdefault("mean_tokens_per_pass", merged["accept_length"])
+        for name in _SPEC_FIELDS:
+            value = _get(speculation, name)
+            if value is not None:
+                merged[name] = value
+        accept_length = _get(speculation, "accept_length")
+        if accept_length is not None:
+            merged.setdefault("mean_tokens_per_pass", accept_length)
     return merged
 
 

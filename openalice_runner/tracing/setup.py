@@ -20,7 +20,7 @@ from typing import Any, Literal
 import structlog
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -182,7 +182,10 @@ def configure_telemetry(
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
-    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    # No exemplars: nothing here reads them, and sampling them costs every histogram record.
+    meter_provider = MeterProvider(
+        resource=resource, metric_readers=readers, exemplar_filter=AlwaysOffExemplarFilter()
+    )
     if set_global:
         trace.set_tracer_provider(tracer_provider)
         otel_metrics.set_meter_provider(meter_provider)

@@ -35,13 +35,21 @@ def _version() -> str:
     return __version__
 
 
+_MISSING = object()
+
+
 def _get(obj: Any, name: str, default: Any = None) -> Any:
-    """Read a field from a pydantic model, dataclass or dict alike."""
+    """Read a field from a pydantic model, dataclass or dict alike (hot: called dozens of times a call)."""
     if obj is None:
         return default
+    if type(obj) is dict:
+        return obj.get(name, default)
+    value = getattr(obj, name, _MISSING)
+    if value is not _MISSING:
+        return value
     if isinstance(obj, Mapping):
         return obj.get(name, default)
-    return getattr(obj, name, default)
+    return default
 
 
 def _to_jsonable(obj: Any) -> Any:
@@ -245,7 +253,7 @@ class RunnerTelemetry:
         self._accepted_length = meter.create_histogram(
             A.METRIC_ACCEPTED_LENGTH,
             unit="{token}",
-            description="Draft tokens accepted per verify round.",
+            description="Mean draft tokens accepted per verify round, one value per model call.",
             explicit_bucket_boundaries_advisory=list(A.ACCEPTED_LENGTH_BUCKETS),
         )
         self._tokens_per_second = meter.create_histogram(
@@ -498,12 +506,14 @@ class RunnerTelemetry:
             tps = output_tokens / output_s
         if tps:
             self._tokens_per_second.record(float(tps), labels)
-        histogram = _get(speculation, "accept_length_histogram")
-        if histogram:
-            # histogram[k] = rounds that accepted k drafts; one record per round keeps the distribution.
-            for accepted, rounds in enumerate(histogram):
-                for _ in range(int(rounds)):
-                    self._accepted_length.record(accepted, labels)
+        proposed = _first(speculation, "proposed", "draft_proposed")
+        gamma = _get(speculation, "gamma")
+        if proposed and gamma:
+            # Mean drafts accepted per verify round of this call (one record per call, not per round:
+            # a long generation would otherwise pay for hundreds of records).
+            rounds = proposed / gamma
+            accepted = _first(speculation, "accepted", "draft_accepted") or 0
+            self._accepted_length.record(accepted / rounds, labels)
 
 
 def _span_attr(span: Span, key: str) -> Any:
@@ -516,7 +526,7 @@ def _request_attributes(request: Any, record_content: bool) -> dict[str, Any]:
     if request is None:
         return {}
     out: dict[str, Any] = {}
-    sampling = _get(request, "sampling") or request
+    sampling = request  # ChatRequest carries the sampling fields itself
     for key, name in (
         (A.GEN_AI_REQUEST_TEMPERATURE, "temperature"),
         (A.GEN_AI_REQUEST_TOP_P, "top_p"),
