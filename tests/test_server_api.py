@@ -544,3 +544,38 @@ def test_metrics_scrape_counts_the_request(stack):
     # The GenAI histograms recorded by RunnerTelemetry, rendered for Prometheus.
     assert _sample(after, "gen_ai_client_operation_duration_seconds_count", openalice_turn_type="rag") >= 1
     assert _sample(after, "gen_ai_client_token_usage_count", gen_ai_token_type="output") >= 1
+
+
+def test_client_leaving_mid_stream_frees_its_slot_and_ends_its_turn(stack):
+    url = stack.server.url
+    labels = {"turn_type": "leaving", "stream": "true"}
+    with httpx.stream(
+        "POST",
+        f"{stack.base}/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "Write at length"}],
+            "max_tokens": 256,
+            "stream": True,
+        },
+        headers={"Authorization": f"Bearer {API_KEY}", "X-OpenAlice-Turn-Type": "leaving"},
+        timeout=60,
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # leave after the first event
+
+    def settled():
+        text = httpx.get(f"{url}/metrics").text
+        done = sum(
+            _sample(text, "openalice_chat_completions_total", outcome=o, **labels)
+            for o in ("ok", "cancelled")
+        )
+        return text, done
+
+    text, done = _wait_for(settled, lambda v: v[1] == 1)
+    assert _sample(text, "openalice_requests_in_flight") == 0
+    assert _sample(text, "openalice_chat_completions_total", outcome="error", **labels) == 0
+    spans = [
+        s for s in stack.spans.get_finished_spans() if s.attributes.get("openalice.turn.type") == "leaving"
+    ]
+    assert {s.name.split()[0] for s in spans} == {"invoke_agent", "chat"}  # both ended, none left open

@@ -14,10 +14,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
 from openalice_runner.providers.base import CallContext
@@ -26,6 +25,7 @@ from openalice_runner.server.errors import APIError, install_error_handlers
 from openalice_runner.server.guard import GuardMiddleware
 from openalice_runner.server.mapping import api_error_from as _map_error
 from openalice_runner.server.metrics import ServerMetrics
+from openalice_runner.server.streaming import GuardedStreamingResponse, SSEStream
 from openalice_runner.server.turns import Step, TurnTracker
 from openalice_runner.tracing.instrumented import OTEL_CONTEXT_KEY
 from openalice_runner.tracing.telemetry import RunnerTelemetry
@@ -168,87 +168,18 @@ def create_app(
             tracker.finish(step, error=exc)
             metrics.chat_completions.labels(**labels, outcome=_outcome(exc)).inc()
             raise api_error_from(exc) from exc
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _sse_events(first, chunks, step, include_usage, labels, t0)
-        return StreamingResponse(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        stream = SSEStream(
+            first=first,
+            chunks=chunks,
+            step=step,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            turn_type=ctx.turn_type,
+            t0=t0,
+            tracker=tracker,
+            metrics=metrics,
+            to_api_error=api_error_from,
         )
-
-    async def _sse_events(
-        first: ChatChunk | None,
-        chunks: AsyncIterator[ChatChunk],
-        step: Step,
-        include_usage: bool,
-        labels: dict[str, str],
-        t0: float,
-    ) -> AsyncIterator[bytes]:
-        calls: dict[int, list[str]] = {}  # tool call index -> [id, name]
-        finish_reason: str | None = None
-        usage: Any = None
-        last: ChatChunk | None = None
-        error: BaseException | None = None
-        first_token_seen = False
-        try:
-            chunk = first
-            while chunk is not None:
-                last = chunk
-                for delta in chunk.tool_call_deltas:
-                    entry = calls.setdefault(delta.index, ["", ""])
-                    if delta.id:
-                        entry[0] = delta.id
-                    if delta.function and delta.function.name:
-                        entry[1] = delta.function.name
-                finish_reason = chunk.finish_reason or finish_reason
-                usage = chunk.usage or usage
-                if not first_token_seen and (chunk.delta_text or chunk.tool_call_deltas):
-                    first_token_seen = True
-                    metrics.ttft.labels(turn_type=labels["turn_type"]).observe(time.perf_counter() - t0)
-                data = chunk.to_openai()
-                data.pop("usage", None)
-                if include_usage:
-                    data["usage"] = None
-                if data["choices"]:
-                    yield _sse(data)
-                try:
-                    chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    chunk = None
-            if include_usage and usage is not None and last is not None:
-                final = {
-                    "id": last.id,
-                    "object": "chat.completion.chunk",
-                    "created": last.created,
-                    "model": last.model,
-                    "choices": [],
-                    "usage": usage.model_dump(),
-                }
-                if last.speculation is not None:
-                    final["speculation"] = last.speculation.model_dump()
-                yield _sse(final)
-            yield b"data: [DONE]\n\n"
-        except Exception as exc:  # failed mid-stream: the status line is gone, so say it in the stream
-            error = exc
-            api_error = api_error_from(exc)
-            log.warning("stream failed", error_type=type(exc).__name__, status=api_error.status_code)
-            yield _sse(api_error.body())
-        except BaseException as exc:  # cancelled: the client went away
-            error = exc
-            raise
-        finally:
-            with anyio.CancelScope(shield=True):
-                aclose = getattr(chunks, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-            metrics.in_flight.dec()
-            tool_calls = [(cid, name) for cid, name in calls.values() if cid and name]
-            tracker.finish(step, finish_reason=finish_reason, tool_calls=tool_calls, error=error)
-            metrics.open_turns.set(len(tracker))
-            metrics.chat_completions.labels(
-                **labels, outcome="ok" if error is None else _outcome(error)
-            ).inc()
-            if usage is not None:
-                metrics.tokens.labels(type="input").inc(usage.prompt_tokens)
-                metrics.tokens.labels(type="output").inc(usage.completion_tokens)
+        return GuardedStreamingResponse(stream, headers={"Cache-Control": "no-cache"})
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -306,12 +237,6 @@ def _turn_parent(request: Request, *, tracked: bool) -> Any:
     if trace.get_current_span().get_span_context().is_valid:
         return None  # the current context: the HTTP server span
     return caller
-
-
-def _sse(data: dict[str, Any]) -> bytes:
-    import json
-
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
 def _outcome(exc: BaseException) -> str:

@@ -1,0 +1,153 @@
+"""Server-sent events for a streamed chat completion, in OpenAI's chunk format.
+
+The stream's bookkeeping (in-flight gauge, the turn's step, metrics, closing the provider's stream)
+runs exactly once however the stream ends: finished, failed mid-way (an error event, since the status
+line is gone), cancelled by a client that went away, or never started at all (a client that left
+before the first byte: then the body generator never runs, and GuardedStreamingResponse closes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+import structlog
+from starlette.responses import StreamingResponse
+
+from openalice_runner.server.errors import APIError
+from openalice_runner.server.metrics import ServerMetrics
+from openalice_runner.server.turns import Step, TurnTracker
+from openalice_runner.types import ChatChunk
+
+log = structlog.get_logger("openalice_runner.server")
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+class SSEStream:
+    def __init__(
+        self,
+        *,
+        first: ChatChunk | None,
+        chunks: AsyncIterator[ChatChunk],
+        step: Step,
+        include_usage: bool,
+        turn_type: str,
+        t0: float,
+        tracker: TurnTracker,
+        metrics: ServerMetrics,
+        to_api_error: Callable[[BaseException], APIError],
+    ) -> None:
+        self.first, self.chunks, self.step = first, chunks, step
+        self.include_usage, self.turn_type, self.t0 = include_usage, turn_type, t0
+        self.tracker, self.metrics, self.to_api_error = tracker, metrics, to_api_error
+        self.calls: dict[int, list[str]] = {}  # tool call index -> [id, name]
+        self.finish_reason: str | None = None
+        self.usage: Any = None
+        self.closed = False
+
+    async def events(self) -> AsyncIterator[bytes]:
+        error: BaseException | None = None
+        last: ChatChunk | None = None
+        first_token = False
+        try:
+            chunk = self.first
+            while chunk is not None:
+                last = chunk
+                self._note(chunk)
+                if not first_token and (chunk.delta_text or chunk.tool_call_deltas):
+                    first_token = True
+                    self.metrics.ttft.labels(turn_type=self.turn_type).observe(time.perf_counter() - self.t0)
+                data = chunk.to_openai()
+                data.pop("usage", None)
+                if self.include_usage:
+                    data["usage"] = None  # OpenAI: null on every chunk but the last
+                if data["choices"]:
+                    yield sse(data)
+                try:
+                    chunk = await self.chunks.__anext__()
+                except StopAsyncIteration:
+                    chunk = None
+            if self.include_usage and self.usage is not None and last is not None:
+                final = {
+                    "id": last.id,
+                    "object": "chat.completion.chunk",
+                    "created": last.created,
+                    "model": last.model,
+                    "choices": [],
+                    "usage": self.usage.model_dump(),
+                }
+                if last.speculation is not None:
+                    final["speculation"] = last.speculation.model_dump()
+                yield sse(final)
+            yield b"data: [DONE]\n\n"
+        except Exception as exc:
+            error = exc
+            api_error = self.to_api_error(exc)
+            log.warning("stream failed", error_type=type(exc).__name__, status=api_error.status_code)
+            yield sse(api_error.body())
+        except BaseException as exc:  # cancelled: the client went away
+            error = exc
+            raise
+        finally:
+            await self.close(error)
+
+    def _note(self, chunk: ChatChunk) -> None:
+        for delta in chunk.tool_call_deltas:
+            entry = self.calls.setdefault(delta.index, ["", ""])
+            if delta.id:
+                entry[0] = delta.id
+            if delta.function and delta.function.name:
+                entry[1] = delta.function.name
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.usage = chunk.usage or self.usage
+
+    async def close(self, error: BaseException | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):  # closing the provider's stream must not be cancelled itself
+            aclose = getattr(self.chunks, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception as exc:  # already failed; the stream's own error is what counts
+                    log.warning("closing provider stream failed", error_type=type(exc).__name__)
+        m = self.metrics
+        m.in_flight.dec()
+        tool_calls = [(cid, name) for cid, name in self.calls.values() if cid and name]
+        self.tracker.finish(self.step, finish_reason=self.finish_reason, tool_calls=tool_calls, error=error)
+        m.open_turns.set(len(self.tracker))
+        outcome = "ok" if error is None else ("cancelled" if _is_cancel(error) else "error")
+        m.chat_completions.labels(turn_type=self.turn_type, stream="true", outcome=outcome).inc()
+        if self.usage is not None:
+            m.tokens.labels(type="input").inc(self.usage.prompt_tokens)
+            m.tokens.labels(type="output").inc(self.usage.completion_tokens)
+
+
+def _is_cancel(exc: BaseException) -> bool:
+    return isinstance(exc, asyncio.CancelledError | GeneratorExit | anyio.get_cancelled_exc_class())
+
+
+class _ClientGone(asyncio.CancelledError):
+    """The response ended before its body started: the client left."""
+
+
+class GuardedStreamingResponse(StreamingResponse):
+    """StreamingResponse that runs `on_close` if the body generator never got to run its own cleanup."""
+
+    def __init__(self, stream: SSEStream, **kwargs: Any) -> None:
+        super().__init__(stream.events(), media_type="text/event-stream", **kwargs)
+        self._on_close: Callable[[BaseException | None], Awaitable[None]] = stream.close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close(_ClientGone())  # a no-op when the stream closed itself
