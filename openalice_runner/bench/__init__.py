@@ -1,0 +1,1 @@
+"""Benchmarks of the embedded engine against itself and transformers' own generate."""

@@ -1,0 +1,232 @@
+"""`openalice-runner bench`: every case with every method, side by side in one process.
+
+Methods:
+- `off`, `ngram`, `draft`: the embedded engine;
+- `policy`: method and γ from a policy file, per case's turn type;
+- `hf-plain`, `hf-prompt-lookup`: transformers' own `generate` on the same model and dtype
+  (the peer to beat); `hf-prompt-lookup` is the faster of 4 and 10 lookup tokens.
+All runs are greedy. Within a case the methods run back to back, so slow drifts of a noisy
+machine hit them alike; with `--repeat` each row holds the median.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from openalice_runner.bench.workload import COPY_HEAVY, OPEN_ENDED, Case, render_case
+from openalice_runner.engine import Engine, SamplingParams, SpecConfig
+
+ENGINE_METHODS = ("off", "ngram", "draft")
+HF_METHODS = ("hf-plain", "hf-prompt-lookup")
+ALL_METHODS = (*ENGINE_METHODS, "policy", *HF_METHODS)
+HF_LOOKUP_TOKENS = (4, 10)
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    seconds: float
+    gamma: int
+    acceptance_rate: float | None = None
+    mean_accept_length: float | None = None
+    target_passes: int | None = None
+    method_used: str | None = None
+    rule: str | None = None
+    policy_version: str | None = None
+
+
+def run_engine(engine: Engine, prompt: list[int], max_tokens: int, spec: SpecConfig) -> Run:
+    result = engine.generate(prompt, SamplingParams(max_tokens=max_tokens), spec)
+    s = result.stats
+    return Run(
+        tokens=result.token_ids,
+        seconds=s.total_s,
+        gamma=s.gamma,
+        acceptance_rate=s.acceptance_rate,
+        mean_accept_length=s.mean_tokens_per_pass,
+        target_passes=s.target_passes,
+        method_used=s.method,
+    )
+
+
+def run_hf(engine: Engine, prompt: list[int], max_tokens: int, lookup: int | None) -> Run:
+    eos = sorted(engine.eos_token_ids)
+    kwargs = {
+        "max_new_tokens": max_tokens,
+        "do_sample": False,
+        "eos_token_id": eos,
+        "pad_token_id": eos[0],
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+    }
+    if lookup:
+        kwargs["prompt_lookup_num_tokens"] = lookup
+    ids = torch.tensor([prompt])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = engine.hf_model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    seconds = time.perf_counter() - start
+    tokens = out[0, len(prompt) :].tolist()
+    for i, t in enumerate(tokens):  # our engine reports ids without the EOS
+        if t in engine.eos_token_ids:
+            tokens = tokens[:i]
+            break
+    return Run(tokens=tokens, seconds=seconds, gamma=lookup or 0)
+
+
+def median_run(runs: list[Run]) -> Run:
+    ordered = sorted(runs, key=lambda r: r.seconds)
+    return ordered[len(ordered) // 2]
+
+
+def bench(
+    engine: Engine,
+    cases: list[Case],
+    methods: list[str],
+    gamma: int = 5,
+    repeat: int = 1,
+    policy_store=None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    unknown = [m for m in methods if m not in ALL_METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
+    if "policy" in methods and policy_store is None:
+        raise ValueError("method 'policy' needs --policy FILE")
+    # Warm up allocator, thread pool and caches so the first measured row is not penalised.
+    warm = engine.encode("Hello there, how are you?")
+    engine.generate(warm, SamplingParams(max_tokens=8), SpecConfig(method="ngram", gamma=3))
+
+    rows = []
+    for case in cases:
+        prompt = render_case(engine, case)
+        reference: list[int] | None = None
+        for method in methods:
+            run = median_run([_one(engine, case, prompt, method, gamma, policy_store) for _ in range(repeat)])
+            if method == "off":
+                reference = run.tokens
+            row = {
+                "case": case.id,
+                "turn_type": case.turn_type,
+                "method": method,
+                "gamma": run.gamma,
+                "tokens": len(run.tokens),
+                "seconds": round(run.seconds, 4),
+                "tokens_per_second": round(len(run.tokens) / run.seconds, 3) if run.seconds else 0.0,
+                "acceptance_rate": None if run.acceptance_rate is None else round(run.acceptance_rate, 4),
+                "mean_accept_length": None if run.mean_accept_length is None else round(run.mean_accept_length, 3),
+                "target_passes": run.target_passes,
+                "identical_to_off": None if reference is None else run.tokens == reference,
+                "prompt_tokens": len(prompt),
+            }
+            if method == "policy":
+                row.update(policy_method=run.method_used, rule=run.rule, policy_version=run.policy_version)
+            rows.append(row)
+            if progress:
+                progress(_row_line(row))
+    return {"runs": rows, "summary": summarize(rows, methods)}
+
+
+def _one(engine: Engine, case: Case, prompt: list[int], method: str, gamma: int, policy_store) -> Run:
+    if method in ENGINE_METHODS:
+        return run_engine(engine, prompt, case.max_tokens, SpecConfig(method=method, gamma=gamma))
+    if method == "policy":
+        from openalice_runner.policies import RequestContext
+
+        decision = policy_store.decide(RequestContext(turn_type=case.turn_type, batch_size=1, provider="local"))
+        result = engine.generate(prompt, SamplingParams(max_tokens=case.max_tokens), decision.to_spec_config())
+        result.stats.rule, result.stats.policy_version = decision.rule, decision.policy_version
+        policy_store.observe(case.turn_type, decision.method, "local", result.stats)
+        s = result.stats
+        return Run(result.token_ids, s.total_s, s.gamma, s.acceptance_rate, s.mean_tokens_per_pass,
+                   s.target_passes, decision.method, str(decision.rule), decision.policy_version)
+    if method == "hf-plain":
+        return run_hf(engine, prompt, case.max_tokens, None)
+    # hf-prompt-lookup: the faster of its two usual settings
+    return min((run_hf(engine, prompt, case.max_tokens, n) for n in HF_LOOKUP_TOKENS), key=lambda r: r.seconds)
+
+
+def _geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v and v > 0]
+    return round(math.exp(statistics.fmean(math.log(v) for v in values)), 3) if values else None
+
+
+def summarize(rows: list[dict], methods: list[str]) -> dict:
+    tps = {(r["case"], r["method"]): r["tokens_per_second"] for r in rows}
+    group_of = {r["case"]: r["turn_type"] for r in rows}
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+
+    def ratios(a: str, b: str, groups: tuple[str, ...] | None = None) -> list[float]:
+        return [
+            tps[(c, a)] / tps[(c, b)]
+            for c in cases
+            if (groups is None or group_of[c] in groups) and tps.get((c, a)) and tps.get((c, b))
+        ]
+
+    summary: dict = {"cases": len(cases), "methods": methods}
+    for m in methods:
+        summary[f"{m}_tokens_per_second_geomean"] = _geomean([tps[(c, m)] for c in cases if (c, m) in tps])
+    pairs = [(m, "off") for m in methods if m != "off"]
+    if "hf-plain" in methods:
+        pairs.append(("off", "hf-plain"))
+    if "hf-prompt-lookup" in methods and "ngram" in methods:
+        pairs.append(("ngram", "hf-prompt-lookup"))
+    for a, b in pairs:
+        if a not in methods or b not in methods:
+            continue
+        key = f"{a}_vs_{b}".replace("-", "_")
+        summary[key] = {
+            "copy_heavy_geomean": _geomean(ratios(a, b, COPY_HEAVY)),
+            "open_ended_geomean": _geomean(ratios(a, b, OPEN_ENDED)),
+            "all_geomean": _geomean(ratios(a, b)),
+            "min": round(min(ratios(a, b)), 3) if ratios(a, b) else None,
+            "open_ended_min": round(min(ratios(a, b, OPEN_ENDED)), 3) if ratios(a, b, OPEN_ENDED) else None,
+        }
+    if "policy" in methods and "off" in methods and "ngram" in methods:
+        worst = [tps[(c, "policy")] / max(tps[(c, "off")], tps[(c, "ngram")]) for c in cases]
+        summary["policy_vs_best_of_off_ngram_min"] = round(min(worst), 3)
+    identical = {}
+    for m in methods:
+        flags = [r["identical_to_off"] for r in rows if r["method"] == m and r["identical_to_off"] is not None]
+        if m != "off" and flags:
+            identical[m] = f"{sum(flags)}/{len(flags)}"
+    summary["identical_to_off"] = identical
+    return summary
+
+
+def _row_line(row: dict) -> str:
+    acc = "" if row["acceptance_rate"] is None else f" acc={row['acceptance_rate']:.2f}"
+    mal = "" if row["mean_accept_length"] is None else f" tok/pass={row['mean_accept_length']:.2f}"
+    same = "" if row["identical_to_off"] is None else f" same={'yes' if row['identical_to_off'] else 'NO'}"
+    return (f"{row['case']:<24} {row['method']:<17} {row['tokens']:>4} tok {row['seconds']:>7.2f} s "
+            f"{row['tokens_per_second']:>7.2f} tok/s{acc}{mal}{same}")
+
+
+def format_table(report: dict) -> str:
+    """A readable table: tokens/s per case (rows) and method (columns), with ratios to off."""
+    rows = report["runs"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cases = list(dict.fromkeys((r["case"], r["turn_type"]) for r in rows))
+    tps = {(r["case"], r["method"]): r for r in rows}
+    head = "| case | turn type | " + " | ".join(methods) + " |"
+    lines = [head, "|" + "---|" * (len(methods) + 2)]
+    for case, turn in cases:
+        cells = []
+        off = tps.get((case, "off"))
+        for m in methods:
+            r = tps[(case, m)]
+            cell = f"{r['tokens_per_second']:.1f}"
+            if off and m != "off" and off["tokens_per_second"]:
+                cell += f" ({r['tokens_per_second'] / off['tokens_per_second']:.2f}×)"
+            if r["identical_to_off"] is False:
+                cell += " ≠"
+            cells.append(cell)
+        lines.append(f"| {case} | {turn} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,53 @@
+"""`openalice-runner bench`: workload cases × methods, side by side, greedy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from openalice_runner.cli.common import add_engine_args, load_engine, load_policy, positive_int
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark methods on a workload file, side by side")
+    p.add_argument("--workload", required=True, help="JSON-lines workload (see shared/workloads/README.md)")
+    p.add_argument("--cases", default=None, help="comma-separated case ids (default: all)")
+    p.add_argument("--methods", default="off,ngram,draft,hf-plain,hf-prompt-lookup",
+                   help="comma-separated: off, ngram, draft, policy, hf-plain, hf-prompt-lookup")
+    p.add_argument("--gamma", type=positive_int, default=5)
+    p.add_argument("--repeat", type=positive_int, default=1, help="runs per row; the row holds the median")
+    p.add_argument("--policy", default=None, help="policy file: adds the method 'policy'")
+    p.add_argument("--json", dest="json_out", default=None, help="write the report here")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from openalice_runner.bench.runner import bench, format_table
+    from openalice_runner.bench.workload import load_workload
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    store = load_policy(args.policy)
+    if store is not None and "policy" not in methods:
+        methods.append("policy")
+    try:
+        cases = load_workload(args.workload, args.cases.split(",") if args.cases else None)
+    except (OSError, ValueError) as exc:
+        print(f"error: --workload: {exc}", file=sys.stderr)
+        return 2
+    engine = load_engine(args)
+    try:
+        report = bench(engine, cases, methods, gamma=args.gamma, repeat=args.repeat, policy_store=store,
+                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report["settings"] = {"dtype": args.dtype, "gamma": args.gamma, "repeat": args.repeat,
+                          "model": engine.model_name, "policy": args.policy}
+    print(format_table(report))
+    print(json.dumps(report["summary"], indent=2))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    return 0

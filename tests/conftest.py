@@ -1,0 +1,33 @@
+"""Shared fixtures. Models are offline only; torch threads are capped so tests share the CPU well."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "workloads", "agentic.jsonl")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine():
+    from openalice_runner.engine import Engine
+
+    return Engine.tiny_random(seed=0)
+
+
+@pytest.fixture(scope="session")
+def real_engine_fp32():
+    from openalice_runner.engine import Engine
+
+    return Engine.load(dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def workload_path():
+    if not os.path.exists(WORKLOAD):
+        pytest.skip(f"workload file not found at {WORKLOAD} (shared/ must sit beside the checkout)")
+    return WORKLOAD

@@ -1,0 +1,75 @@
+"""Greedy speculative output equals plain output token for token (fp32).
+
+Drafters: an all-accept oracle (proposes the plain run's own continuation), an all-reject
+one (proposes tokens the target never picks), n-gram and the self-draft.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from openalice_runner.engine import SamplingParams, SpecConfig
+from openalice_runner.engine.drafters.base import Drafter, Proposal
+
+
+class OracleDrafter(Drafter):
+    """Proposes the reference continuation (all accepted) or a wrong token (all rejected)."""
+
+    def __init__(self, prompt_len: int, reference: list[int], vocab: int, accept: bool):
+        self.prompt_len, self.reference, self.vocab, self.accept = prompt_len, reference, vocab, accept
+
+    def propose(self, history, gamma, sampling, generator):
+        done = len(history) - self.prompt_len
+        upcoming = self.reference[done : done + gamma]
+        if not self.accept:
+            upcoming = [(t + 1) % self.vocab for t in upcoming]
+        return Proposal(upcoming)
+
+
+def check_all_drafters(engine, prompt: list[int], max_tokens: int, gammas=(1, 3, 5, 8)):
+    sampling = SamplingParams(max_tokens=max_tokens)
+    plain = engine.generate(prompt, sampling, SpecConfig(method="off"))
+    assert plain.stats.target_passes == max(0, plain.stats.completion_tokens - 1) or plain.finish_reason == "stop"
+    vocab = engine.model.cfg.vocab_size
+    for gamma in gammas:
+        spec = SpecConfig(method="draft", gamma=gamma)
+        accept_all = engine.generate(prompt, sampling, spec,
+                                     drafter=OracleDrafter(len(prompt), plain.token_ids, vocab, True))
+        assert accept_all.token_ids == plain.token_ids
+        if accept_all.stats.draft_proposed:
+            assert accept_all.stats.acceptance_rate == 1.0
+        reject_all = engine.generate(prompt, sampling, spec,
+                                     drafter=OracleDrafter(len(prompt), plain.token_ids, vocab, False))
+        assert reject_all.token_ids == plain.token_ids
+        assert reject_all.stats.draft_accepted == 0
+        for method in ("ngram", "draft"):
+            out = engine.generate(prompt, sampling, SpecConfig(method=method, gamma=gamma))
+            assert out.token_ids == plain.token_ids, (method, gamma)
+            assert out.text == plain.text
+    return plain
+
+
+def test_greedy_equality_tiny_model(tiny_engine):
+    for text in ("The quick brown fox jumps over the lazy dog. The quick brown fox", "def f(x):\n    return x"):
+        prompt = tiny_engine.encode(text)
+        check_all_drafters(tiny_engine, prompt, max_tokens=40)
+
+
+def test_all_accept_uses_fewer_passes(tiny_engine):
+    prompt = tiny_engine.encode("one two three four")
+    sampling = SamplingParams(max_tokens=30)
+    plain = tiny_engine.generate(prompt, sampling)
+    fast = tiny_engine.generate(prompt, sampling, SpecConfig(method="draft", gamma=5),
+                                drafter=OracleDrafter(len(prompt), plain.token_ids, 10, True))
+    assert fast.token_ids == plain.token_ids
+    # 30 tokens: 1 from prefill, then rounds of 6 -> 5 passes
+    assert fast.stats.target_passes == 5
+    assert fast.stats.accept_length_histogram[-1] == fast.stats.target_passes - (1 if 29 % 6 else 0)
+
+
+@pytest.mark.slow
+def test_greedy_equality_real_model(real_engine_fp32):
+    engine = real_engine_fp32
+    prompt = engine.render_chat([{"role": "user", "content": "Repeat exactly: alpha beta gamma delta. Then count to five."}])
+    plain = check_all_drafters(engine, prompt, max_tokens=48, gammas=(1, 5))
+    assert plain.stats.completion_tokens > 5

@@ -1,0 +1,76 @@
+"""n-gram (prompt lookup) search: hand-worked cases and the index against a plain scan."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openalice_runner.engine.drafters.ngram import NgramDrafter, NgramIndex, find_continuation
+from openalice_runner.engine.types import SamplingParams
+
+
+def lookup(context, n_min=1, n_max=4, k=5):
+    index = NgramIndex(n_min, n_max)
+    index.extend(context)
+    return index.lookup(k)
+
+
+def test_longest_match_wins():
+    # suffix [1, 2, 3]: the 3-gram occurs once (followed by 9); the 1-gram [3] also at the end (followed by 7)
+    context = [1, 2, 3, 9, 9, 5, 3, 7, 1, 2, 3]
+    assert lookup(context) == [9, 9, 5, 3, 7]
+    assert find_continuation(context, 1, 4, 5) == [9, 9, 5, 3, 7]
+
+
+def test_latest_occurrence_wins_for_equal_length():
+    context = [4, 5, 6, 4, 5, 8, 4, 5]
+    # the 2-gram [4, 5] occurs at 0 (-> 6) and 3 (-> 8); the latest is used
+    assert lookup(context, 1, 2, 3) == [8, 4, 5]
+
+
+def test_nothing_proposed_without_a_match():
+    assert lookup([1, 2, 3, 4]) == []
+    assert lookup([7]) == []
+    assert lookup([]) == []
+
+
+def test_n_min_limits_short_matches():
+    context = [1, 2, 9, 3, 2]
+    assert lookup(context, n_min=1, n_max=3, k=2) == [9, 3]
+    assert lookup(context, n_min=2, n_max=3, k=2) == []
+
+
+def test_proposal_is_capped_by_gamma_and_context_end():
+    context = [1, 2, 3, 1, 2]
+    assert lookup(context, k=2) == [3, 1]
+    assert lookup(context, k=10) == [3, 1, 2]
+
+
+def test_incremental_extension_equals_fresh_index():
+    context = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]
+    incremental = NgramIndex(1, 3)
+    for i, t in enumerate(context):
+        incremental.extend([t])
+        assert incremental.lookup(4) == find_continuation(context[: i + 1], 1, 3, 4)
+
+
+def test_drafter_follows_growing_history():
+    drafter = NgramDrafter(1, 3)
+    prompt = [10, 11, 12, 13, 14, 10, 11]
+    drafter.start(prompt)
+    assert drafter.propose(prompt, 3, SamplingParams(), None).tokens == [12, 13, 14]
+    history = prompt + [12, 13, 99]
+    assert drafter.propose(history, 3, SamplingParams(), None).tokens == []
+    assert drafter.propose(history + [10], 2, SamplingParams(), None).tokens == [11, 12]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    context=st.lists(st.integers(0, 5), max_size=60),
+    n_min=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    k=st.integers(1, 8),
+)
+def test_index_matches_plain_scan(context, n_min, extra, k):
+    n_max = n_min + extra
+    assert lookup(context, n_min, n_max, k) == find_continuation(context, n_min, n_max, k)
