@@ -68,6 +68,11 @@ def create_app(
         policy = getattr(runner, "policy", None)
         if settings.watch_policy and policy is not None:
             policy.start_watching()
+        # Load embedded models before taking traffic: the first request should not pay for it.
+        for provider in getattr(runner, "providers", {}).values():
+            ensure_loaded = getattr(provider, "ensure_loaded", None)
+            if ensure_loaded is not None:
+                await ensure_loaded()
         reaper = asyncio.create_task(_reap_idle_turns(tracker, metrics))
         try:
             yield
