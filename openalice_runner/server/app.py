@@ -129,7 +129,7 @@ def create_app(
         span_ctx = step.turn.span.get_span_context()
         request.state.trace_ids = (format(span_ctx.trace_id, "032x"), format(span_ctx.span_id, "016x"))
         if body.stream:
-            return await _stream(body, ctx, step, request)
+            return await _stream(body, ctx, step)
         return await _complete(body, ctx, step)
 
     async def _complete(body: ChatRequest, ctx: CallContext, step: Step) -> Response:
@@ -143,6 +143,8 @@ def create_app(
         except BaseException as exc:
             tracker.finish(step, error=exc)
             metrics.chat_completions.labels(**labels, outcome=_outcome(exc)).inc()
+            if not isinstance(exc, Exception):
+                raise  # cancellation and exits propagate as themselves
             raise api_error_from(exc) from exc
         finally:
             metrics.in_flight.dec()
@@ -158,7 +160,7 @@ def create_app(
         metrics.tokens.labels(type="output").inc(result.usage.completion_tokens)
         return JSONResponse(result.to_openai())
 
-    async def _stream(body: ChatRequest, ctx: CallContext, step: Step, request: Request) -> Response:
+    async def _stream(body: ChatRequest, ctx: CallContext, step: Step) -> Response:
         labels = {"turn_type": ctx.turn_type, "stream": "true"}
         t0 = time.perf_counter()
         metrics.in_flight.inc()
@@ -172,6 +174,8 @@ def create_app(
             metrics.in_flight.dec()
             tracker.finish(step, error=exc)
             metrics.chat_completions.labels(**labels, outcome=_outcome(exc)).inc()
+            if not isinstance(exc, Exception):
+                raise
             raise api_error_from(exc) from exc
         stream = SSEStream(
             first=first,
