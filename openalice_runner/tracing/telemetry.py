@@ -162,6 +162,41 @@ class ChatCall:
         self.ended = True
         span, tel = self.span, self.telemetry
         duration_s = time.perf_counter() - self.t0
+        if span.is_recording():
+            self._set_result_attributes(
+                response_id,
+                response_model,
+                finish_reason,
+                input_tokens,
+                output_tokens,
+                speculation,
+                output_message,
+            )
+        # The method actually used (the provider may have downgraded the decision) labels the metrics.
+        labels = dict(self.metric_attrs)
+        if (method := _get(speculation, "method")) is not None:
+            labels[A.SPEC_METHOD] = str(method)
+        tel.record_chat_metrics(
+            labels,
+            duration_s=duration_s,
+            ttft_s=self.first_chunk_s,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            speculation=speculation,
+            output_s=duration_s,
+        )
+        span.end()
+
+    def _set_result_attributes(
+        self,
+        response_id: str | None,
+        response_model: str | None,
+        finish_reason: str | None,
+        input_tokens: int | None,
+        output_tokens: int | None,
+        speculation: Any,
+        output_message: Any,
+    ) -> None:
         attrs: dict[str, Any] = {}
         if response_id:
             attrs[A.GEN_AI_RESPONSE_ID] = response_id
@@ -177,24 +212,9 @@ class ChatCall:
         attrs.update(spec_attrs)
         if self.first_chunk_s is not None and A.LATENCY_TTFT_MS not in attrs:
             attrs[A.LATENCY_TTFT_MS] = round(self.first_chunk_s * 1000.0, 3)
-        if tel.record_content and output_message is not None:
+        if self.telemetry.record_content and output_message is not None:
             attrs[A.GEN_AI_OUTPUT_MESSAGES] = json.dumps([_to_jsonable(output_message)], default=str)
-        span.set_attributes(attrs)
-
-        # The method actually used (the provider may have downgraded the decision) labels the metrics.
-        labels = dict(self.metric_attrs)
-        if A.SPEC_METHOD in spec_attrs:
-            labels[A.SPEC_METHOD] = spec_attrs[A.SPEC_METHOD]
-        tel.record_chat_metrics(
-            labels,
-            duration_s=duration_s,
-            ttft_s=self.first_chunk_s,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            speculation=speculation,
-            output_s=duration_s,
-        )
-        span.end()
+        self.span.set_attributes(attrs)
 
     def fail(self, exc: BaseException) -> None:
         if self.ended:
@@ -454,33 +474,40 @@ class RunnerTelemetry:
             attrs[A.PROVIDER] = provider
         if stream:
             attrs[A.GEN_AI_REQUEST_STREAM] = True
-        conversation_id = _get(ctx, "conversation_id")
         turn_type = _get(ctx, "turn_type")
-        step = _get(ctx, "step")
-        if conversation_id:
-            attrs[A.GEN_AI_CONVERSATION_ID] = str(conversation_id)
-        if turn_type:
-            attrs[A.TURN_TYPE] = str(turn_type)
-        if step is not None:
-            attrs[A.STEP] = int(step)
-        agent = _get(ctx, "agent")
-        if agent:
-            attrs[A.GEN_AI_AGENT_NAME] = str(agent)
         decision = _get(ctx, "decision")
-        if decision is not None:
-            # The decision as made; the figures the provider reports on finish() override method/gamma.
-            attrs.update(speculation_attributes(decision))
-        attrs.update(_request_attributes(request, self.record_content))
-
         metric_attrs: dict[str, Any] = {
             A.GEN_AI_OPERATION_NAME: A.OP_CHAT,
             A.GEN_AI_PROVIDER_NAME: attrs[A.GEN_AI_PROVIDER_NAME],
         }
-        for key in (A.GEN_AI_REQUEST_MODEL, A.TURN_TYPE, A.SPEC_METHOD):
-            if key in attrs:
-                metric_attrs[key] = attrs[key]
+        if model:
+            metric_attrs[A.GEN_AI_REQUEST_MODEL] = model
+        if turn_type:
+            metric_attrs[A.TURN_TYPE] = str(turn_type)
+        if (method := _get(decision, "method")) is not None:
+            metric_attrs[A.SPEC_METHOD] = str(method)
         name = f"{A.OP_CHAT} {model}" if model else A.OP_CHAT
+        # What sampling may look at goes in at creation; the rest only when the span records
+        # (with the no-op global API it does not, and the call then costs next to nothing).
         span = self.tracer.start_span(name, context=parent, kind=SpanKind.CLIENT, attributes=attrs)
+        if span.is_recording():
+            more: dict[str, Any] = {}
+            conversation_id = _get(ctx, "conversation_id")
+            step = _get(ctx, "step")
+            agent = _get(ctx, "agent")
+            if conversation_id:
+                more[A.GEN_AI_CONVERSATION_ID] = str(conversation_id)
+            if turn_type:
+                more[A.TURN_TYPE] = str(turn_type)
+            if step is not None:
+                more[A.STEP] = int(step)
+            if agent:
+                more[A.GEN_AI_AGENT_NAME] = str(agent)
+            if decision is not None:
+                # The decision as made; the figures the provider reports on finish() override it.
+                more.update(speculation_attributes(decision))
+            more.update(_request_attributes(request, self.record_content))
+            span.set_attributes(more)
         return ChatCall(self, span, metric_attrs)
 
     def record_chat_metrics(
