@@ -73,3 +73,27 @@ def test_greedy_equality_real_model(real_engine_fp32):
     prompt = engine.render_chat([{"role": "user", "content": "Repeat exactly: alpha beta gamma delta. Then count to five."}])
     plain = check_all_drafters(engine, prompt, max_tokens=48, gammas=(1, 5))
     assert plain.stats.completion_tokens > 5
+
+
+def test_transformers_fallback_path_for_other_architectures(tiny_engine):
+    # A GPT-2 layout is not Llama-family: the engine runs transformers' own forward with a
+    # cropped DynamicCache, and greedy n-gram output still equals plain output and HF generate.
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from openalice_runner.engine import Engine
+    from openalice_runner.engine.hf_model import HFCausalModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=tiny_engine.model.cfg.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=256,
+                        bos_token_id=1, eos_token_id=2)
+    engine = Engine(GPT2LMHeadModel(config).eval(), tiny_engine.tokenizer, "tiny-gpt2", "fp32")
+    assert isinstance(engine.model, HFCausalModel)
+    prompt = engine.encode("red green blue red green blue red green")
+    plain = engine.generate(prompt, SamplingParams(max_tokens=30))
+    ngram = engine.generate(prompt, SamplingParams(max_tokens=30), SpecConfig(method="ngram", gamma=4))
+    assert ngram.token_ids == plain.token_ids
+    ids = torch.tensor([prompt])
+    ref = engine.hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
+                                   eos_token_id=sorted(engine.eos_token_ids), pad_token_id=0)
+    assert ref[0, len(prompt):].tolist()[: len(plain.token_ids)] == plain.token_ids

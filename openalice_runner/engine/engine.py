@@ -12,6 +12,7 @@ from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
 from openalice_runner.engine.drafters.ngram import NgramDrafter
 from openalice_runner.engine.generator import new_sequence, run_sequence
+from openalice_runner.engine.hf_model import HFCausalModel
 from openalice_runner.engine.llama import KVCache, LlamaModel
 from openalice_runner.engine.model_loading import (
     DEFAULT_MODEL_NAME,
@@ -39,8 +40,13 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.dtype = dtype
-        self.model = LlamaModel(hf_model)
-        self.context_length = min(context_length or self.model.cfg.max_positions, self.model.cfg.max_positions)
+        try:
+            self.model = LlamaModel(hf_model)
+            max_positions = self.model.cfg.max_positions
+        except ValueError:  # not a Llama-family layout: transformers' own forward
+            self.model = HFCausalModel(hf_model)
+            max_positions = self.model.max_positions
+        self.context_length = min(context_length or max_positions, max_positions)
         self.eos_token_ids = self._eos_ids()
         self._lock = threading.Lock()  # one request at a time until continuous batching
         self._cache: KVCache | None = None
@@ -163,6 +169,8 @@ class Engine:
         if spec.method == "ngram":
             return NgramDrafter(spec.ngram_min, spec.ngram_max)
         if spec.method == "draft":
+            if not isinstance(self.model, LlamaModel):
+                raise ValueError("method 'draft' needs a Llama-family target (self-draft from its layers)")
             if spec.draft_model:
                 raise NotImplementedError("separate draft models: use draft_layers (self-draft) for now")
             n = spec.draft_layers or default_draft_layers(self.model.cfg.n_layers)
