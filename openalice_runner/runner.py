@@ -9,9 +9,10 @@
     await runner.aclose()
 
 Per call: the route (turn type, model) names a fallback chain; each provider in it is wrapped as
-PolicyProvider(InstrumentedProvider(provider)): the policy decides speculation for the provider that
-will serve, with its current load as batch size, tracing records the call, and the fallback moves on
-only before the first token. The sidecar calls `runner.chat` / `runner.stream` directly.
+AdmittedProvider(PolicyProvider(InstrumentedProvider(provider))): the provider's admission gate
+holds a slot for the call or refuses it at once when its queue is full, the policy decides
+speculation for the provider that will serve, with its current load as batch size, tracing records
+the call, and the fallback moves on only before the first token. The sidecar calls `runner.chat` / `runner.stream` directly.
 Sync code uses `SyncRunner` (`runner.sync()`), which drives the same Runner on a private loop thread.
 """
 
@@ -25,6 +26,12 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+from openalice_runner.providers.admission import (
+    AdmissionGate,
+    AdmissionLimits,
+    AdmissionRefused,
+    AdmittedProvider,
+)
 from openalice_runner.providers.base import CallContext, Provider
 from openalice_runner.providers.config import RoutingConfig, load_routing_file
 from openalice_runner.providers.deciding import PolicyProvider
@@ -61,11 +68,20 @@ class Runner:
         providers: dict[str, Provider],
         policy: Any = None,
         telemetry: Any = None,
+        admission: AdmissionLimits | None = None,
     ) -> None:
         self.routing = routing
         self.providers = providers  # name -> the bare provider
         self.policy = policy  # PolicyStore | None
         self.telemetry = telemetry  # RunnerTelemetry | None
+        # One gate per provider, shared by every route naming it. `admission`: defaults for the limits
+        # a provider's own config leaves unset (the server's flags).
+        self.gates = {
+            name: AdmissionGate.for_provider(
+                name, provider.kind, _limits_of(routing.providers.get(name)).over(admission)
+            )
+            for name, provider in providers.items()
+        }
         self._chains = {route.name: self._chain(route.chain) for route in routing.routes}
         self._owns_policy_watch = False
 
@@ -83,6 +99,7 @@ class Runner:
         watch_policy: bool = False,
         engine: Any = None,
         record_content: bool = False,
+        admission: AdmissionLimits | None = None,
     ) -> Runner:
         """Build from a routing file (None: embedded default) and a policy file or PolicyStore.
 
@@ -105,7 +122,7 @@ class Runner:
         elif telemetry is False:
             telemetry = None
         built = {name: build_provider(name, cfg, engine) for name, cfg in routing.providers.items()}
-        runner = cls(routing, built, policy=store, telemetry=telemetry)
+        runner = cls(routing, built, policy=store, telemetry=telemetry, admission=admission)
         runner._owns_policy_watch = watch_policy and store is not None
         return runner
 
@@ -119,7 +136,7 @@ class Runner:
                 provider = InstrumentedProvider(provider, self.telemetry)
             if self.policy is not None:
                 provider = PolicyProvider(provider, self.policy, name)
-            wrapped.append(provider)
+            wrapped.append(AdmittedProvider(provider, self.gates[name]))
         return FallbackProvider(wrapped)
 
     # ---- what the sidecar calls ----
@@ -134,6 +151,18 @@ class Runner:
 
     def chain_for(self, turn_type: str, model: str | None) -> FallbackProvider:
         return self._chains[self.routing.route_for(turn_type, model).name]
+
+    def refusal(self, turn_type: str, model: str | None) -> AdmissionRefused | None:
+        """The refusal a request would get now if every provider of its chain is full, else None:
+        lets the sidecar answer 429 before it opens spans or reads the body further. The gates
+        still decide for real when the request runs."""
+        route = self.routing.route_for(turn_type, model)
+        gates = [self.gates[name] for name in route.chain]
+        if not all(gate.full() for gate in gates):
+            return None
+        for gate in gates:
+            gate.refused += 1
+        return min((gate.refusal() for gate in gates), key=lambda r: r.retry_after or 0)
 
     async def chat(self, request: ChatRequest, ctx: CallContext | None = None) -> ChatResult:
         ctx = ctx or CallContext()
@@ -167,6 +196,12 @@ class Runner:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
+
+
+def _limits_of(config: Any) -> AdmissionLimits:
+    return AdmissionLimits(
+        max_in_flight=getattr(config, "max_in_flight", None), max_queue=getattr(config, "max_queue", None)
+    )
 
 
 def _policy_store(policy: Any, watch: bool) -> Any:

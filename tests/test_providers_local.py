@@ -240,16 +240,19 @@ async def test_history_with_tool_results_is_rendered():
 
 
 async def test_overload_is_refused_early():
+    """The admission gate in front of the engine: one running, one queued, the next refused at once."""
+    from openalice_runner.providers.admission import AdmissionGate, AdmittedProvider
+
     engine = ScriptedEngine("ok")
     engine.gate = threading.Event()
-    p = local(engine, max_waiting=1)
+    p = AdmittedProvider(local(engine), AdmissionGate("local", max_in_flight=1, max_queue=1))
     req = ChatRequest(messages=[{"role": "user", "content": "x"}])
     first = [asyncio.create_task(p.chat(req, CallContext())) for _ in range(2)]
     await asyncio.sleep(0.2)
-    assert p.load().batch_size == 2
+    assert (p.load().batch_size, p.load().queue_depth) == (1, 1)
     with pytest.raises(ProviderRateLimited) as info:
         await p.chat(req, CallContext())
     assert info.value.retry_after and info.value.fallback_ok
     engine.gate.set()
     assert [r.content for r in await asyncio.gather(*first)] == ["ok", "ok"]
-    assert p.load().batch_size == 0
+    assert p.load().batch_size == 0 and p.gate.stats().in_flight == 0

@@ -33,6 +33,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body accepted"
     )
+    p.add_argument(
+        "--max-in-flight", type=int, metavar="N",
+        help="requests each provider serves at once (default: 1 for the embedded engine, 64 for remote "
+        "ones; a provider's `max_in_flight` in the providers YAML wins)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-queue", type=int, metavar="N",
+        help="requests allowed to wait per provider; past it 429 with Retry-After at once "
+        "(default 16; a provider's `max_queue` in the providers YAML wins)",
+    )  # fmt: skip
+    p.add_argument(
+        "--request-timeout", type=float, default=300.0, metavar="S",
+        help="longest a request may take, queueing included (clients may ask for less with the body "
+        "field `timeout` or the X-OpenAlice-Timeout header); past it: 408 deadline_exceeded",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-tokens-limit", type=int, default=32_768, metavar="N", help="largest max_tokens accepted"
+    )
+    p.add_argument(
+        "--shutdown-grace", type=float, default=30.0, metavar="S",
+        help="on SIGTERM, how long requests in flight may take to finish",
+    )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
 
@@ -51,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
     if exporter == "file" and not args.trace_file:
         print("error: --trace-exporter file needs --trace-file", file=sys.stderr)
         return 2
-    if args.max_body_bytes < 1024:
-        print("error: --max-body-bytes must be at least 1024", file=sys.stderr)
+    problem = _check_limits(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get(ENV_API_KEY) or None
     reader = InMemoryMetricReader()  # /metrics renders the GenAI histograms from it
@@ -72,7 +95,12 @@ def run(args: argparse.Namespace) -> int:
         telemetry=telemetry,
         tracer_provider=providers.tracer_provider,
         meter_provider=providers.meter_provider,
-        settings=ServerSettings(api_key=api_key, max_body_bytes=args.max_body_bytes),
+        settings=ServerSettings(
+            api_key=api_key,
+            max_body_bytes=args.max_body_bytes,
+            request_timeout_s=args.request_timeout,
+            max_tokens_limit=args.max_tokens_limit,
+        ),
         metrics=metrics,
         on_shutdown=providers.force_flush,
     )
@@ -82,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_config=None,  # structlog owns the log format (configure_logging)
         access_log=False,  # GuardMiddleware logs each request with its trace id
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=max(1, round(args.shutdown_grace)),
     )
     # uvicorn re-raises the SIGTERM it handled once it has shut down; a handler of our own takes it,
     # so the process goes on to flush its spans and exits 0 instead of dying by the signal.
@@ -95,7 +123,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_limits(args: argparse.Namespace) -> str | None:
+    if args.max_body_bytes < 1024:
+        return "--max-body-bytes must be at least 1024"
+    if args.max_in_flight is not None and args.max_in_flight < 1:
+        return "--max-in-flight must be at least 1"
+    if args.max_queue is not None and args.max_queue < 0:
+        return "--max-queue must be at least 0"
+    if not 0 < args.request_timeout <= 86_400:
+        return "--request-timeout must be between 0 and 86400 seconds"
+    if args.max_tokens_limit < 1:
+        return "--max-tokens-limit must be at least 1"
+    if args.shutdown_grace < 0:
+        return "--shutdown-grace must be at least 0"
+    return None
+
+
 def _build_runner(args: argparse.Namespace, telemetry):
+    from openalice_runner.providers.admission import AdmissionLimits
     from openalice_runner.runner import Runner
 
-    return Runner.from_config(providers=args.providers, policy=args.policy, telemetry=telemetry)
+    admission = AdmissionLimits(max_in_flight=args.max_in_flight, max_queue=args.max_queue)
+    return Runner.from_config(
+        providers=args.providers, policy=args.policy, telemetry=telemetry, admission=admission
+    )

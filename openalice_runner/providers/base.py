@@ -95,11 +95,15 @@ class ProviderRateLimited(ProviderError):
 
 
 class ProviderBadRequest(ProviderError):
-    """The request itself is invalid for this provider (4xx other than 429): never retried."""
+    """The request itself is invalid for this provider (4xx other than 429): never retried.
+    `param` names the request field at fault and `code` says what is wrong, when known
+    (e.g. "messages" / "context_length_exceeded")."""
 
-    def __init__(self, message: str, **kwargs: Any) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("status_code", 400)
         super().__init__(message, **kwargs)
+        self.param = param
+        self.code = code
 
 
 class StreamBroken(ProviderError):
@@ -131,6 +135,10 @@ class Provider(ABC):
     @abstractmethod
     def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
         """An async iterator of chunks; the last one carries finish_reason and usage."""
+
+    def precheck(self, request: ChatRequest) -> None:  # noqa: B027 - optional hook
+        """Refuse at once (ProviderBadRequest) a request this provider can never serve, before it
+        queues for a slot. Cheap and synchronous; the full checks still run when the request does."""
 
     def load(self) -> ProviderLoad:
         """Cheap, synchronous, never does I/O: the last known load."""

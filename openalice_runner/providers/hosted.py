@@ -17,8 +17,9 @@ import random
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from openalice_runner.providers.admission import AdmissionLimits
 from openalice_runner.providers.base import (
     CallContext,
     Capabilities,
@@ -30,6 +31,7 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
+from openalice_runner.providers.secrets import register_secret
 from openalice_runner.types import (
     ChatChunk,
     ChatRequest,
@@ -48,7 +50,7 @@ from openalice_runner.types import (
 logger = logging.getLogger(__name__)
 
 
-class HostedConfig(BaseModel):
+class HostedConfig(AdmissionLimits):  # max_in_flight / max_queue: the gate in front of it
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["hosted"]
@@ -109,6 +111,7 @@ class HostedProvider(Provider):
                 raise ProviderUnavailable(
                     f"environment variable {cfg.api_key_env} (API key) is not set", provider=self.name
                 )
+            register_secret(key)  # upstream errors may echo it: kept out of what we report
             kwargs["api_key"] = key
         if cfg.api_base:
             kwargs["api_base"] = cfg.api_base

@@ -1,10 +1,11 @@
 """Local provider: the embedded engine (torch, CPU), with tool calling through the prompt.
 
 The engine is synchronous and serialises requests; this provider runs it in a worker thread so the
-event loop stays free, counts requests in flight (its load), and refuses new ones early when too
-many are already waiting (`ProviderRateLimited`, a 429 at the sidecar) instead of queueing without
-bound. Tool prompts and parsing live in tool_format.py. The policy's Decision becomes the request's
-SpecConfig; a method the engine cannot run is downgraded to "off" and the result says so.
+event loop stays free and counts requests in flight (its load). How many may run and queue is the
+admission gate's business (providers/admission.py), in front of this provider. Requests the model
+can never serve (a prompt longer than its context, max_tokens past it) are refused before they
+reach the engine. Tool prompts and parsing live in tool_format.py. The policy's Decision becomes the
+request's SpecConfig; a method the engine cannot run is downgraded to "off" and the result says so.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from openalice_runner.providers import tool_format
+from openalice_runner.providers.admission import AdmissionLimits
 from openalice_runner.providers.base import (
     CallContext,
     Capabilities,
@@ -26,7 +28,6 @@ from openalice_runner.providers.base import (
     ProviderBadRequest,
     ProviderError,
     ProviderLoad,
-    ProviderRateLimited,
     StreamBroken,
 )
 from openalice_runner.types import (
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 ENGINE_SPEC_METHODS = frozenset({"off", "ngram", "draft"})
 
 
-class LocalConfig(BaseModel):
+class LocalConfig(AdmissionLimits):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["local"]
@@ -57,7 +58,7 @@ class LocalConfig(BaseModel):
     tiny_random: bool = False  # a tiny random model with the real tokenizer (tests, overhead benchmarks)
     threads: int | None = Field(default=None, ge=1)
     max_tokens_default: int = Field(default=256, ge=1)
-    max_waiting: int = Field(default=16, ge=0)  # requests allowed to wait for the engine; more get 429
+    # max_in_flight / max_queue (AdmissionLimits): the admission gate in front of this provider.
 
 
 @dataclass
@@ -79,6 +80,9 @@ class LocalProvider(Provider):
         self._engine_lock = threading.Lock()
         self._in_flight = 0
         self._template_tools: bool | None = None
+        self._max_token_chars: int | None = None
+        self._kv_tokens = 0  # KV positions held by running generations (back to 0 when they end)
+        self._kv_lock = threading.Lock()  # worker threads update it
 
     # ---- engine ----
 
@@ -109,14 +113,52 @@ class LocalProvider(Provider):
     def load(self) -> ProviderLoad:
         return ProviderLoad(batch_size=self._in_flight, queue_depth=max(0, self._in_flight - 1))
 
-    def _admit(self) -> None:
-        if self._in_flight > self.config.max_waiting:
-            raise ProviderRateLimited(
-                f"embedded engine busy: {self._in_flight} requests in flight",
-                provider=self.name,
-                retry_after=1.0,
-            )
-        self._in_flight += 1
+    @property
+    def kv_tokens_in_use(self) -> int:
+        return self._kv_tokens
+
+    # ---- refusing what the model cannot serve ----
+
+    def _context_length(self) -> int | None:
+        engine = self._engine  # not loaded yet: nothing to check against
+        return getattr(engine, "context_length", None) if engine is not None else None
+
+    def precheck(self, request: ChatRequest) -> None:
+        """Cheap bounds before queueing: max_tokens against the context, and a prompt whose characters
+        cannot fit in the context even at the longest token the vocabulary has (no tokenizing)."""
+        context = self._context_length()
+        if context is None:
+            return
+        if request.max_tokens is not None and request.max_tokens >= context:
+            raise ProviderBadRequest(
+                f"max_tokens is {request.max_tokens}; the model's context is {context} tokens",
+                provider=self.name, param="max_tokens", code="invalid_value",
+            )  # fmt: skip
+        chars = sum(len(m.text) for m in request.messages)
+        if chars > context * self._longest_token_chars():
+            raise ProviderBadRequest(
+                f"the messages hold {chars} characters, more than the model's context of {context} "
+                "tokens can take", provider=self.name, param="messages", code="context_length_exceeded",
+            )  # fmt: skip
+
+    def _longest_token_chars(self) -> int:
+        if self._max_token_chars is None:
+            tokenizer = self.engine.tokenizer
+            try:
+                longest = max(len(t) for t in tokenizer.get_vocab())
+            except Exception:  # a tokenizer without a vocabulary listing: a generous bound
+                longest = 64
+            self._max_token_chars = max(1, longest)
+        return self._max_token_chars
+
+    def _check_prompt(self, prompt: _Prompt, sampling: Any) -> None:
+        context = self._context_length()
+        if context is not None and len(prompt.ids) >= context:
+            raise ProviderBadRequest(
+                f"the prompt has {len(prompt.ids)} tokens; the model's context is {context} tokens "
+                "and at least one must be left for the reply",
+                provider=self.name, param="messages", code="context_length_exceeded",
+            )  # fmt: skip
 
     # ---- prompt ----
 
@@ -169,25 +211,46 @@ class LocalProvider(Provider):
     # ---- chat ----
 
     def _generate(self, request: ChatRequest, ctx: CallContext, cancel: threading.Event):
-        prompt = self.build_prompt(request)
-        sampling, spec = self._settings(request, ctx, prompt)
-        return prompt, self.engine.generate(prompt.ids, sampling, spec, cancel)
+        result = None
+        prompt = None
+        for item in self._stream_worker(request, ctx, cancel):
+            if prompt is None:
+                prompt = item
+            elif item.result is not None:
+                result = item.result
+        return prompt, result
 
     def _stream_worker(self, request: ChatRequest, ctx: CallContext, cancel: threading.Event):
         prompt = self.build_prompt(request)
         sampling, spec = self._settings(request, ctx, prompt)
+        self._check_prompt(prompt, sampling)
         yield prompt
-        yield from self.engine.stream(prompt.ids, sampling, spec, cancel)
+        held = 0
+        try:
+            for event in self.engine.stream(prompt.ids, sampling, spec, cancel):
+                grown = len(event.token_ids) + (len(prompt.ids) if held == 0 else 0)
+                held += grown
+                self._add_kv(grown)
+                yield event
+        finally:
+            self._add_kv(-held)  # the engine's generator has closed: its positions are free
+
+    def _add_kv(self, n: int) -> None:
+        with self._kv_lock:
+            self._kv_tokens += n
 
     async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
-        self._admit()
+        self.precheck(request)
+        self._in_flight += 1
         cancel = threading.Event()
         try:
             try:
                 # One hop to the worker thread for prompt and generation: each hop costs ~0.1 ms.
                 prompt, result = await asyncio.to_thread(self._generate, request, ctx, cancel)
+            except ProviderError:
+                raise
             except ValueError as exc:  # ContextLengthError and other bad input
-                raise ProviderBadRequest(str(exc), provider=self.name) from exc
+                raise _bad_request(exc, self.name) from exc
         except asyncio.CancelledError:
             cancel.set()  # the worker thread stops at its next round
             raise
@@ -214,7 +277,8 @@ class LocalProvider(Provider):
         return self._stream(request, ctx)
 
     async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
-        self._admit()
+        self.precheck(request)
+        self._in_flight += 1
         try:
             events = _threaded(self._stream_worker, request, ctx)
             started = False
@@ -230,12 +294,12 @@ class LocalProvider(Provider):
                     if text:
                         yield ChatChunk.text(chunk_id, model, text, role=not started)
                         started = True
+            except ProviderError:
+                raise
             except ValueError as exc:
                 if started:
                     raise StreamBroken(str(exc), provider=self.name) from exc
-                raise ProviderBadRequest(str(exc), provider=self.name) from exc
-            except ProviderError:
-                raise
+                raise _bad_request(exc, self.name) from exc
             except Exception as exc:
                 if started:
                     raise StreamBroken(f"engine failed mid-stream: {exc!r}", provider=self.name) from exc
@@ -275,6 +339,12 @@ class LocalProvider(Provider):
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _bad_request(exc: ValueError, provider: str) -> ProviderBadRequest:
+    if type(exc).__name__ == "ContextLengthError":
+        return ProviderBadRequest(str(exc), provider=provider, param="messages", code="context_length_exceeded")
+    return ProviderBadRequest(str(exc), provider=provider)
 
 
 class _ToolHoldBack:

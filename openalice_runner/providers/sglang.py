@@ -30,6 +30,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from openalice_runner.providers.admission import AdmissionLimits
 from openalice_runner.providers.base import (
     CallContext,
     Capabilities,
@@ -42,6 +43,7 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
+from openalice_runner.providers.secrets import register_secret
 from openalice_runner.types import (
     ChatChunk,
     ChatRequest,
@@ -119,7 +121,7 @@ class SGLangPool(_Strict):
         return args
 
 
-class SGLangConfig(_Strict):
+class SGLangConfig(AdmissionLimits):  # max_in_flight / max_queue: the gate in front of it
     type: Literal["sglang"]
     model: str  # the served model name the servers answer to
     pools: dict[str, SGLangPool] = Field(min_length=1)
@@ -254,6 +256,7 @@ class SGLangProvider(Provider):
             key = os.environ.get(config.api_key_env)
             if not key:
                 raise ValueError(f"provider {name!r}: environment variable {config.api_key_env} is not set")
+            register_secret(key)
             headers["Authorization"] = f"Bearer {key}"
         self._client = client or httpx.AsyncClient(headers=headers)
         self._owns_client = client is None

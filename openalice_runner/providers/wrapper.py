@@ -42,6 +42,9 @@ class WrapperProvider(Provider):
     def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
         return self.wrapped.stream(request, ctx)
 
+    def precheck(self, request: ChatRequest) -> None:
+        self.wrapped.precheck(request)
+
     def load(self) -> ProviderLoad:
         return self.wrapped.load()
 

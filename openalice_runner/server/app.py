@@ -20,16 +20,19 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
 from openalice_runner.providers.base import CallContext
+from openalice_runner.providers.secrets import register_secret
 from openalice_runner.server.context import caller_trace_context, turn_context
+from openalice_runner.server.deadline import ClientGone, Deadline, DeadlineExceeded, race, request_deadline
 from openalice_runner.server.errors import APIError, install_error_handlers
 from openalice_runner.server.guard import GuardMiddleware
 from openalice_runner.server.mapping import api_error_from as _map_error
 from openalice_runner.server.metrics import ServerMetrics
 from openalice_runner.server.streaming import GuardedStreamingResponse, SSEStream
 from openalice_runner.server.turns import Step, TurnTracker
+from openalice_runner.server.validation import ServerChatRequest, check_request
 from openalice_runner.tracing.instrumented import OTEL_CONTEXT_KEY
 from openalice_runner.tracing.telemetry import RunnerTelemetry
-from openalice_runner.types import ChatChunk, ChatRequest
+from openalice_runner.types import ChatChunk
 
 log = structlog.get_logger("openalice_runner.server")
 
@@ -41,6 +44,8 @@ class ServerSettings:
     turn_idle_timeout_s: float = 300.0
     max_open_turns: int = 4096
     watch_policy: bool = True
+    request_timeout_s: float = 300.0  # caps the deadline a client asks for (server/deadline.py)
+    max_tokens_limit: int = 32_768  # larger max_tokens are refused as absurd (400)
 
 
 def create_app(
@@ -59,6 +64,8 @@ def create_app(
     settings = settings or ServerSettings()
     telemetry = telemetry or RunnerTelemetry()
     metrics = metrics or ServerMetrics()
+    metrics.track_runner(runner)
+    register_secret(settings.api_key)
     tracker = TurnTracker(
         telemetry, max_open=settings.max_open_turns, idle_timeout_s=settings.turn_idle_timeout_s
     )
@@ -107,8 +114,15 @@ def create_app(
     )
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    async def chat_completions(body: ServerChatRequest, request: Request) -> Response:
         tc = turn_context(request.headers, body.metadata)
+        deadline = request_deadline(request.headers, body.timeout, settings.request_timeout_s)
+        check_request(body, max_tokens_limit=settings.max_tokens_limit)
+        refused = _refusal(tc.turn_type, body.model)
+        if refused is not None:  # every provider of the route is full: 429 before any work
+            labels = {"turn_type": tc.turn_type, "stream": str(body.stream).lower()}
+            metrics.chat_completions.labels(**labels, outcome="refused").inc()
+            raise api_error_from(refused)
         step = tracker.begin(
             conversation_id=tc.conversation_id,
             turn_type=tc.turn_type,
@@ -129,20 +143,41 @@ def create_app(
         span_ctx = step.turn.span.get_span_context()
         request.state.trace_ids = (format(span_ctx.trace_id, "032x"), format(span_ctx.span_id, "016x"))
         if body.stream:
-            return await _stream(body, ctx, step)
-        return await _complete(body, ctx, step)
+            return await _stream(body, ctx, step, deadline, request)
+        return await _complete(body, ctx, step, deadline, request)
 
-    async def _complete(body: ChatRequest, ctx: CallContext, step: Step) -> Response:
+    def _refusal(turn_type: str, model: str | None) -> Exception | None:
+        refusal = getattr(runner, "refusal", None)
+        if refusal is None:
+            return None
+        try:
+            return refusal(turn_type, model)
+        except LookupError:  # no route: runner.chat says so in its own words
+            return None
+
+    def _failed(step: Step, labels: dict[str, str], exc: BaseException) -> None:
+        tracker.finish(step, error=exc)
+        metrics.chat_completions.labels(**labels, outcome=_outcome(exc)).inc()
+        reason = _cancel_reason(exc)
+        if reason is not None:
+            metrics.cancelled.labels(reason=reason).inc()
+
+    async def _complete(
+        body: ServerChatRequest, ctx: CallContext, step: Step, deadline: Deadline, request: Request
+    ) -> Response:
         labels = {"turn_type": ctx.turn_type, "stream": "false"}
         metrics.in_flight.inc()
         try:
             with trace.use_span(
                 step.turn.span, end_on_exit=False, record_exception=False, set_status_on_exception=False
             ):
-                result = await runner.chat(body, ctx)
+                # Raced against the deadline and the client leaving: either stops the generation.
+                result = await race(runner.chat(body, ctx), deadline, request.receive)
+        except ClientGone as exc:
+            _failed(step, labels, exc)
+            return Response(status_code=499)  # nobody reads it; the access log shows what happened
         except BaseException as exc:
-            tracker.finish(step, error=exc)
-            metrics.chat_completions.labels(**labels, outcome=_outcome(exc)).inc()
+            _failed(step, labels, exc)
             if not isinstance(exc, Exception):
                 raise  # cancellation and exits propagate as themselves
             raise api_error_from(exc) from exc
@@ -160,20 +195,22 @@ def create_app(
         metrics.tokens.labels(type="output").inc(result.usage.completion_tokens)
         return JSONResponse(result.to_openai())
 
-    async def _stream(body: ChatRequest, ctx: CallContext, step: Step) -> Response:
+    async def _stream(
+        body: ServerChatRequest, ctx: CallContext, step: Step, deadline: Deadline, request: Request
+    ) -> Response:
         labels = {"turn_type": ctx.turn_type, "stream": "true"}
         t0 = time.perf_counter()
         metrics.in_flight.inc()
         chunks = runner.stream(body, ctx).__aiter__()
         try:
             # The first chunk is awaited before answering, so a failure up to here is a real HTTP status.
-            first: ChatChunk | None = await chunks.__anext__()
-        except StopAsyncIteration:
-            first = None
+            first: ChatChunk | None = await race(_first_chunk(chunks), deadline, request.receive)
         except BaseException as exc:
             metrics.in_flight.dec()
-            tracker.finish(step, error=exc)
-            metrics.chat_completions.labels(**labels, outcome=_outcome(exc)).inc()
+            _failed(step, labels, exc)
+            await _close_quietly(chunks)
+            if isinstance(exc, ClientGone):
+                return Response(status_code=499)
             if not isinstance(exc, Exception):
                 raise
             raise api_error_from(exc) from exc
@@ -187,6 +224,7 @@ def create_app(
             tracker=tracker,
             metrics=metrics,
             to_api_error=api_error_from,
+            deadline=deadline,
         )
         return GuardedStreamingResponse(stream, headers={"Cache-Control": "no-cache"})
 
@@ -249,9 +287,36 @@ def _turn_parent(request: Request, *, tracked: bool) -> Any:
 
 
 def _outcome(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+    if isinstance(exc, DeadlineExceeded):
+        return "deadline"
+    if isinstance(exc, ClientGone | asyncio.CancelledError | GeneratorExit):
         return "cancelled"
-    return "error"
+    error = _map_error(exc) if isinstance(exc, Exception) else None
+    return "refused" if error is not None and error.status_code == 429 else "error"
+
+
+def _cancel_reason(exc: BaseException) -> str | None:
+    if isinstance(exc, DeadlineExceeded):
+        return "deadline"
+    if isinstance(exc, ClientGone | asyncio.CancelledError | GeneratorExit):
+        return "client_gone"
+    return None
+
+
+async def _first_chunk(chunks: AsyncIterator[ChatChunk]) -> ChatChunk | None:
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:  # cannot leave a task as itself
+        return None
+
+
+async def _close_quietly(chunks: AsyncIterator[ChatChunk]) -> None:
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:  # already failed; the first error is what counts
+            log.debug("closing a failed stream failed", exc_info=True)
 
 
 def _policy_view(store: Any) -> dict[str, Any]:

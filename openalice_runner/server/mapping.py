@@ -6,7 +6,9 @@ import asyncio
 
 from pydantic import ValidationError
 
+from openalice_runner.providers.admission import AdmissionRefused
 from openalice_runner.providers.base import (
+    NoProviderAvailable,
     ProviderBadRequest,
     ProviderError,
     ProviderRateLimited,
@@ -14,6 +16,7 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
+from openalice_runner.providers.secrets import redact
 from openalice_runner.server.errors import APIError
 
 
@@ -22,6 +25,12 @@ def _retry_after(seconds: float | None) -> dict[str, str]:
 
 
 def api_error_from(exc: BaseException) -> APIError:
+    error = _api_error_from(exc)
+    error.message = redact(error.message)  # provider messages can echo keys
+    return error
+
+
+def _api_error_from(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ValidationError):
@@ -35,6 +44,14 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(404, str(exc), param="model", code="model_not_found")
     if name == "ContextLengthError":
         return APIError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, NoProviderAvailable) and exc.errors and all(
+        isinstance(e, ProviderRateLimited) for e in exc.errors
+    ):
+        # Every provider of the chain was full or rate limited: overload, which is a 429, not a 503.
+        return _api_error_from(min(exc.errors, key=lambda e: e.retry_after or 0))
+    if isinstance(exc, AdmissionRefused):
+        return APIError(429, f"server busy ({exc.provider}: {exc.message}); retry later", code="server_busy",
+                        headers=_retry_after(exc.retry_after))  # fmt: skip
     if isinstance(exc, ProviderRateLimited):
         return APIError(429, "upstream provider is rate limiting; retry later", code="rate_limited",
                         headers=_retry_after(exc.retry_after))  # fmt: skip
@@ -47,7 +64,9 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(502, "the provider's stream broke after it started", code="stream_broken")
     if isinstance(exc, ProviderBadRequest):
         status = exc.status_code if exc.status_code and 400 <= exc.status_code < 500 else 400
-        return APIError(status, exc.message, code="provider_rejected")
+        if status == 429:
+            status = 400  # a 429 is ProviderRateLimited's; a "bad request" carrying one is still bad input
+        return APIError(status, exc.message, param=exc.param, code=exc.code or "provider_rejected")
     if isinstance(exc, ProviderError):
         return APIError(502, f"provider error ({type(exc).__name__})", code="provider_error")
     if isinstance(exc, asyncio.TimeoutError | TimeoutError):

@@ -104,6 +104,52 @@ class _DroppedSpans(Collector):
         yield fam
 
 
+class _RunnerState(Collector):
+    """Admission gates and embedded-engine memory, read from the runner at scrape time."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def collect(self) -> Iterator[Any]:
+        gates = getattr(self.runner, "gates", {}) or {}
+        families = {
+            "in_flight": GaugeMetricFamily(
+                "openalice_provider_requests_in_flight", "Requests holding a provider's slots.", labels=["provider"]
+            ),
+            "queued": GaugeMetricFamily(
+                "openalice_provider_requests_queued", "Requests waiting for a provider's slot.", labels=["provider"]
+            ),
+            "max_in_flight": GaugeMetricFamily(
+                "openalice_provider_max_in_flight", "Slots per provider (admission limit).", labels=["provider"]
+            ),
+            "max_queue": GaugeMetricFamily(
+                "openalice_provider_max_queue", "Queue bound per provider (admission limit).", labels=["provider"]
+            ),
+        }
+        refused = CounterMetricFamily(
+            "openalice_provider_requests_refused",
+            "Requests refused at once because a provider's slots and queue were full (429).",
+            labels=["provider"],
+        )
+        for name, gate in sorted(gates.items()):
+            stats = gate.stats()
+            for key, family in families.items():
+                family.add_metric([name], getattr(stats, key))
+            refused.add_metric([name], stats.refused)
+        yield from families.values()
+        yield refused
+        kv = GaugeMetricFamily(
+            "openalice_engine_kv_tokens_in_use",
+            "KV cache positions held by running generations of the embedded engine (0 when idle).",
+            labels=["provider"],
+        )
+        for name, provider in sorted((getattr(self.runner, "providers", {}) or {}).items()):
+            value = getattr(provider, "kv_tokens_in_use", None)
+            if isinstance(value, int):
+                kv.add_metric([name], value)
+        yield kv
+
+
 class ServerMetrics:
     def __init__(
         self,
@@ -124,7 +170,8 @@ class ServerMetrics:
         )  # fmt: skip
         self.chat_completions = Counter(
             "openalice_chat_completions",
-            "Chat completion requests, by turn type, streaming and outcome (ok, error, cancelled).",
+            "Chat completion requests, by turn type, streaming and outcome "
+            "(ok, error, refused, deadline, cancelled).",
             ["turn_type", "stream", "outcome"],
             registry=r,
         )
@@ -141,10 +188,23 @@ class ServerMetrics:
         self.tokens = Counter(
             "openalice_tokens", "Tokens processed, by type (input, output).", ["type"], registry=r
         )
+        self.cancelled = Counter(
+            "openalice_requests_cancelled",
+            "Chat completions stopped before their end, by reason (client_gone, deadline).",
+            ["reason"],
+            registry=r,
+        )
+        self._runner_tracked = False
         if otel_reader is not None:
             r.register(OtelBridge(otel_reader))
         if dropped_spans is not None:
             r.register(_DroppedSpans(dropped_spans))
+
+    def track_runner(self, runner: Any) -> None:
+        """Export the runner's admission gates and engine memory (once per registry)."""
+        if not self._runner_tracked:
+            self.registry.register(_RunnerState(runner))
+            self._runner_tracked = True
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest

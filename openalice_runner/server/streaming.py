@@ -18,6 +18,7 @@ import anyio
 import structlog
 from starlette.responses import StreamingResponse
 
+from openalice_runner.server.deadline import Deadline, DeadlineExceeded
 from openalice_runner.server.errors import APIError
 from openalice_runner.server.metrics import ServerMetrics
 from openalice_runner.server.turns import Step, TurnTracker
@@ -43,8 +44,10 @@ class SSEStream:
         tracker: TurnTracker,
         metrics: ServerMetrics,
         to_api_error: Callable[[BaseException], APIError],
+        deadline: Deadline | None = None,
     ) -> None:
         self.first, self.chunks, self.step = first, chunks, step
+        self.deadline = deadline
         self.include_usage, self.turn_type, self.t0 = include_usage, turn_type, t0
         self.tracker, self.metrics, self.to_api_error = tracker, metrics, to_api_error
         self.calls: dict[int, list[str]] = {}  # tool call index -> [id, name]
@@ -70,10 +73,7 @@ class SSEStream:
                     data["usage"] = None  # OpenAI: null on every chunk but the last
                 if data["choices"]:
                     yield sse(data)
-                try:
-                    chunk = await self.chunks.__anext__()
-                except StopAsyncIteration:
-                    chunk = None
+                chunk = await self._next()
             if self.include_usage and self.usage is not None and last is not None:
                 final = {
                     "id": last.id,
@@ -97,6 +97,25 @@ class SSEStream:
             raise
         finally:
             await self.close(error)
+
+    async def _next(self) -> ChatChunk | None:
+        """The next chunk, or None at the end; DeadlineExceeded when the request's time is up (the
+        provider's stream is cancelled where it waits, so the engine stops at its next round)."""
+        if self.deadline is None:
+            try:
+                return await self.chunks.__anext__()
+            except StopAsyncIteration:
+                return None
+        timeout = asyncio.timeout_at(self.deadline.at)
+        try:
+            async with timeout:
+                return await self.chunks.__anext__()
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            if timeout.expired():
+                raise DeadlineExceeded(self.deadline) from None
+            raise
 
     def _note(self, chunk: ChatChunk) -> None:
         for delta in chunk.tool_call_deltas:
@@ -124,7 +143,16 @@ class SSEStream:
         tool_calls = [(cid, name) for cid, name in self.calls.values() if cid and name]
         self.tracker.finish(self.step, finish_reason=self.finish_reason, tool_calls=tool_calls, error=error)
         m.open_turns.set(len(self.tracker))
-        outcome = "ok" if error is None else ("cancelled" if _is_cancel(error) else "error")
+        if error is None:
+            outcome = "ok"
+        elif isinstance(error, DeadlineExceeded):
+            outcome = "deadline"
+            m.cancelled.labels(reason="deadline").inc()
+        elif _is_cancel(error):
+            outcome = "cancelled"
+            m.cancelled.labels(reason="client_gone").inc()
+        else:
+            outcome = "error"
         m.chat_completions.labels(turn_type=self.turn_type, stream="true", outcome=outcome).inc()
         if self.usage is not None:
             m.tokens.labels(type="input").inc(self.usage.prompt_tokens)

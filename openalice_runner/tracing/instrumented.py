@@ -58,8 +58,9 @@ class InstrumentedProvider(WrapperProvider):
     async def _stream(self, request: Any, ctx: Any, parent: otel_context.Context) -> AsyncIterator[Any]:
         call = self._start(request, ctx, stream=True, parent=parent)
         fields: dict[str, Any] = {}
+        chunks = self.wrapped.stream(request, ctx)
         try:
-            async for chunk in self.wrapped.stream(request, ctx):
+            async for chunk in chunks:
                 if call.first_chunk_s is None and _chunk_has_content(chunk):
                     call.first_chunk()
                 _merge_chunk_fields(fields, chunk)
@@ -67,6 +68,11 @@ class InstrumentedProvider(WrapperProvider):
         except BaseException as exc:  # GeneratorExit too: the consumer went away mid-stream
             call.fail(exc)
             raise
+        finally:
+            # Closed now, not when the garbage collector gets to it: the provider stops generating.
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
         call.finish(**fields)
 
 

@@ -26,6 +26,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from openalice_runner.providers.secrets import redact
 from openalice_runner.tracing.telemetry import current_trace_ids
 
 ExporterName = Literal["none", "console", "file", "otlp"]
@@ -203,6 +204,14 @@ def _add_trace_ids(_logger: Any, _method: str, event: dict[str, Any]) -> dict[st
     return event
 
 
+def _redact_event(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """Keys out of log lines (upstream messages and tracebacks can carry them)."""
+    for key, value in event.items():
+        if isinstance(value, str):
+            event[key] = redact(value)
+    return event
+
+
 def configure_logging(json_logs: bool = True, level: str = "info") -> None:
     """structlog for the application: JSON lines (server) or console text, each line carrying the current
     trace_id and span_id. Standard-library loggers (uvicorn, litellm) go through the same renderer."""
@@ -227,6 +236,7 @@ def configure_logging(json_logs: bool = True, level: str = "info") -> None:
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.processors.format_exc_info,
+            _redact_event,
             renderer,
         ],
     )

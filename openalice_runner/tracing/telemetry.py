@@ -23,6 +23,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from openalice_runner.providers.secrets import redact
 from openalice_runner.tracing import attributes as A
 
 SCOPE = "openalice_runner"
@@ -71,7 +72,8 @@ def error_type_of(exc: BaseException) -> str:
 def mark_error(span: Span, exc: BaseException) -> str:
     etype = error_type_of(exc)
     span.set_attribute(A.ERROR_TYPE, etype)
-    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:500]))
+    # Upstream messages can echo keys: redacted before they reach an exporter.
+    span.set_status(Status(StatusCode.ERROR, redact(f"{type(exc).__name__}: {exc}")[:500]))
     return etype
 
 
