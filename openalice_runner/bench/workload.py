@@ -57,7 +57,8 @@ def load_workload(path: str | Path, case_ids: list[str] | None = None) -> list[C
 
 def render_case(engine, case: Case) -> list[int]:
     """Prompt ids as the local provider renders them (tools in the fallback form if needed)."""
-    if not case.tools:
+    has_tool_history = any(m.get("role") == "tool" or m.get("tool_calls") for m in case.messages)
+    if not case.tools and not has_tool_history:
         return engine.render_chat(case.messages)
     from openalice_runner.providers import tool_format
 

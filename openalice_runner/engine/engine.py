@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
+from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
 from openalice_runner.engine.drafters.ngram import NgramDrafter
@@ -48,6 +49,7 @@ class Engine:
             max_positions = self.model.max_positions
         self.context_length = min(context_length or max_positions, max_positions)
         self.eos_token_ids = self._eos_ids()
+        self.pass_costs = PassCostModel()
         self._lock = threading.Lock()  # one request at a time until continuous batching
         self._cache: KVCache | None = None
         self._draft_models: dict[int, LlamaModel] = {}
@@ -139,7 +141,7 @@ class Engine:
                 drafter = self._make_drafter(spec, cache.max_len)
             seq = new_sequence(
                 prompt_ids, sampling, spec, drafter, cache, self.tokenizer, self.eos_token_ids,
-                self.context_length,
+                self.context_length, costs=self.pass_costs,
             )
             yield from run_sequence(self.model, seq, cancel)
 
@@ -167,7 +169,7 @@ class Engine:
 
     def _make_drafter(self, spec: SpecConfig, max_len: int) -> Drafter:
         if spec.method == "ngram":
-            return NgramDrafter(spec.ngram_min, spec.ngram_max)
+            return NgramDrafter(spec.ngram_min, spec.ngram_max, costs=self.pass_costs)
         if spec.method == "draft":
             if not isinstance(self.model, LlamaModel):
                 raise ValueError("method 'draft' needs a Llama-family target (self-draft from its layers)")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter, Proposal
 from openalice_runner.engine.llama import KVCache, LlamaModel
 from openalice_runner.engine.rejection import Verdict, verify_greedy, verify_sampled
@@ -56,6 +57,7 @@ class Sequence:
     accept_lengths: list[int] = field(default_factory=list)
     emitted_by_passes: int = 0
     started: float = 0.0
+    costs: PassCostModel | None = None  # where target pass times are recorded
 
     @property
     def generated(self) -> int:
@@ -105,6 +107,8 @@ def decode_round(model: LlamaModel, seq: Sequence) -> list[int]:
     feed = torch.tensor([[seq.tokens[-1], *draft]])
     hidden = model.forward(feed, seq.cache, [seq.slot])
     logits = model.logits(hidden[0])  # (k+1, V)
+    if seq.costs is not None:
+        seq.costs.record(len(draft) + 1, time.perf_counter() - t0)
     verdict = verify(logits, proposal, draft, seq)
     # Roll back: keep the fed last token and the accepted drafts.
     seq.cache.lengths[seq.slot] = length_before + 1 + verdict.accepted
@@ -205,6 +209,7 @@ def new_sequence(
     eos_ids: frozenset[int],
     context_length: int,
     slot: int = 0,
+    costs: PassCostModel | None = None,
 ) -> Sequence:
     if not prompt:
         raise ValueError("prompt is empty")
@@ -225,4 +230,5 @@ def new_sequence(
         eos_ids=eos_ids,
         context_length=context_length,
         generator=generator,
+        costs=costs,
     )

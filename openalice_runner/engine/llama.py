@@ -36,22 +36,38 @@ def has_native_bf16() -> bool:
 
 
 class Linear:
-    """y = x @ W.T with a per-shape choice of weight copy (see module docstring)."""
+    """y = x @ W.T for fp32 activations, choosing the weight copy and kernel by row count.
 
-    __slots__ = ("weight", "weight_rows", "bias")
+    One row (decode) is memory-bound: it reads the stored weight, bf16 where asked for, which
+    halves the bytes moved. Several rows (prefill, verify) use an fp32 copy where the CPU has no
+    bf16 arithmetic. Tall weights (the LM head) multiply as W @ x.T, which MKL runs markedly
+    faster than x @ W.T for a handful of rows.
+    """
+
+    __slots__ = ("weight", "weight_rows", "bias", "tall")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split_multi_row: bool):
         self.weight = weight.contiguous()
-        self.bias = bias
-        # fp32 copy used when more than one row is multiplied (None: use `weight` always)
+        self.bias = None if bias is None else bias.float()
+        # fp32 copy for multi-row inputs (None: the stored weight is fp32 already, or the CPU
+        # multiplies bf16 natively)
         self.weight_rows = weight.float().contiguous() if split_multi_row else None
+        self.tall = weight.shape[0] >= 8 * weight.shape[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.weight_rows is not None and rows > 1:
-            y = F.linear(x.float(), self.weight_rows, None if self.bias is None else self.bias.float())
-            return y.to(self.weight.dtype)
-        return F.linear(x, self.weight, self.bias)
+        if rows == 1:
+            y = F.linear(x.to(self.weight.dtype), self.weight).float()
+        elif self.weight_rows is None:
+            y = self._matmul(x.to(self.weight.dtype), self.weight, rows).float()
+        else:
+            y = self._matmul(x, self.weight_rows, rows)
+        return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor, w: torch.Tensor, rows: int) -> torch.Tensor:
+        if self.tall:
+            return (w @ x.reshape(rows, -1).t()).t().reshape(*x.shape[:-1], -1)
+        return F.linear(x, w)
 
 
 @dataclass
@@ -142,12 +158,16 @@ class LlamaModel:
             max_positions=config.max_position_embeddings,
         )
         inner = hf_model.model
-        self.dtype = inner.embed_tokens.weight.dtype
+        self.weight_dtype = inner.embed_tokens.weight.dtype
+        # Activations, norms, rotary tables and the KV cache stay fp32 whatever the weights:
+        # they are small, and a CPU without bf16 arithmetic is faster on fp32 for them.
+        self.dtype = torch.float32
         if split_multi_row is None:
-            split_multi_row = self.dtype == torch.bfloat16 and not has_native_bf16()
+            split_multi_row = self.weight_dtype == torch.bfloat16 and not has_native_bf16()
 
         def linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> Linear:
-            w = torch.cat([t.detach() for t in weights], dim=0)
+            # one weight is shared with the transformers module (no copy); several are fused
+            w = weights[0].detach() if len(weights) == 1 else torch.cat([t.detach() for t in weights], dim=0)
             b = None
             if biases and all(x is not None for x in biases):
                 b = torch.cat([x.detach() for x in biases], dim=0)
@@ -158,19 +178,19 @@ class LlamaModel:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 Layer(
-                    attn_norm=layer.input_layernorm.weight.detach(),
+                    attn_norm=layer.input_layernorm.weight.detach().float(),
                     qkv=linear(
                         [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
                         [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias],
                     ),
                     o=linear([attn.o_proj.weight]),
-                    mlp_norm=layer.post_attention_layernorm.weight.detach(),
+                    mlp_norm=layer.post_attention_layernorm.weight.detach().float(),
                     gate_up=linear([mlp.gate_proj.weight, mlp.up_proj.weight]),
                     down=linear([mlp.down_proj.weight]),
                 )
             )
         self.embed = inner.embed_tokens.weight.detach()
-        self.norm = inner.norm.weight.detach()
+        self.norm = inner.norm.weight.detach().float()
         self.lm_head = linear([hf_model.lm_head.weight])
         self.rotary = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.max_positions, self.dtype)
 
@@ -187,10 +207,7 @@ class LlamaModel:
         return KVCache(self.cfg, batch, max_len or self.cfg.max_positions, self.dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # in fp32 as transformers does, then back
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.eps)
-        return weight * xf.to(x.dtype)
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.eps))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, slots: list[int] | None = None) -> torch.Tensor:
@@ -209,7 +226,7 @@ class LlamaModel:
         positions = torch.tensor([list(range(s, s + steps)) for s in starts])
         span = max(ends)
         mask = self._attention_mask(starts, steps, span)
-        x = self.embed[tokens]
+        x = self.embed[tokens].float()
         q_size = cfg.n_heads * cfg.head_dim
         kv_size = cfg.n_kv_heads * cfg.head_dim
         same_slots = slots == list(range(batch)) and len(set(starts)) == 1
@@ -244,8 +261,8 @@ class LlamaModel:
         return self._rms_norm(x, self.norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head in fp32 (sampling and acceptance tests want full precision probabilities)."""
-        return self.lm_head(hidden).float()
+        """fp32 logits (sampling and acceptance tests want full precision probabilities)."""
+        return self.lm_head(hidden)
 
     @staticmethod
     def _attention_mask(starts: list[int], steps: int, span: int) -> torch.Tensor | None:

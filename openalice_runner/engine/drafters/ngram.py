@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter, Proposal
 from openalice_runner.engine.types import SamplingParams
 
@@ -40,12 +41,16 @@ class NgramIndex:
 
     def lookup(self, max_tokens: int) -> list[int]:
         """Tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        return self.match(max_tokens)[0]
+
+    def match(self, max_tokens: int) -> tuple[list[int], int]:
+        """(continuation, length of the matched suffix); ([], 0) without a match."""
         end = len(self.tokens)
         for n in range(min(self.n_max, end), self.n_min - 1, -1):
             pos = self.latest[n].get(tuple(self.tokens[end - n :]))
             if pos is not None:
-                return self.tokens[pos : pos + max_tokens]
-        return []
+                return self.tokens[pos : pos + max_tokens], n
+        return [], 0
 
 
 def find_continuation(context: list[int], n_min: int, n_max: int, max_tokens: int) -> list[int]:
@@ -58,18 +63,80 @@ def find_continuation(context: list[int], n_min: int, n_max: int, max_tokens: in
     return []
 
 
+class AcceptanceByMatch:
+    """Per-token acceptance estimate for each matched-suffix length, from the rounds so far.
+
+    alpha = accepted / (accepted + rejections): the maximum-likelihood rate of a geometric
+    number of accepted tokens. Pseudo-counts give a prior in which longer matches are trusted more.
+    """
+
+    def __init__(self, n_max: int):
+        self.accepted = [0.0] + [2.0 * n for n in range(1, n_max + 1)]
+        self.rejected = [1.0] + [1.5] * n_max
+
+    def alpha(self, n: int) -> float:
+        return self.accepted[n] / (self.accepted[n] + self.rejected[n])
+
+    def expected_accepted(self, n: int, k: int) -> float:
+        a = self.alpha(n)
+        return k if a >= 1.0 else a * (1 - a**k) / (1 - a)
+
+    def update(self, n: int, proposed: int, accepted: int) -> None:
+        self.accepted[n] += accepted
+        self.rejected[n] += 1.0 if accepted < proposed else 0.0
+
+
 class NgramDrafter(Drafter):
+    """Prompt lookup that proposes only what it expects to pay for.
+
+    For a match of n tokens with estimated per-token acceptance alpha_n, proposing k tokens
+    emits 1 + E[accepted] tokens for the price `costs.ratio(k + 1)` of plain steps. The drafter
+    proposes the k <= gamma with the best ratio of the two, or nothing where no k beats a plain
+    step. A declined match is still proposed every `probe_every`-th time, so the estimate
+    recovers when the output starts copying again.
+    """
+
     name = "ngram"
 
-    def __init__(self, n_min: int = 1, n_max: int = 4):
+    def __init__(self, n_min: int = 1, n_max: int = 4, costs: PassCostModel | None = None, probe_every: int = 8):
         self.index = NgramIndex(n_min, n_max)
+        self.costs = costs
+        self.probe_every = probe_every
+        self.acceptance = AcceptanceByMatch(n_max)
+        self._declined = 0
+        self._last_match = 0
 
     def start(self, prompt: list[int]) -> None:
         self.index = NgramIndex(self.index.n_min, self.index.n_max)
         self.index.extend(prompt)
+        self.acceptance = AcceptanceByMatch(self.index.n_max)
+        self._declined = 0
 
     def propose(self, history: list[int], gamma: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
         if len(history) > len(self.index.tokens):
             self.index.extend(history[len(self.index.tokens) :])
-        return Proposal(self.index.lookup(gamma))
+        tokens, n = self.index.match(gamma)
+        self._last_match = n
+        if not tokens or self.costs is None:
+            return Proposal(tokens)
+        k, value = self._best_length(n, len(tokens))
+        if value <= 1.0:
+            self._declined += 1
+            if self._declined % self.probe_every:
+                return Proposal([])
+            k = min(len(tokens), 2)  # a cheap probe
+        return Proposal(tokens[:k])
+
+    def _best_length(self, n: int, k_max: int) -> tuple[int, float]:
+        """The draft length with the most expected tokens per unit of pass cost, and that value."""
+        best_k, best = 0, 1.0
+        for k in range(1, k_max + 1):
+            value = (1.0 + self.acceptance.expected_accepted(n, k)) / self.costs.ratio(k + 1)
+            if value > best:
+                best_k, best = k, value
+        return best_k, best
+
+    def update(self, history: list[int], proposed: int, accepted: int) -> None:
+        if proposed:
+            self.acceptance.update(self._last_match, proposed, accepted)
