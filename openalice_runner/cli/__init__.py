@@ -10,7 +10,7 @@ import importlib
 import sys
 
 # module name under openalice_runner.cli -> registers one or more subcommands
-_COMMAND_MODULES = ("generate", "bench", "policy", "serve", "trace")
+_COMMAND_MODULES = ("generate", "bench", "policy", "serve", "trace", "loadtest")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -155,7 +155,9 @@ class AdmittedProvider(WrapperProvider):
 
     def load(self) -> ProviderLoad:
         inner = self.wrapped.load()
-        return ProviderLoad(batch_size=inner.batch_size, queue_depth=(inner.queue_depth or 0) + self.gate.queued)
+        return ProviderLoad(
+            batch_size=inner.batch_size, queue_depth=(inner.queue_depth or 0) + self.gate.queued
+        )
 
     async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
         self.wrapped.precheck(request)  # a request that can never be served does not queue

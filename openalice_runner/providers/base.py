@@ -99,7 +99,9 @@ class ProviderBadRequest(ProviderError):
     `param` names the request field at fault and `code` says what is wrong, when known
     (e.g. "messages" / "context_length_exceeded")."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, **kwargs: Any
+    ) -> None:
         kwargs.setdefault("status_code", 400)
         super().__init__(message, **kwargs)
         self.param = param

@@ -343,7 +343,9 @@ class LocalProvider(Provider):
 
 def _bad_request(exc: ValueError, provider: str) -> ProviderBadRequest:
     if type(exc).__name__ == "ContextLengthError":
-        return ProviderBadRequest(str(exc), provider=provider, param="messages", code="context_length_exceeded")
+        return ProviderBadRequest(
+            str(exc), provider=provider, param="messages", code="context_length_exceeded"
+        )
     return ProviderBadRequest(str(exc), provider=provider)
 
 

@@ -44,8 +44,10 @@ def _api_error_from(exc: BaseException) -> APIError:
         return APIError(404, str(exc), param="model", code="model_not_found")
     if name == "ContextLengthError":
         return APIError(400, str(exc), param="messages", code="context_length_exceeded")
-    if isinstance(exc, NoProviderAvailable) and exc.errors and all(
-        isinstance(e, ProviderRateLimited) for e in exc.errors
+    if (
+        isinstance(exc, NoProviderAvailable)
+        and exc.errors
+        and all(isinstance(e, ProviderRateLimited) for e in exc.errors)
     ):
         # Every provider of the chain was full or rate limited: overload, which is a 429, not a 503.
         return _api_error_from(min(exc.errors, key=lambda e: e.retry_after or 0))

@@ -114,16 +114,24 @@ class _RunnerState(Collector):
         gates = getattr(self.runner, "gates", {}) or {}
         families = {
             "in_flight": GaugeMetricFamily(
-                "openalice_provider_requests_in_flight", "Requests holding a provider's slots.", labels=["provider"]
+                "openalice_provider_requests_in_flight",
+                "Requests holding a provider's slots.",
+                labels=["provider"],
             ),
             "queued": GaugeMetricFamily(
-                "openalice_provider_requests_queued", "Requests waiting for a provider's slot.", labels=["provider"]
+                "openalice_provider_requests_queued",
+                "Requests waiting for a provider's slot.",
+                labels=["provider"],
             ),
             "max_in_flight": GaugeMetricFamily(
-                "openalice_provider_max_in_flight", "Slots per provider (admission limit).", labels=["provider"]
+                "openalice_provider_max_in_flight",
+                "Slots per provider (admission limit).",
+                labels=["provider"],
             ),
             "max_queue": GaugeMetricFamily(
-                "openalice_provider_max_queue", "Queue bound per provider (admission limit).", labels=["provider"]
+                "openalice_provider_max_queue",
+                "Queue bound per provider (admission limit).",
+                labels=["provider"],
             ),
         }
         refused = CounterMetricFamily(
