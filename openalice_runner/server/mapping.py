@@ -51,6 +51,12 @@ def _api_error_from(exc: BaseException) -> APIError:
     ):
         # Every provider of the chain was full or rate limited: overload, which is a 429, not a 503.
         return _api_error_from(min(exc.errors, key=lambda e: e.retry_after or 0))
+    if (
+        isinstance(exc, NoProviderAvailable)
+        and exc.errors
+        and all(isinstance(e, ProviderTimeout) for e in exc.errors)
+    ):
+        return _api_error_from(exc.errors[-1])  # all timed out: a 504 says so better than a 503
     if isinstance(exc, AdmissionRefused):
         return APIError(429, f"server busy ({exc.provider}: {exc.message}); retry later", code="server_busy",
                         headers=_retry_after(exc.retry_after))  # fmt: skip
