@@ -2,6 +2,7 @@
 
 Methods:
 - `off`, `ngram`, `draft`: the embedded engine;
+- `ngram:G`, `draft:G`: the same with γ fixed at G instead of `--gamma`;
 - `policy`: method and γ from a policy file, per case's turn type;
 - `hf-plain`, `hf-prompt-lookup`: transformers' own `generate` on the same model and dtype
   (the peer to beat); `hf-prompt-lookup` is the faster of 4 and 10 lookup tokens.
@@ -95,7 +96,7 @@ def bench(
     policy_store=None,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
-    unknown = [m for m in methods if m not in ALL_METHODS]
+    unknown = [m for m in methods if split_method(m, gamma)[0] not in ALL_METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
     if "policy" in methods and policy_store is None:
@@ -134,7 +135,18 @@ def bench(
     return {"runs": rows, "summary": summarize(rows, methods)}
 
 
+def split_method(method: str, gamma: int) -> tuple[str, int]:
+    """'ngram:8' -> ('ngram', 8); 'ngram' -> ('ngram', gamma)."""
+    name, _, fixed = method.partition(":")
+    if fixed:
+        if name not in ENGINE_METHODS or not fixed.isdigit() or int(fixed) < 1:
+            raise ValueError(f"bad method {method!r}: use NAME:GAMMA with NAME one of {ENGINE_METHODS}")
+        return name, int(fixed)
+    return name, gamma
+
+
 def _one(engine: Engine, case: Case, prompt: list[int], method: str, gamma: int, policy_store) -> Run:
+    method, gamma = split_method(method, gamma)
     if method in ENGINE_METHODS:
         return run_engine(engine, prompt, case.max_tokens, SpecConfig(method=method, gamma=gamma))
     if method == "policy":

@@ -1,0 +1,23 @@
+"""fp32 greedy: n-gram and self-draft speculation reproduce plain decoding on every workload case."""
+
+from __future__ import annotations
+
+import pytest
+
+from openalice_runner.bench.workload import load_workload, render_case
+from openalice_runner.engine import SamplingParams, SpecConfig
+
+
+@pytest.mark.slow
+def test_every_workload_case_is_identical_to_off(real_engine_fp32, workload_path):
+    engine = real_engine_fp32
+    mismatches = []
+    for case in load_workload(workload_path):
+        prompt = render_case(engine, case)
+        sampling = SamplingParams(max_tokens=case.max_tokens)
+        plain = engine.generate(prompt, sampling, SpecConfig(method="off"))
+        for spec in (SpecConfig(method="ngram", gamma=8), SpecConfig(method="draft", gamma=3)):
+            out = engine.generate(prompt, sampling, spec)
+            if out.token_ids != plain.token_ids:
+                mismatches.append((case.id, spec.method))
+    assert mismatches == []
