@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -291,8 +292,8 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
         return None
     ordered = sorted(values)
 
-    def rank(q: float) -> float:  # nearest rank
-        return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))]
+    def rank(q: float) -> float:  # nearest rank: the smallest value with at least q of them at or below
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
     return {
         "p50": rank(0.50),
