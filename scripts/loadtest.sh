@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Load test of the embedded default: `openalice-runner serve` with its defaults (SmolLM2-135M-Instruct,
+# admission 1 in flight + 16 queued), then `openalice-runner loadtest` for DURATION seconds at each
+# concurrency. Writes one JSON report per run and a Markdown table (sent/ok/429/failed/5xx, latency
+# and time-to-first-token percentiles, the server's peak RSS from /proc/PID/status VmHWM).
+#
+#   scripts/loadtest.sh [OUT.md]            # default OUT: loadtest-results.md
+#   DURATION=60 CONCURRENCY="1 4 16" PORT=8765 scripts/loadtest.sh /tmp/results.md
+#
+# Heavy: runs the real model for 3 x DURATION seconds. Not part of the test suite.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT="${1:-loadtest-results.md}"
+DURATION="${DURATION:-60}"
+CONCURRENCY="${CONCURRENCY:-1 4 16}"
+PORT="${PORT:-8765}"
+PY="${PY:-$ROOT/.venv/bin/python}"
+SERVE_ARGS="${SERVE_ARGS:-}"  # e.g. "--providers tiny.yaml" to try the script on the tiny model
+WORK="$(mktemp -d)"
+export HF_HUB_OFFLINE=1 PYTHONPATH="$ROOT"
+
+# shellcheck disable=SC2086
+"$PY" -m openalice_runner serve --port "$PORT" $SERVE_ARGS >"$WORK/serve.log" 2>&1 &
+SERVER=$!
+cleanup() { kill -TERM "$SERVER" 2>/dev/null || true; }
+trap cleanup EXIT
+
+for _ in $(seq 1 300); do
+  if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then break; fi
+  kill -0 "$SERVER" 2>/dev/null || { echo "serve exited:"; cat "$WORK/serve.log"; exit 1; }
+  sleep 0.5
+done
+echo "server pid $SERVER up; $(grep VmRSS "/proc/$SERVER/status") with the model loaded"
+
+for c in $CONCURRENCY; do
+  echo "== concurrency $c, ${DURATION}s"
+  "$PY" -m openalice_runner loadtest --url "http://127.0.0.1:$PORT" --concurrency "$c" \
+    --duration "$DURATION" --server-pid "$SERVER" --json "$WORK/c$c.json" || true
+done
+curl -s "http://127.0.0.1:$PORT/metrics" >"$WORK/metrics.txt"
+
+kill -TERM "$SERVER"
+set +e
+wait "$SERVER"
+EXIT=$?
+set -e
+trap - EXIT
+
+"$PY" - "$WORK" "$OUT" "$EXIT" "$CONCURRENCY" <<'EOF'
+import json, sys
+from pathlib import Path
+
+work, out, exit_code, levels = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split()
+ms = lambda s, k: f"{s[k] * 1000:.0f}" if s else "-"
+rows, peak = [], 0
+for c in levels:
+    r = json.loads((work / f"c{c}.json").read_text())
+    peak = max(peak, r.get("server_peak_rss_bytes") or 0)
+    lat, ttft = r["latency_s"], r["ttft_s"]
+    rows.append(
+        f"| {c} | {r['elapsed_s']:.0f} | {r['sent']} | {r['succeeded']} | {r['refused']} | {r['failed']} | "
+        f"{r['server_errors']} | {ms(lat, 'p50')} / {ms(lat, 'p95')} / {ms(lat, 'p99')} | "
+        f"{ms(ttft, 'p50')} / {ms(ttft, 'p95')} / {ms(ttft, 'p99')} | {r['requests_per_s']} | {r['tokens_per_s']} |"
+    )
+metrics = (work / "metrics.txt").read_text().splitlines()
+fivexx = sum(float(l.rsplit(" ", 1)[1]) for l in metrics
+             if l.startswith("openalice_http_requests_total{") and 'status="5' in l)
+text = "\n".join([
+    "# Load test: `openalice-runner serve` defaults (embedded SmolLM2-135M-Instruct, bf16, CPU)",
+    "",
+    f"Each row: `openalice-runner loadtest` for {levels and json.loads((work / f'c{levels[0]}.json').read_text())['duration_s']:g} s, "
+    "half the requests streamed, max_tokens 32, six short chat prompts; latency and TTFT in ms (p50 / p95 / p99).",
+    "",
+    "| concurrency | s | sent | ok | 429 | failed | 5xx | latency ms | TTFT ms | req/s | tokens/s |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+    *rows,
+    "",
+    f"Server peak RSS (VmHWM): {peak / 2**20:.0f} MiB ({peak / 2**30:.2f} GiB). "
+    f"5xx answered by the server over the whole run (/metrics): {fivexx:.0f}. Exit code after SIGTERM: {exit_code}.",
+    "",
+])
+out.write_text(text)
+print(text)
+EOF
