@@ -260,7 +260,8 @@ def test_default_policy_shape():
     s = PolicyStore.from_file("policies/default.yaml")
     for turn in ("tool_call", "code_edit", "summarize", "rag"):
         assert s.decide(RequestContext(turn, 1, "local")).method == "ngram"
-    assert s.decide(RequestContext("chat", 1, "sglang-eagle3")).method == "eagle"
+    d = s.decide(RequestContext("chat", 1, "gpu"))  # the SGLang provider of providers/gpu-example.yaml
+    assert (d.method, d.pool) == ("eagle", "eagle3")
     assert s.decide(RequestContext("chat", 1, "local")).method == "ngram"
     small = s.policy.rules[0].gamma_bounds[1]
     mid = s.policy.rules[1].gamma_bounds[1]

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         RequestContext(t, b, p)
         for t in ("chat", "reasoning", "tool_call", "code_edit", "summarize", "rag", "custom")
         for b in (1, 3, 8, 24, 64)
-        for p in ("local", "sglang-eagle3", None)
+        for p in ("local", "gpu", None)
     ]
     n_rounds = 200
     for ctx in contexts:  # warm up
