@@ -67,12 +67,17 @@ class AcceptanceByMatch:
     """Per-token acceptance estimate for each matched-suffix length, from the rounds so far.
 
     alpha = accepted / (accepted + rejections): the maximum-likelihood rate of a geometric
-    number of accepted tokens. Pseudo-counts give a prior in which longer matches are trusted more.
+    number of accepted tokens. A weak prior (PRIOR_WEIGHT pseudo-tokens) trusts longer matches
+    more and is outweighed after a round or two of evidence.
     """
 
+    PRIOR_ALPHA = (0.0, 0.25, 0.4, 0.5, 0.6)  # by matched length 1..4; longer: the last value
+    PRIOR_WEIGHT = 2.0
+
     def __init__(self, n_max: int):
-        self.accepted = [0.0] + [2.0 * n for n in range(1, n_max + 1)]
-        self.rejected = [1.0] + [1.5] * n_max
+        priors = [self.PRIOR_ALPHA[min(n, len(self.PRIOR_ALPHA) - 1)] for n in range(n_max + 1)]
+        self.accepted = [a * self.PRIOR_WEIGHT for a in priors]
+        self.rejected = [(1 - a) * self.PRIOR_WEIGHT for a in priors]
 
     def alpha(self, n: int) -> float:
         return self.accepted[n] / (self.accepted[n] + self.rejected[n])
