@@ -76,6 +76,8 @@ class Runner:
         self.telemetry = telemetry  # RunnerTelemetry | None
         # One gate per provider, shared by every route naming it. `admission`: defaults for the limits
         # a provider's own config leaves unset (the server's flags).
+        self._admission = admission
+        self._built_from = dict(routing.providers)  # name -> the config each provider was built from
         self.gates = {
             name: AdmissionGate.for_provider(
                 name, provider.kind, _limits_of(routing.providers.get(name)).over(admission)
@@ -152,6 +154,31 @@ class Runner:
     def chain_for(self, turn_type: str, model: str | None) -> FallbackProvider:
         return self._chains[self.routing.route_for(turn_type, model).name]
 
+    def apply_routing(self, routing: RoutingConfig) -> list[str]:
+        """Apply an edited routing config live, as far as that is safe with requests running: routes
+        and admission limits change at once, new providers are added. A provider whose definition
+        changed (type, model, URLs, keys) is not swapped under its running requests: it keeps its old
+        definition, and its name is returned as needing a restart."""
+        needs_restart, added, resized = [], {}, {}
+        for name, config in routing.providers.items():  # first build, so a failure changes nothing
+            limits = _limits_of(config).over(self._admission)
+            if name not in self.providers:
+                provider = build_provider(name, config)
+                added[name] = (provider, AdmissionGate.for_provider(name, provider.kind, limits))
+            elif name in self._built_from and _definition(self._built_from[name]) != _definition(config):
+                needs_restart.append(name)
+                routing.providers[name] = self._built_from[name]
+            else:
+                resized[name] = AdmissionGate.for_provider(name, self.providers[name].kind, limits)
+        for name, (provider, gate) in added.items():
+            self.providers[name], self.gates[name] = provider, gate
+            self._built_from[name] = routing.providers[name]
+        for name, fresh in resized.items():
+            self.gates[name].resize(fresh.max_in_flight, fresh.max_queue)
+        self.routing = routing
+        self._chains = {route.name: self._chain(route.chain) for route in routing.routes}
+        return needs_restart
+
     def refusal(self, turn_type: str, model: str | None) -> AdmissionRefused | None:
         """The refusal a request would get now if every provider of its chain is full, else None:
         lets the sidecar answer 429 before it opens spans or reads the body further. The gates
@@ -196,6 +223,11 @@ class Runner:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
+
+
+def _definition(config: Any) -> dict[str, Any]:
+    """A provider's config without its admission limits (those change live)."""
+    return config.model_dump(exclude={"max_in_flight", "max_queue"})
 
 
 def _limits_of(config: Any) -> AdmissionLimits:

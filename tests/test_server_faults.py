@@ -19,7 +19,7 @@ from openalice_runner.runner import Runner
 from openalice_runner.server.app import ServerSettings, create_app
 from tests.stand_ins.openai_server import OpenAIStandIn
 from tests.stand_ins.serve import ServerThread, refused_url
-from tests.test_server_api import LiveServer, _wait_for
+from tests.test_server_api import LiveServer, _sample, _wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 PROVIDER_KEY = "sk-upstream-secret-0123456789abcdef"
@@ -94,16 +94,18 @@ class FaultStack:
         for turn_type, chain in routes.items():
             text += f"  - {{name: {turn_type}, match: {{turn_types: [{turn_type}]}}, chain: [{', '.join(chain)}]}}\n"
         text += "  - {name: default, chain: [local]}\n"
-        (tmp / "providers.yaml").write_text(text)
+        self.providers_path = tmp / "providers.yaml"
+        self.providers_path.write_text(text)
         self.policy_path = tmp / "policy.yaml"
         shutil.copy(REPO / "policies" / "default.yaml", self.policy_path)
         self.runner = Runner.from_config(
             providers=str(tmp / "providers.yaml"), policy=str(self.policy_path), telemetry=False,
             engine=tiny_engine(),
         )  # fmt: skip
-        self.server = LiveServer(
-            create_app(self.runner, settings=ServerSettings(request_timeout_s=20))
-        ).start()
+        settings = ServerSettings(
+            request_timeout_s=20, providers_file=str(self.providers_path), watch_interval_s=0.2
+        )
+        self.server = LiveServer(create_app(self.runner, settings=settings)).start()
         self.chat_url = f"{self.server.url}/v1/chat/completions"
 
     def post(self, turn_type: str, **body) -> httpx.Response:
@@ -167,10 +169,10 @@ def test_refused_connections_fall_back_or_fail_cleanly(faults):
 def test_a_hanging_provider_times_out_then_falls_back_or_fails_cleanly(faults):
     t0 = time.monotonic()
     _served_by_local_after(faults.post("hang_fb"), "hang")
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 20  # generous: the CPU is shared
     t0 = time.monotonic()
     err = _error(faults.post("hang"), 504)
-    assert err["code"] == "provider_timeout" and time.monotonic() - t0 < 10
+    assert err["code"] == "provider_timeout" and time.monotonic() - t0 < 20
     # The caller's own deadline is shorter than the provider's timeout: it wins.
     r = httpx.post(
         faults.chat_url, json={"messages": HI, "timeout": 0.2},
@@ -215,3 +217,43 @@ def test_broken_policy_file_while_serving_keeps_the_last_good_one(faults):
         faults.policy_path.write_text(text)
         store.reload_if_changed()
     _wait_for(lambda: store.version, lambda v: v == good)
+
+
+def test_providers_file_broken_while_serving_keeps_the_last_good_one(faults):
+    health_url = f"{faults.server.url}/health"
+    good = faults.providers_path.read_text()
+
+    def health():
+        return httpx.get(health_url, timeout=10).json()["providers"]
+
+    def max_queue():
+        text = httpx.get(f"{faults.server.url}/metrics", timeout=10).text
+        return _sample(text, "openalice_provider_max_queue", provider="local")
+
+    try:
+        faults.providers_path.write_text(good.replace("routes:", "routes: [oops"))
+        broken = _wait_for(health, lambda h: "last_error" in h)
+        assert "providers.yaml:" in broken["last_error"]  # positioned, FILE:LINE:COL
+        assert faults.post("chat").status_code == 200  # served on the last good config
+        _served_by_local_after(faults.post("refused_fb"), "dead")
+
+        # A valid edit applies live: admission limits and routes.
+        edited = good.replace("max_tokens_default: 4}", "max_tokens_default: 4, max_queue: 3}")
+        edited = edited.replace(
+            "routes:\n", "routes:\n  - {name: extra, match: {turn_types: [extra]}, chain: [local]}\n"
+        )
+        faults.providers_path.write_text(edited)
+        _wait_for(health, lambda h: "last_error" not in h)
+        _wait_for(max_queue, lambda v: v == 3)
+        assert faults.post("extra").status_code == 200
+
+        # A changed provider definition is not swapped under running requests: a restart is asked for.
+        faults.providers_path.write_text(
+            edited.replace("tiny_random: true", "tiny_random: true, dtype: fp32")
+        )
+        assert _wait_for(health, lambda h: "needs_restart" in h)["needs_restart"] == ["local"]
+        assert faults.post("chat").status_code == 200
+    finally:
+        faults.providers_path.write_text(good)
+    _wait_for(health, lambda h: "last_error" not in h and "needs_restart" not in h)
+    _wait_for(max_queue, lambda v: v == 16)

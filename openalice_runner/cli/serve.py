@@ -14,7 +14,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP sidecar")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--providers", metavar="FILE", help="providers/routes YAML (default: embedded engine)")
+    p.add_argument(
+        "--providers", metavar="FILE",
+        help="providers/routes YAML (default: embedded engine); watched: a valid edit applies live, a "
+        "broken one keeps the last good config (see /health)",
+    )  # fmt: skip
     p.add_argument("--policy", metavar="FILE", help="speculation policy YAML, watched and hot-reloaded")
     p.add_argument(
         "--api-key",
@@ -100,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             request_timeout_s=args.request_timeout,
             max_tokens_limit=args.max_tokens_limit,
+            providers_file=args.providers,
         ),
         metrics=metrics,
         on_shutdown=providers.force_flush,

@@ -135,6 +135,18 @@ class AdmissionGate:
             raise
         self.admitted += 1
 
+    def resize(self, max_in_flight: int, max_queue: int) -> None:
+        """New limits, live (an edited routing file). More slots start waiting requests now; a smaller
+        queue keeps who is already in it and refuses newcomers until it is below the new bound."""
+        if max_in_flight < 1 or max_queue < 0:
+            raise ValueError("max_in_flight must be >= 1 and max_queue >= 0")
+        self.max_in_flight, self.max_queue = max_in_flight, max_queue
+        while self.in_flight < self.max_in_flight and self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.in_flight += 1
+                waiter.set_result(None)
+
     def release(self, held_s: float | None = None) -> None:
         if held_s is not None:
             self._held_s = held_s if self._held_s == 0 else 0.8 * self._held_s + 0.2 * held_s

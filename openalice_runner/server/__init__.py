@@ -1,4 +1,4 @@
 """The OpenAI-compatible sidecar (`openalice-runner serve`): FastAPI app over a Runner.
 
-    from openalice_runner.server.app import create_app, ServerSettings
+from openalice_runner.server.app import create_app, ServerSettings
 """

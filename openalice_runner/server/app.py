@@ -27,6 +27,7 @@ from openalice_runner.server.errors import APIError, install_error_handlers
 from openalice_runner.server.guard import GuardMiddleware
 from openalice_runner.server.mapping import api_error_from as _map_error
 from openalice_runner.server.metrics import ServerMetrics
+from openalice_runner.server.routing_watch import RoutingWatcher
 from openalice_runner.server.streaming import GuardedStreamingResponse, SSEStream
 from openalice_runner.server.turns import Step, TurnTracker
 from openalice_runner.server.validation import ServerChatRequest, check_request
@@ -46,6 +47,8 @@ class ServerSettings:
     watch_policy: bool = True
     request_timeout_s: float = 300.0  # caps the deadline a client asks for (server/deadline.py)
     max_tokens_limit: int = 32_768  # larger max_tokens are refused as absurd (400)
+    providers_file: str | None = None  # watched and applied live when it validates (routing_watch.py)
+    watch_interval_s: float = 1.0
 
 
 def create_app(
@@ -69,6 +72,11 @@ def create_app(
     tracker = TurnTracker(
         telemetry, max_open=settings.max_open_turns, idle_timeout_s=settings.turn_idle_timeout_s
     )
+    routing_watch = (
+        RoutingWatcher(runner, settings.providers_file, settings.watch_interval_s)
+        if settings.providers_file and hasattr(runner, "apply_routing")
+        else None
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -81,10 +89,13 @@ def create_app(
             if ensure_loaded is not None:
                 await ensure_loaded()
         reaper = asyncio.create_task(_reap_idle_turns(tracker, metrics))
+        watcher = asyncio.create_task(routing_watch.run()) if routing_watch is not None else None
         try:
             yield
         finally:
             reaper.cancel()
+            if watcher is not None:
+                watcher.cancel()
             tracker.close_all("shutdown")
             if settings.watch_policy and policy is not None:
                 policy.stop_watching()
@@ -249,12 +260,15 @@ def create_app(
     @app.get("/health")
     async def health() -> dict[str, Any]:
         store = getattr(runner, "policy", None)
-        return {
+        out = {
             "status": "ok",
             "models": runner.model_names(),
             "policy_version": getattr(store, "version", None),
             "open_turns": len(tracker),
         }
+        if routing_watch is not None:
+            out["providers"] = routing_watch.status()  # a rejected edit says why here
+        return out
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

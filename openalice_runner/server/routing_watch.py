@@ -1,0 +1,87 @@
+"""Watches the providers (routing) file while serving, as the policy store watches the policy.
+
+An edit that validates is applied live (routes, admission limits, new providers: Runner.apply_routing);
+a provider whose definition changed keeps its old one until a restart, and /health says so. An edit
+that does not validate changes nothing: the last good config stays in force, the problems (each
+FILE:LINE:COL) go to the log and to /health until the file is fixed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("openalice_runner.server")
+
+
+class RoutingWatcher:
+    def __init__(self, runner: Any, path: str | Path, interval_s: float = 1.0) -> None:
+        self.runner = runner
+        self.path = Path(path)
+        self.interval_s = interval_s
+        self.last_error: str | None = None
+        self.needs_restart: list[str] = []
+        self._stamp = self._stat()
+        self._digest = self._hash()
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def _hash(self) -> str | None:
+        try:
+            return hashlib.sha256(self.path.read_bytes()).hexdigest()
+        except OSError:
+            return None
+
+    def check(self) -> bool:
+        """Reload if the file changed; True when a new config was applied."""
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        digest = self._hash()
+        if digest == self._digest:
+            return False
+        self._digest = digest
+        from openalice_runner.providers.config import load_routing_file
+
+        try:
+            routing = load_routing_file(self.path)
+        except Exception as exc:  # RoutingConfigError names each problem; anything else is as bad
+            self.last_error = str(exc)
+            log.error("providers file rejected; the last good one stays in force", source=str(self.path),
+                      problems=self.last_error)  # fmt: skip
+            return False
+        try:
+            self.needs_restart = self.runner.apply_routing(routing)
+        except Exception as exc:  # e.g. a new provider that cannot be built (missing key)
+            self.last_error = f"{self.path}: cannot apply: {exc}"
+            log.error("providers file not applied; the last good one stays in force", error=str(exc))
+            return False
+        self.last_error = None
+        log.info("providers file reloaded", source=str(self.path), needs_restart=self.needs_restart)
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.check()
+            except Exception as exc:  # the watcher must outlive anything a file can do to it
+                log.error("providers watch failed", error_type=type(exc).__name__)
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"source": str(self.path)}
+        if self.last_error:
+            out["last_error"] = self.last_error
+        if self.needs_restart:
+            out["needs_restart"] = self.needs_restart
+        return out
