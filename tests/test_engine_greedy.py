@@ -70,7 +70,7 @@ def test_all_accept_uses_fewer_passes(tiny_engine):
 @pytest.mark.slow
 def test_greedy_equality_real_model(real_engine_fp32):
     engine = real_engine_fp32
-    prompt = engine.render_chat([{"role": "user", "content": "Repeat exactly: alpha beta gamma delta. Then count to five."}])
+    prompt = engine.render_chat([{"role": "user", "content": "Write a short story about a cat who learns to fly."}])
     plain = check_all_drafters(engine, prompt, max_tokens=48, gammas=(1, 5))
     assert plain.stats.completion_tokens > 5
 
