@@ -249,3 +249,6 @@ def configure_logging(json_logs: bool = True, level: str = "info") -> None:
         lg = logging.getLogger(name)
         lg.handlers[:] = []
         lg.propagate = True
+        # an earlier uvicorn.Config in this process may have set a level or disabled the logger
+        lg.setLevel(logging.NOTSET)
+        lg.disabled = False
