@@ -68,11 +68,11 @@ class AcceptanceByMatch:
 
     alpha = accepted / (accepted + rejections): the maximum-likelihood rate of a geometric
     number of accepted tokens. A weak prior (PRIOR_WEIGHT pseudo-tokens) trusts longer matches
-    more and is outweighed after a round or two of evidence.
+    more; one lucky probe does not outweigh it, a few rounds of evidence do.
     """
 
     PRIOR_ALPHA = (0.0, 0.25, 0.4, 0.5, 0.6)  # by matched length 1..4; longer: the last value
-    PRIOR_WEIGHT = 2.0
+    PRIOR_WEIGHT = 4.0
 
     def __init__(self, n_max: int):
         priors = [self.PRIOR_ALPHA[min(n, len(self.PRIOR_ALPHA) - 1)] for n in range(n_max + 1)]
@@ -97,11 +97,14 @@ class NgramDrafter(Drafter):
     For a match of n tokens with estimated per-token acceptance alpha_n, proposing k tokens
     emits 1 + E[accepted] tokens for the price `costs.ratio(k + 1)` of plain steps. The drafter
     proposes the k <= gamma with the best ratio of the two, or nothing where no k beats a plain
-    step. A declined match is still proposed every `probe_every`-th time, so the estimate
-    recovers when the output starts copying again.
+    step. A declined match is still probed now and then (every `probe_every`-th time, backing
+    off exponentially while probes fail), so the estimate recovers when the output starts
+    copying again.
     """
 
     name = "ngram"
+
+    MAX_PROBE_INTERVAL = 256
 
     def __init__(self, n_min: int = 1, n_max: int = 4, costs: PassCostModel | None = None, probe_every: int = 8):
         self.index = NgramIndex(n_min, n_max)
@@ -109,6 +112,8 @@ class NgramDrafter(Drafter):
         self.probe_every = probe_every
         self.acceptance = AcceptanceByMatch(n_max)
         self._declined = 0
+        self._probe_interval = probe_every
+        self._probing = False
         self._last_match = 0
 
     def start(self, prompt: list[int]) -> None:
@@ -116,6 +121,7 @@ class NgramDrafter(Drafter):
         self.index.extend(prompt)
         self.acceptance = AcceptanceByMatch(self.index.n_max)
         self._declined = 0
+        self._probe_interval = self.probe_every
 
     def propose(self, history: list[int], gamma: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
@@ -126,9 +132,10 @@ class NgramDrafter(Drafter):
         if not tokens or self.costs is None:
             return Proposal(tokens)
         k, value = self._best_length(n, len(tokens))
-        if value <= 1.0:
+        self._probing = value <= 1.0
+        if self._probing:
             self._declined += 1
-            if self._declined % self.probe_every:
+            if self._declined % self._probe_interval:
                 return Proposal([])
             k = min(len(tokens), 2)  # a cheap probe
         return Proposal(tokens[:k])
@@ -145,3 +152,11 @@ class NgramDrafter(Drafter):
     def update(self, history: list[int], proposed: int, accepted: int) -> None:
         if proposed:
             self.acceptance.update(self._last_match, proposed, accepted)
+            if self._probing:
+                # A failed probe backs off exponentially: on text that does not copy, probing
+                # must stay a small fraction of the steps. A successful one resets the interval.
+                failed = accepted < proposed
+                self._probe_interval = (
+                    min(self._probe_interval * 2, self.MAX_PROBE_INTERVAL) if failed else self.probe_every
+                )
+                self._declined = 0
