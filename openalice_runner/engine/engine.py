@@ -174,7 +174,7 @@ class Engine:
             if not isinstance(self.model, LlamaModel):
                 raise ValueError("method 'draft' needs a Llama-family target (self-draft from its layers)")
             if spec.draft_model:
-                raise NotImplementedError("separate draft models: use draft_layers (self-draft) for now")
+                raise ValueError("draft_model: separate draft models are not supported yet; use draft_layers (self-draft)")
             n = spec.draft_layers or default_draft_layers(self.model.cfg.n_layers)
             if n not in self._draft_models:
                 self._draft_models[n] = self.model.truncated(n)
