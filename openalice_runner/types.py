@@ -458,7 +458,19 @@ class ChatChunk(_Extended):
 
     @classmethod
     def text(cls, id: str, model: str, text: str, role: bool = False) -> ChatChunk:
-        delta = Delta(role="assistant" if role else None, content=text)
+        return cls.piece(id, model, content=text, first=role)
+
+    @classmethod
+    def piece(
+        cls,
+        id: str,
+        model: str,
+        content: str | None = None,
+        tool_calls: list[ToolCallDelta] | None = None,
+        first: bool = False,
+    ) -> ChatChunk:
+        """A content and/or tool-call delta; the stream's first one carries the assistant role."""
+        delta = Delta(role="assistant" if first else None, content=content, tool_calls=tool_calls or None)
         return cls(id=id, model=model, choices=[ChunkChoice(delta=delta)])
 
     @property

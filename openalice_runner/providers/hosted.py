@@ -37,7 +37,6 @@ from openalice_runner.types import (
     ChatRequest,
     ChatResult,
     ChunkChoice,
-    Delta,
     FunctionCall,
     FunctionCallDelta,
     SpeculationInfo,
@@ -258,18 +257,9 @@ class HostedProvider(Provider):
                 if not content and not calls:
                     continue
                 saw_tool_calls = saw_tool_calls or bool(calls)
-                yield ChatChunk(
-                    id=chunk_id,
-                    model=model,
-                    choices=[
-                        ChunkChoice(
-                            delta=Delta(
-                                role="assistant" if not started else None,
-                                content=content or None,
-                                tool_calls=[_tool_call_delta(tc) for tc in calls] if calls else None,
-                            )
-                        )
-                    ],
+                yield ChatChunk.piece(
+                    chunk_id, model, content or None,
+                    [_tool_call_delta(tc) for tc in calls] if calls else None, first=not started,
                 )
                 started = True
         if finish is None and not started:

@@ -49,7 +49,6 @@ from openalice_runner.types import (
     ChatRequest,
     ChatResult,
     ChunkChoice,
-    Delta,
     FunctionCallDelta,
     SpeculationInfo,
     ToolCall,
@@ -509,18 +508,9 @@ class SGLangProvider(Provider):
                     if not content and not calls:
                         continue  # role-only opener or finish marker: not a token
                     saw_tool_calls = saw_tool_calls or bool(calls)
-                    yield ChatChunk(
-                        id=chunk_id,
-                        model=model,
-                        choices=[
-                            ChunkChoice(
-                                delta=Delta(
-                                    role="assistant" if not started else None,
-                                    content=content or None,
-                                    tool_calls=[_tool_call_delta(tc) for tc in calls] if calls else None,
-                                )
-                            )
-                        ],
+                    yield ChatChunk.piece(
+                        chunk_id, model, content or None,
+                        [_tool_call_delta(tc) for tc in calls] if calls else None, first=not started,
                     )
                     started = True
         except httpx.TimeoutException as exc:
