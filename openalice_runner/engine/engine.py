@@ -182,7 +182,5 @@ class Engine:
             if cache is None or cache.max_len < max_len:
                 cache = self._draft_models[n].new_cache(1, max_len)
                 self._draft_caches[n] = cache
-            drafter = DraftModelDrafter(self._draft_models[n], max_len)
-            drafter.cache = cache
-            return drafter
+            return DraftModelDrafter(self._draft_models[n], cache)
         raise ValueError(f"speculation method {spec.method!r} is not available in the embedded engine yet")

@@ -76,7 +76,7 @@ def choose_token(logits: torch.Tensor, seq: Sequence) -> int:
 
 
 def prefill(model: LlamaModel, seq: Sequence) -> list[int]:
-    """Feed the prompt (all but nothing: the first token needs the last prompt position)."""
+    """Feed the whole prompt in chunks and pick the first token from its last position."""
     start = time.perf_counter()
     seq.cache.lengths[seq.slot] = 0
     hidden = None
@@ -85,8 +85,7 @@ def prefill(model: LlamaModel, seq: Sequence) -> list[int]:
         hidden = model.forward(chunk, seq.cache, [seq.slot])
     first = choose_token(model.logits(hidden[0, -1]), seq)
     seq.stats.prefill_s = time.perf_counter() - start
-    # The prompt is in the cache in full; re-state the invariant by counting `first` as the
-    # emitted-but-unfed last token.
+    # The invariant holds again: `first` is the emitted but not yet fed last token.
     return accept_tokens(seq, [first])
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from openalice_runner.engine.drafters.base import Drafter, Proposal
-from openalice_runner.engine.llama import LlamaModel
+from openalice_runner.engine.llama import KVCache, LlamaModel
 from openalice_runner.engine.sampling import processed_probs
 from openalice_runner.engine.types import SamplingParams
 
@@ -19,9 +19,9 @@ from openalice_runner.engine.types import SamplingParams
 class DraftModelDrafter(Drafter):
     name = "draft"
 
-    def __init__(self, model: LlamaModel, max_len: int):
+    def __init__(self, model: LlamaModel, cache: KVCache):
         self.model = model
-        self.cache = model.new_cache(1, max_len)
+        self.cache = cache  # one slot, reused across requests by the engine
         self.fed: list[int] = []  # tokens whose keys/values are in the cache, in order
         self._base = 0
 
