@@ -6,11 +6,13 @@ every position cost as much as the matmuls. Here the KV cache is preallocated an
 by moving a position pointer (as in gpt-fast), q/k/v and gate/up are fused into one matmul
 each, and logits are computed only for the positions the caller asks for.
 
-Weights stay in the dtype asked for. On CPUs without native bf16 arithmetic (AVX2 only) a
-bf16 matmul over several rows costs several times one row, which would make verifying γ
-draft tokens as slow as decoding them; `Linear` therefore keeps an fp32 copy of each bf16
-weight for multi-row inputs (prefill, verify) and the bf16 copy for one-row decode, where the
-halved memory traffic is what counts.
+Weights stay in the dtype asked for. Verifying γ draft tokens must cost about what decoding one
+costs, and torch's matmuls do not give that on CPUs without bf16 arithmetic: there a bf16
+matmul over several rows costs several times one row, and an fp32 one reads twice the bytes.
+`Linear` therefore uses the engine's own small-M kernels (cpu_kernels.py) where they build,
+which read the bf16 weight once for all rows and give every row the same bits whatever the
+row count. Without them it keeps an fp32 copy of each bf16 weight for multi-row inputs and the
+bf16 weight for one-row decode.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from openalice_runner.engine.cpu_kernels import LinearKernels, linear_kernels, unavailable_reason
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -36,32 +40,43 @@ def has_native_bf16() -> bool:
 
 
 class Linear:
-    """y = x @ W.T for fp32 activations, choosing the weight copy and kernel by row count.
+    """y = x @ W.T for fp32 activations, choosing the kernel and weight copy by row count.
 
-    One row (decode) is memory-bound: it reads the stored weight, bf16 where asked for, which
-    halves the bytes moved. Several rows (prefill, verify) use an fp32 copy where the CPU has no
-    bf16 arithmetic. Tall weights (the LM head) multiply as W @ x.T, which MKL runs markedly
-    faster than x @ W.T for a handful of rows.
+    With the engine's kernels every row count reads the stored weight once. Without them, one
+    row (decode) reads the stored weight, bf16 where asked for, which halves the bytes moved;
+    several rows (prefill, verify) use an fp32 copy where the CPU has no bf16 arithmetic, and
+    tall weights (the LM head) multiply as W @ x.T, which MKL runs markedly faster than x @ W.T
+    for a handful of rows.
     """
 
-    __slots__ = ("weight", "weight_rows", "bias", "tall")
+    __slots__ = ("weight", "weight_rows", "bias", "tall", "kernels")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split_multi_row: bool):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        split_multi_row: bool,
+        kernels: LinearKernels | None = None,
+    ):
         self.weight = weight.contiguous()
         self.bias = None if bias is None else bias.float()
-        # fp32 copy for multi-row inputs (None: the stored weight is fp32 already, or the CPU
-        # multiplies bf16 natively)
-        self.weight_rows = weight.float().contiguous() if split_multi_row else None
+        self.kernels = kernels if kernels is not None and kernels.supports(self.weight) else None
+        # fp32 copy for multi-row inputs (None: kernels in use, the stored weight is fp32
+        # already, or the CPU multiplies bf16 natively)
+        self.weight_rows = weight.float().contiguous() if split_multi_row and self.kernels is None else None
         self.tall = weight.shape[0] >= 8 * weight.shape[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows == 1:
-            y = F.linear(x.to(self.weight.dtype), self.weight).float()
-        elif self.weight_rows is None:
-            y = self._matmul(x.to(self.weight.dtype), self.weight, rows).float()
+        if self.kernels is not None:
+            y = self.kernels.linear(x, self.weight)
         else:
-            y = self._matmul(x, self.weight_rows, rows)
+            rows = x.numel() // x.shape[-1]
+            if rows == 1:
+                y = F.linear(x.to(self.weight.dtype), self.weight).float()
+            elif self.weight_rows is None:
+                y = self._matmul(x.to(self.weight.dtype), self.weight, rows).float()
+            else:
+                y = self._matmul(x, self.weight_rows, rows)
         return y if self.bias is None else y + self.bias
 
     def _matmul(self, x: torch.Tensor, w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -134,7 +149,9 @@ class KVCache:
 class LlamaModel:
     """Tensor-in, tensor-out forward over a `KVCache`; no autograd, no module hooks."""
 
-    def __init__(self, hf_model, split_multi_row: bool | None = None):
+    def __init__(self, hf_model, split_multi_row: bool | None = None, native_kernels: bool | None = None):
+        """`native_kernels`: None uses the engine's CPU kernels where they build, True requires
+        them (ValueError naming why not), False uses torch's matmuls only."""
         config = hf_model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {config.model_type!r} not supported by the lean forward")
@@ -164,6 +181,12 @@ class LlamaModel:
         self.dtype = torch.float32
         if split_multi_row is None:
             split_multi_row = self.weight_dtype == torch.bfloat16 and not has_native_bf16()
+        kernels = None if native_kernels is False else linear_kernels()
+        if native_kernels and kernels is None:
+            raise ValueError(
+                f"native_kernels: the engine's CPU kernels are unavailable: {unavailable_reason()}"
+            )
+        self.native_kernels = kernels is not None
 
         def linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> Linear:
             # one weight is shared with the transformers module (no copy); several are fused
@@ -171,7 +194,7 @@ class LlamaModel:
             b = None
             if biases and all(x is not None for x in biases):
                 b = torch.cat([x.detach() for x in biases], dim=0)
-            return Linear(w, b, split_multi_row)
+            return Linear(w, b, split_multi_row, kernels)
 
         self.layers: list[Layer] = []
         for layer in inner.layers:
@@ -271,4 +294,4 @@ class LlamaModel:
             return None  # one new token per sequence, all caches equally long: sees everything
         key_pos = torch.arange(span)
         query_pos = torch.tensor(starts).view(-1, 1) + torch.arange(steps).view(1, -1)
-        return (key_pos.view(1, 1, 1, -1) <= query_pos.view(-1, 1, steps, 1))
+        return key_pos.view(1, 1, 1, -1) <= query_pos.view(-1, 1, steps, 1)

@@ -1,0 +1,81 @@
+/* Small-M linear layers for AVX2 CPUs: y (M x N, fp32) = x (M x K, fp32) @ w (N x K).T.
+
+   Decode and speculative verify multiply a handful of rows by a large weight, so the cost is
+   reading the weight once. General GEMM libraries pack the weight per call and, for bf16 on
+   CPUs without bf16 arithmetic, convert it too; for M = 2..8 that costs 2-4x a one-row pass.
+   Here each tile of weight rows is read (and widened from bf16) once and multiplied by every
+   input row while it sits in registers.
+
+   Every output (m, n) is one 8-lane accumulator over k in a fixed order, whatever M is, so a
+   one-row decode and a many-row verify of the same token agree bit for bit. */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define NT 2 /* weight rows per tile */
+#define MT 4 /* input rows per tile */
+
+static inline __m256 load_bf16(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* NN weight rows from n0 times MM input rows from m0; NN and MM are constants after inlining. */
+#define DEFINE_TILE(NAME, WTYPE, LOAD)                                                          \
+    static inline __attribute__((always_inline)) void NAME(                                     \
+        const WTYPE *w, const float *x, float *y, int64_t n0, int64_t m0, int64_t N, int64_t K, \
+        const int NN, const int MM) {                                                           \
+        __m256 acc[NT][MT];                                                                     \
+        for (int i = 0; i < NN; i++)                                                            \
+            for (int j = 0; j < MM; j++) acc[i][j] = _mm256_setzero_ps();                       \
+        const WTYPE *wr = w + n0 * K;                                                           \
+        const float *xr = x + m0 * K;                                                           \
+        for (int64_t k = 0; k < K; k += 8) {                                                    \
+            __m256 a[NT];                                                                       \
+            for (int i = 0; i < NN; i++) a[i] = LOAD(wr + i * K + k);                           \
+            for (int j = 0; j < MM; j++) {                                                      \
+                __m256 v = _mm256_loadu_ps(xr + j * K + k);                                     \
+                for (int i = 0; i < NN; i++) acc[i][j] = _mm256_fmadd_ps(a[i], v, acc[i][j]);   \
+            }                                                                                   \
+        }                                                                                       \
+        for (int i = 0; i < NN; i++)                                                            \
+            for (int j = 0; j < MM; j++) y[(m0 + j) * N + n0 + i] = hsum(acc[i][j]);            \
+    }
+
+#define ROWS_OF_X(TILE, NN)                                                                    \
+    for (int64_t m0 = 0; m0 < M; m0 += MT) {                                                   \
+        switch (M - m0 < MT ? M - m0 : MT) {                                                   \
+        case 4: TILE(w, x, y, n0, m0, N, K, NN, 4); break;                                     \
+        case 3: TILE(w, x, y, n0, m0, N, K, NN, 3); break;                                     \
+        case 2: TILE(w, x, y, n0, m0, N, K, NN, 2); break;                                     \
+        default: TILE(w, x, y, n0, m0, N, K, NN, 1); break;                                    \
+        }                                                                                      \
+    }
+
+/* K must be a multiple of 8; x, w and y contiguous. */
+#define DEFINE_LINEAR(NAME, TILE, WTYPE)                                                       \
+    void NAME(const WTYPE *w, const float *x, float *y, int64_t M, int64_t N, int64_t K) {     \
+        int64_t blocks = (N + NT - 1) / NT;                                                    \
+        _Pragma("omp parallel for schedule(static)")                                           \
+        for (int64_t b = 0; b < blocks; b++) {                                                 \
+            int64_t n0 = b * NT;                                                               \
+            if (N - n0 >= 2) {                                                                 \
+                ROWS_OF_X(TILE, 2)                                                             \
+            } else {                                                                           \
+                ROWS_OF_X(TILE, 1)                                                             \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+DEFINE_TILE(tile_bf16, uint16_t, load_bf16)
+DEFINE_TILE(tile_f32, float, load_f32)
+DEFINE_LINEAR(linear_bf16, tile_bf16, uint16_t)
+DEFINE_LINEAR(linear_f32, tile_f32, float)

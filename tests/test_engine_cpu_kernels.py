@@ -1,0 +1,91 @@
+"""The engine's small-M linear kernels: right results, the same bits for any row count, and a
+clean fallback to torch's matmuls where they are turned off."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from openalice_runner.engine import Engine, SamplingParams, SpecConfig
+from openalice_runner.engine.cpu_kernels import DISABLE_ENV, linear_kernels, unavailable_reason
+from openalice_runner.engine.llama import LlamaModel
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    reason = unavailable_reason()
+    if reason is not None and (platform.machine() not in ("x86_64", "AMD64") or "AVX2" in reason):
+        pytest.skip(reason)
+    # on an x86-64 machine with AVX2 and a compiler (this project's machines) they must build
+    assert reason is None, reason
+    return linear_kernels()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
+def test_matches_torch(kernels, dtype, rows):
+    torch.manual_seed(rows)
+    weight = torch.randn(37, 48).to(dtype)  # odd N exercises the one-row weight tile
+    x = torch.randn(rows, 48)
+    expected = x.double() @ weight.double().T
+    got = kernels.linear(x, weight)
+    assert got.dtype == torch.float32 and got.shape == (rows, 37)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_results_do_not_depend_on_row_count(kernels, dtype):
+    torch.manual_seed(0)
+    weight = torch.randn(101, 64).to(dtype)
+    x = torch.randn(11, 64)
+    together = kernels.linear(x, weight)
+    for r in range(11):
+        assert torch.equal(kernels.linear(x[r : r + 1], weight)[0], together[r])
+
+
+def test_batched_leading_dims_and_strided_input(kernels):
+    weight = torch.randn(24, 32)
+    x = torch.randn(2, 3, 64)[..., ::2]  # not contiguous: the kernel wrapper must copy it
+    torch.testing.assert_close(kernels.linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_supports_only_what_the_kernel_handles(kernels):
+    assert kernels.supports(torch.zeros(4, 16, dtype=torch.bfloat16))
+    assert not kernels.supports(torch.zeros(4, 12))  # K not a multiple of 8
+    assert not kernels.supports(torch.zeros(4, 16, dtype=torch.float16))
+    assert not kernels.supports(torch.zeros(16, 4).T)  # not contiguous
+
+
+def test_one_pass_equals_token_by_token_in_bf16(kernels):
+    """What makes speculative output identical to plain decode in bf16: a verify pass over T
+    tokens gives each position the same hidden state as T one-token decode steps."""
+    engine = Engine.tiny_random(seed=1, dtype="bf16")
+    model = engine.model
+    assert model.native_kernels
+    tokens = torch.randint(0, 1000, (1, 24))
+    cache = model.new_cache(1, 64)
+    model.forward(tokens[:, :16], cache)
+    together = model.logits(model.forward(tokens[:, 16:], cache))
+    cache.lengths[0] = 16
+    one_by_one = torch.cat(
+        [model.logits(model.forward(tokens[:, t : t + 1], cache)) for t in range(16, 24)], 1
+    )
+    assert torch.equal(together.argmax(-1), one_by_one.argmax(-1))
+    torch.testing.assert_close(together, one_by_one, rtol=1e-5, atol=1e-5)
+
+
+def test_turned_off_falls_back_to_torch(monkeypatch, kernels):
+    monkeypatch.setenv(DISABLE_ENV, "0")
+    assert linear_kernels() is None
+    assert DISABLE_ENV in unavailable_reason()
+    engine = Engine.tiny_random(seed=2, dtype="fp32")
+    assert not engine.model.native_kernels
+    with pytest.raises(ValueError, match="native_kernels"):
+        LlamaModel(engine.hf_model, native_kernels=True)
+    # the fallback path decodes speculatively with the same greedy output
+    prompt = engine.encode("a b c a b c a b c a b")
+    sampling = SamplingParams(max_tokens=24)
+    plain = engine.generate(prompt, sampling, SpecConfig(method="off"))
+    assert engine.generate(prompt, sampling, SpecConfig(method="ngram", gamma=4)).token_ids == plain.token_ids
