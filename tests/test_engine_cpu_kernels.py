@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
-from openalice_runner.engine.cpu_kernels import DISABLE_ENV, linear_kernels, unavailable_reason
+from openalice_runner.engine.cpu_kernels import DISABLE_ENV, cpu_kernels, unavailable_reason
 from openalice_runner.engine.llama import LlamaModel
 
 
@@ -20,7 +20,7 @@ def kernels():
         pytest.skip(reason)
     # on an x86-64 machine with AVX2 and a compiler (this project's machines) they must build
     assert reason is None, reason
-    return linear_kernels()
+    return cpu_kernels()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -72,13 +72,41 @@ def test_one_pass_equals_token_by_token_in_bf16(kernels):
     one_by_one = torch.cat(
         [model.logits(model.forward(tokens[:, t : t + 1], cache)) for t in range(16, 24)], 1
     )
-    assert torch.equal(together.argmax(-1), one_by_one.argmax(-1))
-    torch.testing.assert_close(together, one_by_one, rtol=1e-5, atol=1e-5)
+    assert torch.equal(together, one_by_one)
+
+
+def test_attention_matches_sdpa_on_ragged_rows(kernels):
+    """Rows of three slots with different lengths and token counts in one call."""
+    torch.manual_seed(3)
+    keys, values = torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)
+    row_slot = [2, 2, 2, 0, 1, 1, 1, 1, 1]
+    row_pos = [30, 31, 32, 5, 0, 1, 2, 3, 4]  # a verify, a decode step, a prefill chunk
+    q = torch.randn(len(row_slot), 4, 16)
+    got = kernels.attention(q, keys, values, torch.tensor(row_slot), torch.tensor(row_pos), 0.25)
+    for r, (slot, pos) in enumerate(zip(row_slot, row_pos, strict=True)):
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q[r].unsqueeze(1),
+            keys[slot, :, : pos + 1],
+            values[slot, :, : pos + 1],
+            scale=0.25,
+            enable_gqa=True,
+        )
+        torch.testing.assert_close(got[r], expected[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_refuses_unsupported_shapes(kernels):
+    assert not kernels.attention_supports(n_heads=6, n_kv_heads=4, head_dim=16)
+    assert not kernels.attention_supports(n_heads=4, n_kv_heads=2, head_dim=12)
+    with pytest.raises(ValueError, match="unsupported shape"):
+        kernels.attention(
+            torch.zeros(1, 4, 12), torch.zeros(1, 2, 8, 12), torch.zeros(1, 2, 8, 12),
+            torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 1.0,
+        )  # fmt: skip
 
 
 def test_turned_off_falls_back_to_torch(monkeypatch, kernels):
     monkeypatch.setenv(DISABLE_ENV, "0")
-    assert linear_kernels() is None
+    assert cpu_kernels() is None
     assert DISABLE_ENV in unavailable_reason()
     engine = Engine.tiny_random(seed=2, dtype="fp32")
     assert not engine.model.native_kernels

@@ -1,10 +1,13 @@
-"""The engine's own small-M linear kernels (csrc/linear.c), compiled once and loaded with ctypes.
+"""The engine's own CPU kernels (csrc/), compiled once and loaded with ctypes.
 
-They make a verify pass over γ+1 rows cost about what a one-row decode costs, which is the
-premise of speculative decoding, on CPUs without bf16 arithmetic (see csrc/linear.c). They
-need x86-64 with AVX2 and FMA and a C compiler (`cc`, or `$CC`); the shared object is cached
+- `linear`: small-M matmuls that make a verify pass over γ+1 rows cost about what a one-row
+  decode costs, the premise of speculative decoding, on CPUs without bf16 arithmetic.
+- `attention`: causal attention for ragged rows read straight from the KV cache, so one pass
+  serves sequences of different lengths, each feeding its own number of tokens.
+
+Both give every row the same bits whatever the other rows are. They need x86-64 with AVX2 and FMA and a C compiler (`cc`, or `$CC`); the shared object is cached
 under the runner's cache folder, keyed by the source and flags, so it is built once (about a
-second). Where any of that is missing, `linear_kernels()` returns None and the engine uses
+second). Where any of that is missing, `cpu_kernels()` returns None and the engine uses
 torch's matmuls. `OPENALICE_NATIVE_KERNELS=0` turns them off (for side-by-side benchmarks).
 """
 
@@ -23,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "linear.c"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.c", "attention.c")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 DISABLE_ENV = "OPENALICE_NATIVE_KERNELS"
 
 
 @dataclass(frozen=True)
-class LinearKernels:
+class CpuKernels:
     library: ctypes.CDLL
     path: Path
 
@@ -42,6 +45,36 @@ class LinearKernels:
         fn = self.library.linear_bf16 if weight.dtype == torch.bfloat16 else self.library.linear_f32
         fn(weight.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel() // k, n, k)
         return out
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        row_slot: torch.Tensor,
+        row_pos: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q (R, n_heads, D) fp32; keys/values (slots, n_kv_heads, max_len, D) fp32 contiguous;
+        row r attends keys 0..row_pos[r] of slot row_slot[r] (int64 tensors). -> (R, n_heads, D)."""
+        q = q.contiguous()
+        rows, n_heads, dim = q.shape
+        out = torch.empty_like(q)
+        status = self.library.attention(
+            q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(),
+            row_slot.data_ptr(), row_pos.data_ptr(),
+            rows, n_heads, keys.shape[1], dim, keys.shape[2], scale,
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(
+                f"attention kernel: unsupported shape heads={n_heads} kv={keys.shape[1]} dim={dim}"
+            )
+        return out
+
+    @staticmethod
+    def attention_supports(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+        group = n_heads // n_kv_heads
+        return head_dim % 8 == 0 and head_dim <= 128 and group * n_kv_heads == n_heads and group <= 8
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -60,13 +93,13 @@ def unavailable_reason() -> str | None:
     return _load()[1]
 
 
-def linear_kernels() -> LinearKernels | None:
+def cpu_kernels() -> CpuKernels | None:
     """The loaded kernels, building them on first use; None where they are unavailable."""
     return None if unavailable_reason() is not None else _load()[0]
 
 
 @functools.cache
-def _load() -> tuple[LinearKernels | None, str | None]:
+def _load() -> tuple[CpuKernels | None, str | None]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"needs x86-64, this is {platform.machine()}"
     try:
@@ -81,14 +114,16 @@ def _load() -> tuple[LinearKernels | None, str | None]:
         path = _build()
         library = ctypes.CDLL(str(path))
     except subprocess.CalledProcessError as exc:
-        return None, f"building {SOURCE.name} failed: {exc.stderr.decode(errors='replace')[-500:]}"
+        return None, f"building the CPU kernels failed: {exc.stderr.decode(errors='replace')[-500:]}"
     except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"building or loading {SOURCE.name} failed: {exc}"
+        return None, f"building or loading the CPU kernels failed: {exc}"
     for name in ("linear_bf16", "linear_f32"):
         fn = getattr(library, name)
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         fn.restype = None
-    return LinearKernels(library, path), None
+    library.attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
+    library.attention.restype = ctypes.c_int
+    return CpuKernels(library, path), None
 
 
 def _compiler() -> str | None:
@@ -98,11 +133,11 @@ def _compiler() -> str | None:
 def _build() -> Path:
     from openalice_runner.engine.model_loading import cache_root
 
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     compiler = _compiler()
     key = hashlib.sha256(source + " ".join([compiler or "", *CFLAGS]).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels"
-    target = folder / f"linear-{key}.so"
+    target = folder / f"cpu-kernels-{key}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
@@ -111,7 +146,7 @@ def _build() -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120
+            [compiler, *CFLAGS, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True, timeout=120
         )
         os.replace(tmp, target)
     finally:

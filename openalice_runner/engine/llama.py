@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from openalice_runner.engine.cpu_kernels import LinearKernels, linear_kernels, unavailable_reason
+from openalice_runner.engine.cpu_kernels import CpuKernels, cpu_kernels, unavailable_reason
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -56,7 +56,7 @@ class Linear:
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         split_multi_row: bool,
-        kernels: LinearKernels | None = None,
+        kernels: CpuKernels | None = None,
     ):
         self.weight = weight.contiguous()
         self.bias = None if bias is None else bias.float()
@@ -119,10 +119,9 @@ class RotaryTable:
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: (B, heads, T, D); positions: (B, T)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (..., D) rotated by the angles whose cos/sin broadcast against it."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -181,12 +180,17 @@ class LlamaModel:
         self.dtype = torch.float32
         if split_multi_row is None:
             split_multi_row = self.weight_dtype == torch.bfloat16 and not has_native_bf16()
-        kernels = None if native_kernels is False else linear_kernels()
+        kernels = None if native_kernels is False else cpu_kernels()
         if native_kernels and kernels is None:
             raise ValueError(
                 f"native_kernels: the engine's CPU kernels are unavailable: {unavailable_reason()}"
             )
         self.native_kernels = kernels is not None
+        usable = kernels is not None and kernels.attention_supports(
+            self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+        )
+        self.attention_kernels = kernels if usable else None
+        self.attention_scale = self.cfg.head_dim**-0.5
 
         def linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> Linear:
             # one weight is shared with the transformers module (no copy); several are fused
@@ -239,59 +243,87 @@ class LlamaModel:
         All sequences in the call append the same number T of tokens. Cache lengths advance
         by T; the caller rolls back rejected tokens by lowering `cache.lengths`.
         """
-        cfg = self.cfg
         batch, steps = tokens.shape
         slots = list(range(batch)) if slots is None else slots
-        starts = [cache.lengths[s] for s in slots]
-        ends = [s + steps for s in starts]
-        if max(ends) > cache.max_len:
-            raise ValueError(f"sequence of {max(ends)} tokens exceeds the cache of {cache.max_len}")
-        positions = torch.tensor([list(range(s, s + steps)) for s in starts])
-        span = max(ends)
-        mask = self._attention_mask(starts, steps, span)
+        row_slot = [s for s in slots for _ in range(steps)]
+        row_pos = [cache.lengths[s] + t for s in slots for t in range(steps)]
+        hidden = self.forward_rows(tokens.reshape(-1), cache, row_slot, row_pos)
+        for s in slots:
+            cache.lengths[s] += steps
+        return hidden.view(batch, steps, -1)
+
+    @torch.inference_mode()
+    def forward_rows(
+        self, tokens: torch.Tensor, cache: KVCache, row_slot: list[int], row_pos: list[int]
+    ) -> torch.Tensor:
+        """One row per token: row r is a token of slot `row_slot[r]` at position `row_pos[r]`,
+        attending to that slot's cache up to and including itself. Returns hidden (R, H).
+
+        Rows of many sequences, each feeding its own number of tokens (a decode step, a verify
+        of γ drafts, a prefill chunk), share one pass. A slot's rows must be consecutive and in
+        position order, and its cache must hold every earlier position. Each row's key and value
+        are written at its position; `cache.lengths` is the caller's to move.
+        """
+        cfg = self.cfg
+        rows = len(row_slot)
+        if max(row_pos) >= cache.max_len:
+            raise ValueError(f"position {max(row_pos)} is beyond the cache of {cache.max_len}")
+        slot_t = torch.tensor(row_slot)
+        pos_t = torch.tensor(row_pos)
+        cos = self.rotary.cos[pos_t].unsqueeze(1)  # (R, 1, D), shared by every layer and head
+        sin = self.rotary.sin[pos_t].unsqueeze(1)
+        runs = None if self.attention_kernels is not None else _runs(row_slot, row_pos)
+        n_qk = cfg.n_heads + cfg.n_kv_heads
         x = self.embed[tokens].float()
-        q_size = cfg.n_heads * cfg.head_dim
-        kv_size = cfg.n_kv_heads * cfg.head_dim
-        same_slots = slots == list(range(batch)) and len(set(starts)) == 1
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)
-            qkv = layer.qkv(h)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(batch, steps, cfg.n_heads, cfg.head_dim).transpose(1, 2)
-            k = k.view(batch, steps, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-            v = v.view(batch, steps, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-            q = self.rotary.apply(q, positions)
-            k = self.rotary.apply(k, positions)
+            qkv = layer.qkv(h).view(rows, n_qk + cfg.n_kv_heads, cfg.head_dim)
+            qk = RotaryTable.rotate(qkv[:, :n_qk], cos, sin)  # q and k heads in one go
+            q, k, v = qk[:, : cfg.n_heads], qk[:, cfg.n_heads :], qkv[:, n_qk:]
             keys, values = cache.keys[i], cache.values[i]
-            if same_slots:
-                keys[:, :, starts[0] : ends[0]] = k
-                values[:, :, starts[0] : ends[0]] = v
-                k_all, v_all = keys[:batch, :, :span], values[:batch, :, :span]
+            keys[slot_t, :, pos_t] = k
+            values[slot_t, :, pos_t] = v
+            if runs is None:
+                attn = self.attention_kernels.attention(q, keys, values, slot_t, pos_t, self.attention_scale)
             else:
-                for b, s in enumerate(slots):
-                    keys[s, :, starts[b] : ends[b]] = k[b]
-                    values[s, :, starts[b] : ends[b]] = v[b]
-                index = torch.tensor(slots)
-                k_all, v_all = keys[index, :, :span], values[index, :, :span]
-            attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
-            attn = attn.transpose(1, 2).reshape(batch, steps, q_size)
-            x = x + layer.o(attn)
+                attn = _attention_by_runs(q, keys, values, runs)
+            x = x + layer.o(attn.reshape(rows, -1))
             h = self._rms_norm(x, layer.mlp_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        for b, s in enumerate(slots):
-            cache.lengths[s] = ends[b]
         return self._rms_norm(x, self.norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits (sampling and acceptance tests want full precision probabilities)."""
         return self.lm_head(hidden)
 
-    @staticmethod
-    def _attention_mask(starts: list[int], steps: int, span: int) -> torch.Tensor | None:
-        # Query t of sequence b (absolute position starts[b] + t) sees keys 0..starts[b] + t.
-        if steps == 1 and len(set(starts)) == 1:
-            return None  # one new token per sequence, all caches equally long: sees everything
-        key_pos = torch.arange(span)
-        query_pos = torch.tensor(starts).view(-1, 1) + torch.arange(steps).view(1, -1)
-        return key_pos.view(1, 1, 1, -1) <= query_pos.view(-1, 1, steps, 1)
+
+def _runs(row_slot: list[int], row_pos: list[int]) -> list[tuple[int, int, int, int]]:
+    """(first row, end row, slot, first position) of each slot's consecutive rows."""
+    runs = []
+    first = 0
+    for r in range(1, len(row_slot) + 1):
+        if r == len(row_slot) or row_slot[r] != row_slot[first] or row_pos[r] != row_pos[r - 1] + 1:
+            runs.append((first, r, row_slot[first], row_pos[first]))
+            first = r
+    return runs
+
+
+def _attention_by_runs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs) -> torch.Tensor:
+    """torch's SDPA, one call per run of a slot's rows (where the engine's kernel is unavailable)."""
+    out = torch.empty_like(q)
+    for first, end, slot, start in runs:
+        steps = end - first
+        span = start + steps
+        mask = None
+        if steps > 1:  # query t (position start + t) sees keys 0..start + t
+            mask = torch.arange(span).view(1, -1) <= (start + torch.arange(steps)).view(-1, 1)
+        attn = F.scaled_dot_product_attention(
+            q[first:end].transpose(0, 1).unsqueeze(0),
+            keys[slot : slot + 1, :, :span],
+            values[slot : slot + 1, :, :span],
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        out[first:end] = attn[0].transpose(0, 1)
+    return out

@@ -1,0 +1,132 @@
+/* Causal attention for ragged rows read straight from the KV cache (AVX2).
+
+   Row r is one query token of some sequence: it sits in cache slot row_slot[r] at position
+   row_pos[r] and attends to that slot's keys 0..row_pos[r]. Rows of different sequences, with
+   different lengths and different numbers of tokens (a decode step, a verify of γ drafts, a
+   prefill chunk), share one call: no padding, no mask, no gathered copy of the cache.
+
+   Each (row, head) is computed in a fixed order from its own position alone, so a token gets
+   the same bits whether it is decoded alone or verified among drafts.
+
+   q, out: (R, n_heads, D) fp32. keys, values: (slots, n_kv_heads, max_len, D) fp32. D % 8 == 0. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline float hmax(__m256 v) {
+    __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_max_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* exp(x) for x <= 0 (scores minus their max): Cody-Waite range reduction and a degree-6
+   polynomial, relative error about 2e-7; inputs below -87 give 0. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
+    r = _mm256_fnmadd_ps(n, ln2_lo, r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+#define MAX_GROUP 8  /* query heads per KV head handled together */
+#define MAX_DV 16    /* D / 8 */
+
+/* The G query heads that share one KV head, over keys 0..n-1: softmax(q.k * scale) @ v.
+   Each key and value row is loaded once for all G heads. s: G rows of `stride` floats. */
+static inline __attribute__((always_inline)) void attend_group(
+    const float *q, const float *k, const float *v, float *out, float *s, int64_t stride,
+    int64_t n, const int64_t D, const int64_t G, float scale) {
+    const int64_t dv = D / 8;
+    int64_t padded = (n + 7) & ~(int64_t)7;
+    for (int64_t j = 0; j < n; j++) {
+        __m256 kj[MAX_DV];
+        for (int64_t d = 0; d < dv; d++) kj[d] = _mm256_loadu_ps(k + j * D + 8 * d);
+        for (int64_t g = 0; g < G; g++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t d = 0; d < dv; d++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * d), kj[d], acc);
+            s[g * stride + j] = hsum(acc) * scale;
+        }
+    }
+    float inv[MAX_GROUP];
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = s + g * stride;
+        for (int64_t j = n; j < padded; j++) sg[j] = -INFINITY;
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < padded; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + j));
+        __m256 m = _mm256_set1_ps(hmax(mx));
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t j = 0; j < padded; j += 8) {
+            __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + j), m));
+            _mm256_storeu_ps(sg + j, e);
+            total = _mm256_add_ps(total, e);
+        }
+        inv[g] = 1.0f / hsum(total);
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float *sg = s + g * stride;
+        __m256 acc[MAX_DV];
+        for (int64_t d = 0; d < dv; d++) acc[d] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            __m256 p = _mm256_set1_ps(sg[j]);
+            for (int64_t d = 0; d < dv; d++) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j * D + 8 * d), acc[d]);
+        }
+        for (int64_t d = 0; d < dv; d++) _mm256_storeu_ps(out + g * D + 8 * d, _mm256_mul_ps(acc[d], _mm256_set1_ps(inv[g])));
+    }
+}
+
+static void attend_group_any(const float *q, const float *k, const float *v, float *out, float *s,
+                             int64_t stride, int64_t n, int64_t D, int64_t G, float scale) {
+    attend_group(q, k, v, out, s, stride, n, D, G, scale);
+}
+
+/* the common shape (SmolLM2, Llama 3: head_dim 64, 3 or 4 heads per KV head) with constants */
+static void attend_group_64_3(const float *q, const float *k, const float *v, float *out, float *s,
+                              int64_t stride, int64_t n, float scale) {
+    attend_group(q, k, v, out, s, stride, n, 64, 3, scale);
+}
+
+/* Returns 0, or -1 where the shape is not supported (D % 8, D > 128, group > 8). */
+int attention(const float *q, const float *keys, const float *values, float *out,
+              const int64_t *row_slot, const int64_t *row_pos, int64_t R, int64_t n_heads,
+              int64_t n_kv_heads, int64_t D, int64_t max_len, float scale) {
+    int64_t group = n_heads / n_kv_heads;
+    if (D % 8 || D / 8 > MAX_DV || group > MAX_GROUP || group * n_kv_heads != n_heads) return -1;
+    int64_t stride = max_len + 8;
+    #pragma omp parallel
+    {
+        float *s = (float *)malloc(sizeof(float) * (size_t)(stride * group));
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < R * n_kv_heads; task++) {
+            int64_t r = task / n_kv_heads, kvh = task % n_kv_heads;
+            int64_t base = (row_slot[r] * n_kv_heads + kvh) * max_len * D;
+            const float *qr = q + (r * n_heads + kvh * group) * D;
+            float *o = out + (r * n_heads + kvh * group) * D;
+            if (D == 64 && group == 3)
+                attend_group_64_3(qr, keys + base, values + base, o, s, stride, row_pos[r] + 1, scale);
+            else
+                attend_group_any(qr, keys + base, values + base, o, s, stride, row_pos[r] + 1, D, group, scale);
+        }
+        free(s);
+    }
+    return 0;
+}
