@@ -80,9 +80,12 @@ def prefill(model: LlamaModel, seq: Sequence) -> list[int]:
     start = time.perf_counter()
     seq.cache.lengths[seq.slot] = 0
     hidden = None
+    wants_hidden = seq.drafter is not None and seq.drafter.wants_hidden
     for i in range(0, len(seq.prompt), PREFILL_CHUNK):
         chunk = torch.tensor([seq.prompt[i : i + PREFILL_CHUNK]])
         hidden = model.forward(chunk, seq.cache, [seq.slot])
+        if wants_hidden:
+            seq.drafter.observe(hidden[0])
     first = choose_token(model.logits(hidden[0, -1]), seq)
     seq.stats.prefill_s = time.perf_counter() - start
     # The invariant holds again: `first` is the emitted but not yet fed last token.
@@ -119,6 +122,8 @@ def decode_round(model: LlamaModel, seq: Sequence) -> list[int]:
         seq.stats.draft_accepted += verdict.accepted
         seq.accept_lengths.append(verdict.accepted)
     if seq.drafter is not None:
+        if seq.drafter.wants_hidden:
+            seq.drafter.observe(hidden[0, : 1 + verdict.accepted])
         emitted = verdict.emitted(draft)
         seq.drafter.update(seq.tokens + emitted, len(draft), verdict.accepted)
     return accept_tokens(seq, verdict.emitted(draft), from_pass=True)

@@ -25,6 +25,9 @@ class Proposal:
 
 class Drafter(ABC):
     name: str = "drafter"
+    # Drafters that read the target's hidden states (EAGLE-style heads) set this, and then get
+    # `observe` calls; the others cost nothing extra.
+    wants_hidden: bool = False
 
     def start(self, prompt: list[int]) -> None:  # noqa: B027 - optional hook
         """Called once with the prompt before the first proposal."""
@@ -36,3 +39,8 @@ class Drafter(ABC):
 
     def update(self, history: list[int], proposed: int, accepted: int) -> None:  # noqa: B027
         """Called after verification; `history` now holds the emitted tokens too."""
+
+    def observe(self, hidden: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """Only where `wants_hidden`: the target's final hidden states (rows, H), what its LM head
+        reads, at the tokens it was just fed and kept: the prompt after each prefill chunk, then
+        each round's input token and accepted drafts. Called before `update`."""
