@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
+from openalice_runner.engine.batching import BatchScheduler, StepPolicy
 from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
@@ -24,6 +25,7 @@ from openalice_runner.engine.model_loading import (
 from openalice_runner.engine.types import GenerationResult, SamplingParams, SpecConfig, StreamEvent
 
 DTYPES = ("bf16", "fp32")
+DEFAULT_MAX_BATCH = 8  # sequences decoded together (continuous batching); 1: one at a time
 CACHE_GRANULE = 512  # KV caches grow in steps of this many positions
 
 
@@ -34,9 +36,21 @@ def default_draft_layers(n_layers: int) -> int:
 
 
 class Engine:
-    def __init__(self, hf_model, tokenizer, model_name: str, dtype: str, context_length: int | None = None):
+    def __init__(
+        self,
+        hf_model,
+        tokenizer,
+        model_name: str,
+        dtype: str,
+        context_length: int | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ):
+        """`max_batch` > 1 decodes concurrent requests together (batching.py); 1 runs them one
+        at a time on the serial decode loop (generator.run_sequence)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -50,14 +64,25 @@ class Engine:
         self.context_length = min(context_length or max_positions, max_positions)
         self.eos_token_ids = self._eos_ids()
         self.pass_costs = PassCostModel()
-        self._lock = threading.Lock()  # one request at a time until continuous batching
+        self._lock = threading.Lock()  # the serial loop runs one request at a time
+        self.scheduler: BatchScheduler | None = None
+        if max_batch > 1 and isinstance(self.model, LlamaModel):
+            self.scheduler = BatchScheduler(self.model, max_batch, costs=self.pass_costs)
+        self.max_batch = max_batch if self.scheduler is not None else 1
         self._cache: KVCache | None = None
         self._draft_models: dict[int, LlamaModel] = {}
         self._draft_caches: dict[int, KVCache] = {}
+        self._eagle_heads: dict[str, object] = {}  # head folder -> EagleRuntime
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def load(cls, model: str | None = None, dtype: str = "bf16", threads: int | None = None) -> Engine:
+    def load(
+        cls,
+        model: str | None = None,
+        dtype: str = "bf16",
+        threads: int | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ) -> Engine:
         """Load the default model (None) or a local HF folder / .gguf file."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -68,10 +93,12 @@ class Engine:
         folder = converted_folder(source)
         hf_model, tokenizer = load_hf_model(folder, dtype)
         name = DEFAULT_MODEL_NAME if model is None else source.name
-        return cls(hf_model, tokenizer, name, dtype)
+        return cls(hf_model, tokenizer, name, dtype, max_batch=max_batch)
 
     @classmethod
-    def tiny_random(cls, seed: int = 0, dtype: str = "fp32", layers: int = 4) -> Engine:
+    def tiny_random(
+        cls, seed: int = 0, dtype: str = "fp32", layers: int = 4, max_batch: int = DEFAULT_MAX_BATCH
+    ) -> Engine:
         """A tiny random Llama with the default model's tokenizer, for fast tests."""
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -91,7 +118,7 @@ class Engine:
         torch.manual_seed(seed)
         torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         hf_model = LlamaForCausalLM(config).to(torch_dtype).eval()
-        return cls(hf_model, tokenizer, "tiny-random", dtype)
+        return cls(hf_model, tokenizer, "tiny-random", dtype, max_batch=max_batch)
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()
@@ -127,16 +154,28 @@ class Engine:
         spec: SpecConfig | None = None,
         cancel: threading.Event | None = None,
         drafter: Drafter | None = None,
+        step_policy: StepPolicy | None = None,
     ) -> Iterator[StreamEvent]:
         """Generate, yielding text as rounds are accepted; the last event carries the result.
 
         `drafter` overrides the one `spec` names (tests use it for all-accept/all-reject drafters).
+        `step_policy(batch_size, queue_depth) -> γ` re-decides γ at every step of a batched engine.
         """
         sampling = sampling or SamplingParams()
         spec = spec or SpecConfig()
+        need = min(len(prompt_ids) + sampling.max_tokens + spec.gamma + 1, self.context_length + spec.gamma + 1)
+        if self.scheduler is not None:
+            if drafter is None and spec.method != "off":
+                drafter = self._make_drafter(spec, need, own_cache=True)
+            seq = new_sequence(
+                prompt_ids, sampling, spec, drafter, self.scheduler.cache, self.tokenizer,
+                self.eos_token_ids, self.context_length, slot=-1, costs=self.pass_costs,
+            )  # fmt: skip
+            request = self.scheduler.submit(seq, cancel, step_policy)
+            yield from self.scheduler.events(request)
+            return
         with self._lock:
-            need = len(prompt_ids) + sampling.max_tokens + spec.gamma + 1
-            cache = self._target_cache(min(need, self.context_length + spec.gamma + 1))
+            cache = self._target_cache(need)
             if drafter is None and spec.method != "off":
                 drafter = self._make_drafter(spec, cache.max_len)
             seq = new_sequence(
@@ -152,9 +191,10 @@ class Engine:
         spec: SpecConfig | None = None,
         cancel: threading.Event | None = None,
         drafter: Drafter | None = None,
+        step_policy: StepPolicy | None = None,
     ) -> GenerationResult:
         result = None
-        for event in self.stream(prompt_ids, sampling, spec, cancel, drafter):
+        for event in self.stream(prompt_ids, sampling, spec, cancel, drafter, step_policy):
             result = event.result or result
         assert result is not None
         return result
@@ -167,7 +207,8 @@ class Engine:
             self._cache = self.model.new_cache(1, size)
         return self._cache
 
-    def _make_drafter(self, spec: SpecConfig, max_len: int) -> Drafter:
+    def _make_drafter(self, spec: SpecConfig, max_len: int, own_cache: bool = False) -> Drafter:
+        """`own_cache`: a fresh draft cache for this request (concurrent requests cannot share one)."""
         if spec.method == "ngram":
             return NgramDrafter(spec.ngram_min, spec.ngram_max, costs=self.pass_costs)
         if spec.method == "draft":
@@ -178,9 +219,25 @@ class Engine:
             n = spec.draft_layers or default_draft_layers(self.model.cfg.n_layers)
             if n not in self._draft_models:
                 self._draft_models[n] = self.model.truncated(n)
-            cache = self._draft_caches.get(n)
-            if cache is None or cache.max_len < max_len:
+            cache = None if own_cache else self._draft_caches.get(n)
+            if own_cache:
+                cache = self._draft_models[n].new_cache(1, max_len)
+            elif cache is None or cache.max_len < max_len:
                 cache = self._draft_models[n].new_cache(1, max_len)
                 self._draft_caches[n] = cache
             return DraftModelDrafter(self._draft_models[n], cache)
+        if spec.method == "eagle":
+            from openalice_runner.engine.drafters.eagle import EagleDrafter
+            from openalice_runner.engine.eagle.head import EagleRuntime, load_head
+
+            if not spec.eagle_head:
+                raise ValueError("method 'eagle' needs eagle_head (policy options.eagle_head, CLI --eagle-head): "
+                                 "the folder of a head trained with `openalice-runner draft train`")
+            if not isinstance(self.model, LlamaModel):
+                raise ValueError("method 'eagle' needs a Llama-family target")
+            runtime = self._eagle_heads.get(spec.eagle_head)
+            if runtime is None:
+                head = load_head(spec.eagle_head, self.model_name, self.model)
+                runtime = self._eagle_heads[spec.eagle_head] = EagleRuntime(head, self.model)
+            return EagleDrafter(runtime, max_len, self.model.cfg.vocab_size)
         raise ValueError(f"speculation method {spec.method!r} is not available in the embedded engine yet")

@@ -92,41 +92,61 @@ def prefill(model: LlamaModel, seq: Sequence) -> list[int]:
     return accept_tokens(seq, [first])
 
 
-def decode_round(model: LlamaModel, seq: Sequence) -> list[int]:
-    """One target pass: verify the drafter's proposal (possibly empty) and emit 1..k+1 tokens."""
+def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
+    """The drafter's proposal for this round (possibly empty), cut to what the budget and the
+    context leave room for; returns it with the draft tokens to feed after the last token."""
     room_context = seq.context_length - len(seq.tokens)  # cache after the pass holds len + k
     room_budget = seq.sampling.max_tokens - seq.generated
-    max_draft = min(seq.spec.gamma, room_budget - 1, room_context)
+    max_draft = min(gamma, room_budget - 1, room_context)
     proposal = Proposal([])
     if seq.drafter is not None and max_draft > 0:
         t0 = time.perf_counter()
         proposal = seq.drafter.propose(seq.tokens, max_draft, seq.sampling, seq.generator)
         seq.stats.draft_s += time.perf_counter() - t0
-    draft = proposal.tokens[:max_draft]
+    return proposal, proposal.tokens[:max_draft]
 
+
+def settle_round(
+    seq: Sequence,
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    proposal: Proposal,
+    draft: list[int],
+    length_before: int,
+    pass_s: float,
+) -> list[int]:
+    """Verify the draft against the target's (k+1, V) logits of the round, roll the cache back
+    to the accepted prefix and emit 1..k+1 tokens. `hidden`: the round's (k+1, H) rows."""
     t0 = time.perf_counter()
-    length_before = seq.cache.lengths[seq.slot]
-    feed = torch.tensor([[seq.tokens[-1], *draft]])
-    hidden = model.forward(feed, seq.cache, [seq.slot])
-    logits = model.logits(hidden[0])  # (k+1, V)
-    if seq.costs is not None:
-        seq.costs.record(len(draft) + 1, time.perf_counter() - t0)
     verdict = verify(logits, proposal, draft, seq)
     # Roll back: keep the fed last token and the accepted drafts.
     seq.cache.lengths[seq.slot] = length_before + 1 + verdict.accepted
-    seq.stats.verify_s += time.perf_counter() - t0
-
+    seq.stats.verify_s += pass_s + time.perf_counter() - t0
     seq.stats.target_passes += 1
     if draft:
         seq.stats.draft_proposed += len(draft)
         seq.stats.draft_accepted += verdict.accepted
         seq.accept_lengths.append(verdict.accepted)
+    emitted = verdict.emitted(draft)
     if seq.drafter is not None:
         if seq.drafter.wants_hidden:
-            seq.drafter.observe(hidden[0, : 1 + verdict.accepted])
-        emitted = verdict.emitted(draft)
+            seq.drafter.observe(hidden[: 1 + verdict.accepted])
         seq.drafter.update(seq.tokens + emitted, len(draft), verdict.accepted)
-    return accept_tokens(seq, verdict.emitted(draft), from_pass=True)
+    return accept_tokens(seq, emitted, from_pass=True)
+
+
+def decode_round(model: LlamaModel, seq: Sequence) -> list[int]:
+    """One target pass for one sequence: verify the drafter's proposal and emit 1..k+1 tokens."""
+    proposal, draft = plan_round(seq, seq.spec.gamma)
+    t0 = time.perf_counter()
+    length_before = seq.cache.lengths[seq.slot]
+    feed = torch.tensor([[seq.tokens[-1], *draft]])
+    hidden = model.forward(feed, seq.cache, [seq.slot])
+    logits = model.logits(hidden[0])  # (k+1, V)
+    pass_s = time.perf_counter() - t0
+    if seq.costs is not None:
+        seq.costs.record(len(draft) + 1, pass_s)
+    return settle_round(seq, logits, hidden[0], proposal, draft, length_before, pass_s)
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, draft: list[int], seq: Sequence) -> Verdict:
@@ -157,28 +177,43 @@ def accept_tokens(seq: Sequence, tokens: list[int], from_pass: bool = False) -> 
     return kept
 
 
-def run_sequence(model: LlamaModel, seq: Sequence, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
-    """Drive one sequence to the end, yielding text as it is accepted."""
+def begin(seq: Sequence) -> None:
     seq.started = time.perf_counter()
     if seq.drafter is not None:
         seq.drafter.start(seq.prompt)
     seq.tokens = list(seq.prompt)
+
+
+def emit(seq: Sequence, tokens: list[int]) -> StreamEvent | None:
+    """The stream event for tokens just accepted (None when there is nothing to say); a stop
+    string found in the text ends the sequence."""
+    delta = seq.text.add(tokens)
+    if seq.text.stopped:
+        seq.finish_reason = "stop"
+    return StreamEvent(delta, tokens) if delta or tokens else None
+
+
+def final_event(seq: Sequence) -> StreamEvent:
+    rest = seq.text.finish()
+    return StreamEvent(rest, [], result=finish(seq))
+
+
+def run_sequence(model: LlamaModel, seq: Sequence, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+    """Drive one sequence to the end on its own, yielding text as it is accepted."""
+    begin(seq)
     tokens = prefill(model, seq)
     seq.stats.ttft_s = time.perf_counter() - seq.started
     while True:
-        delta = seq.text.add(tokens)
-        if seq.text.stopped:
-            seq.finish_reason = "stop"
-        if delta or tokens:
-            yield StreamEvent(delta, tokens)
+        event = emit(seq, tokens)
+        if event is not None:
+            yield event
         if seq.finished:
             break
         if cancel is not None and cancel.is_set():
             seq.finish_reason = "cancelled"
             break
         tokens = decode_round(model, seq)
-    rest = seq.text.finish()
-    yield StreamEvent(rest, [], result=finish(seq))
+    yield final_event(seq)
 
 
 def finish(seq: Sequence) -> GenerationResult:

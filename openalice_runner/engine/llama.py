@@ -131,14 +131,32 @@ class KVCache:
     """Preallocated keys and values for `batch` sequence slots; `lengths[b]` tokens are valid.
 
     Rolling back a rejected draft is `lengths[b] = n`: the stale entries beyond it are
-    overwritten by the next write and masked out until then.
+    overwritten by the next write and never read (attention reads positions up to the query's
+    own), so the tensors need no zeroing.
     """
 
     def __init__(self, cfg: LlamaConfig, batch: int, max_len: int, dtype: torch.dtype):
         shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.keys = [torch.empty(shape, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.values = [torch.empty(shape, dtype=dtype) for _ in range(cfg.n_layers)]
         self.lengths = [0] * batch
+        self.max_len = max_len
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    def grow(self, batch: int, max_len: int) -> None:
+        """At least `batch` slots of `max_len` positions, keeping what the slots hold."""
+        batch, max_len = max(batch, self.batch), max(max_len, self.max_len)
+        if (batch, max_len) == (self.batch, self.max_len):
+            return
+        for tensors in (self.keys, self.values):
+            for i, old in enumerate(tensors):
+                new = torch.empty((batch, old.shape[1], max_len, old.shape[3]), dtype=old.dtype)
+                new[: old.shape[0], :, : old.shape[2]] = old
+                tensors[i] = new
+        self.lengths += [0] * (batch - self.batch)
         self.max_len = max_len
 
     def nbytes(self) -> int:

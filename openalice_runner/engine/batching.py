@@ -1,0 +1,286 @@
+"""Continuous batching: every running sequence shares each target pass.
+
+One scheduler thread owns the model and a KV cache with one slot per running sequence. Each
+step it admits waiting requests into free slots, asks every running sequence for its rows (a
+chunk of prompt while it prefills; the last token plus its own γ drafts once it decodes, γ
+chosen for this step from the batch size and the queue), runs one ragged forward pass over all
+rows (`LlamaModel.forward_rows`), and settles each sequence on its own rows: exact
+verification with its own sampler, its own accepted length, its own cache rollback. Finished
+and cancelled sequences leave at once and free their slot for the next step.
+
+Prefill is chunked: while others decode, a step feeds at most `prefill_chunk` prompt tokens,
+so a long new prompt delays the running sequences by one chunk's cost per step, not by its
+whole prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from openalice_runner.engine.cost_model import PassCostModel
+from openalice_runner.engine.drafters.base import Proposal
+from openalice_runner.engine.generator import (
+    PREFILL_CHUNK,
+    Sequence,
+    accept_tokens,
+    begin,
+    choose_token,
+    emit,
+    final_event,
+    plan_round,
+    settle_round,
+)
+from openalice_runner.engine.llama import LlamaModel
+from openalice_runner.engine.types import StreamEvent
+
+logger = logging.getLogger(__name__)
+
+# (batch size, queue depth) -> γ for this step; 0 drafts nothing this step
+StepPolicy = Callable[[int, int], int]
+
+DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
+CACHE_GRANULE = 512
+
+
+class EngineOverloaded(RuntimeError):
+    """The scheduler's waiting line is full: refused at once instead of queued without bound."""
+
+
+@dataclass
+class BatchRequest:
+    seq: Sequence
+    cancel: threading.Event
+    step_policy: StepPolicy | None
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    prefilled: int = 0  # prompt tokens whose keys and values are in the cache
+    prefill_started: float = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.seq.prompt)
+
+    def gamma_now(self, batch: int, waiting: int) -> int:
+        if self.seq.drafter is None:
+            return 0
+        if self.step_policy is None:
+            return self.seq.spec.gamma
+        return max(0, min(int(self.step_policy(batch, waiting)), 64))
+
+
+@dataclass
+class _Rows:
+    """What one sequence feeds in a step, and where its rows sit in the pass."""
+
+    request: BatchRequest
+    first: int
+    count: int
+    proposal: Proposal | None = None  # None: a prefill chunk
+    draft: list[int] = field(default_factory=list)
+    length_before: int = 0
+
+
+class BatchScheduler:
+    def __init__(
+        self,
+        model: LlamaModel,
+        max_batch: int,
+        costs: PassCostModel | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        max_waiting: int = 256,
+    ):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.model = model
+        self.max_batch = max_batch
+        self.costs = costs
+        self.prefill_chunk = prefill_chunk
+        self.max_waiting = max_waiting
+        self.cache = model.new_cache(0, CACHE_GRANULE)
+        self._waiting: deque[BatchRequest] = deque()
+        self._running: list[BatchRequest] = []
+        self._free_slots: list[int] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # ---- the callers' side ----------------------------------------------------------------
+    def submit(
+        self, seq: Sequence, cancel: threading.Event | None = None, step_policy: StepPolicy | None = None
+    ) -> BatchRequest:
+        request = BatchRequest(seq, cancel or threading.Event(), step_policy)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the engine's scheduler is closed")
+            if len(self._waiting) >= self.max_waiting:
+                raise EngineOverloaded(f"{len(self._waiting)} requests already wait for a batch slot")
+            begin(seq)
+            self._waiting.append(request)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="engine-batch", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return request
+
+    def events(self, request: BatchRequest) -> Iterator[StreamEvent]:
+        """The request's stream; leaving it early cancels the request."""
+        try:
+            while True:
+                item = request.events.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.result is not None:
+                    return
+        finally:
+            request.cancel.set()
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        return len(self._running), len(self._waiting)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    # ---- the scheduler thread -------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._closed:
+                    self._fail_all(RuntimeError("the engine's scheduler closed"))
+                    return
+                self._admit()
+            try:
+                self._step()
+            except Exception as exc:  # a fault mid-pass: fail what ran in it, keep serving
+                logger.exception("engine step failed")
+                self._fail_running(exc)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_batch:
+            request = self._waiting.popleft()
+            seq = request.seq
+            if request.cancel.is_set():
+                seq.finish_reason = "cancelled"
+                request.events.put(final_event(seq))
+                continue
+            need = len(seq.prompt) + seq.sampling.max_tokens + seq.spec.gamma + 2
+            need = -(-min(need, seq.context_length + seq.spec.gamma + 2) // CACHE_GRANULE) * CACHE_GRANULE
+            if not self._free_slots:
+                # grow by doubling: few reallocations, and no memory for slots never used
+                slots = min(self.max_batch, max(1, 2 * self.cache.batch))
+                self._free_slots = list(range(self.cache.batch, slots))
+                self.cache.grow(slots, need)
+            else:
+                self.cache.grow(self.cache.batch, need)
+            seq.cache = self.cache
+            seq.slot = self._free_slots.pop(0)
+            self.cache.lengths[seq.slot] = 0
+            request.prefill_started = time.perf_counter()
+            self._running.append(request)
+
+    def _step(self) -> None:
+        batch, waiting = len(self._running), len(self._waiting)
+        tokens: list[int] = []
+        row_slot: list[int] = []
+        row_pos: list[int] = []
+        plans: list[_Rows] = []
+        decoding = any(not r.prefilling for r in self._running)
+        budget = self.prefill_chunk if decoding else PREFILL_CHUNK
+        for request in list(self._running):
+            seq = request.seq
+            if request.cancel.is_set():
+                seq.finish_reason = "cancelled"
+                self._retire(request)
+                continue
+            if request.prefilling:
+                n = min(budget, len(seq.prompt) - request.prefilled)
+                if n <= 0:
+                    continue
+                budget -= n
+                plans.append(_Rows(request, len(tokens), n))
+                tokens += seq.prompt[request.prefilled : request.prefilled + n]
+                row_pos += range(request.prefilled, request.prefilled + n)
+                row_slot += [seq.slot] * n
+                continue
+            proposal, draft = plan_round(seq, request.gamma_now(batch, waiting))
+            start = seq.cache.lengths[seq.slot]
+            plans.append(_Rows(request, len(tokens), 1 + len(draft), proposal, draft, start))
+            tokens += [seq.tokens[-1], *draft]
+            row_pos += range(start, start + 1 + len(draft))
+            row_slot += [seq.slot] * (1 + len(draft))
+        if not plans:
+            return
+
+        t0 = time.perf_counter()
+        hidden = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos)
+        # logits only where a token is chosen: every decode row, the last row of a finished prefill
+        wanted: list[int] = []
+        for plan in plans:
+            if plan.proposal is not None:
+                wanted += range(plan.first, plan.first + plan.count)
+            elif plan.request.prefilled + plan.count == len(plan.request.seq.prompt):
+                wanted.append(plan.first + plan.count - 1)
+        logits = self.model.logits(hidden[wanted]) if wanted else None
+        pass_s = time.perf_counter() - t0
+        self.steps += 1
+        if self.costs is not None:
+            self.costs.record(len(tokens), pass_s)
+
+        at = 0  # next row of `logits`
+        for plan in plans:
+            request, seq = plan.request, plan.request.seq
+            rows = hidden[plan.first : plan.first + plan.count]
+            if plan.proposal is None:
+                request.prefilled += plan.count
+                seq.cache.lengths[seq.slot] = request.prefilled
+                if seq.drafter is not None and seq.drafter.wants_hidden:
+                    seq.drafter.observe(rows)
+                if request.prefilling:
+                    continue
+                first = choose_token(logits[at], seq)
+                at += 1
+                # the invariant of generator.py holds: `first` is emitted but not yet fed
+                seq.stats.prefill_s = time.perf_counter() - request.prefill_started
+                seq.stats.ttft_s = time.perf_counter() - seq.started
+                emitted = accept_tokens(seq, [first])
+            else:
+                own = logits[at : at + plan.count]
+                at += plan.count
+                emitted = settle_round(seq, own, rows, plan.proposal, plan.draft, plan.length_before, pass_s)
+            event = emit(seq, emitted)
+            if event is not None:
+                request.events.put(event)
+            if seq.finished:
+                self._retire(request)
+
+    def _retire(self, request: BatchRequest) -> None:
+        self._running.remove(request)
+        self._free_slots.append(request.seq.slot)
+        request.events.put(final_event(request.seq))
+
+    def _fail_running(self, exc: BaseException) -> None:
+        for request in list(self._running):
+            self._running.remove(request)
+            self._free_slots.append(request.seq.slot)
+            request.events.put(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._fail_running(exc)
+        while self._waiting:
+            self._waiting.popleft().events.put(exc)

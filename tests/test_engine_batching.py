@@ -1,0 +1,213 @@
+"""Continuous batching: concurrent requests share target passes and stay exact.
+
+- Greedy output of every request in a batch of mixed methods and γ equals its serial `off`
+  output (fp32; and bf16 too where the engine's row-invariant kernels run).
+- The chi-square test of the sampling path, run through the batch scheduler with mixed γ and
+  drafters, matches the exact joint distribution, and fails with a broken sampler.
+- Admission, retirement, cancellation, the per-step γ policy and the bounded waiting line.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from test_engine_greedy import OracleDrafter
+from test_engine_sampling_exact import (
+    LENGTH,
+    PROMPT,
+    MarkovDrafter,
+    SilentTokenizer,
+    chi_square_p,
+    exact_joint,
+    random_chain,
+)
+
+from openalice_runner.engine import Engine, SamplingParams, SpecConfig, rejection
+from openalice_runner.engine.batching import BatchScheduler, EngineOverloaded
+from openalice_runner.engine.cpu_kernels import cpu_kernels
+from openalice_runner.engine.generator import new_sequence
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "def f(x):\n    return x + 1\n\ndef g(x):\n    return",
+    "one two three four five one two three",
+    "Summarise: the cat sat on the mat. The cat sat on the mat because",
+    "a",
+    "import os\nimport sys\nimport os\nimport",
+]
+SPECS = [
+    SpecConfig(method="off"),
+    SpecConfig(method="ngram", gamma=1),
+    SpecConfig(method="ngram", gamma=3),
+    SpecConfig(method="ngram", gamma=8),
+    SpecConfig(method="draft", gamma=3, draft_layers=2),
+    SpecConfig(method="ngram", gamma=5),
+]
+
+
+def run_concurrently(engine, jobs):
+    """jobs: (prompt ids, sampling, spec, drafter or None) -> results in order, all at once."""
+    start = threading.Barrier(len(jobs))
+
+    def one(job):
+        start.wait()
+        return engine.generate(job[0], job[1], job[2], drafter=job[3])
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(one, jobs))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_batched_greedy_equals_serial_off_with_mixed_methods(dtype):
+    if dtype == "bf16" and cpu_kernels() is None:
+        pytest.skip("bf16 rows agree across batch shapes only with the engine's kernels")
+    serial = Engine.tiny_random(seed=3, dtype=dtype, max_batch=1)
+    batched = Engine.tiny_random(seed=3, dtype=dtype, max_batch=4)  # 8 jobs: some wait for a slot
+    sampling = SamplingParams(max_tokens=32)
+    prompts = [serial.encode(p) for p in PROMPTS]
+    reference = [serial.generate(p, sampling, SpecConfig(method="off")) for p in prompts]
+    vocab = serial.model.cfg.vocab_size
+    jobs = [(p, sampling, spec, None) for p, spec in zip(prompts, SPECS, strict=True)]
+    jobs.append((prompts[0], sampling, SpecConfig(method="draft", gamma=4),
+                 OracleDrafter(len(prompts[0]), reference[0].token_ids, vocab, accept=True)))
+    jobs.append((prompts[1], sampling, SpecConfig(method="draft", gamma=4),
+                 OracleDrafter(len(prompts[1]), reference[1].token_ids, vocab, accept=False)))
+    results = run_concurrently(batched, jobs)
+    expected = reference + [reference[0], reference[1]]
+    for job, got, want in zip(jobs, results, expected, strict=True):
+        assert got.token_ids == want.token_ids, job[2]
+        assert got.text == want.text
+    assert results[6].stats.acceptance_rate == 1.0
+    assert results[7].stats.draft_accepted == 0
+    # they really shared passes: fewer steps than the rounds they ran one by one
+    assert batched.scheduler.steps < sum(r.stats.target_passes for r in results)
+
+
+class ToyBatchCache:
+    def __init__(self, batch: int, max_len: int):
+        self.lengths = [0] * batch
+        self.max_len = max_len
+
+    @property
+    def batch(self):
+        return len(self.lengths)
+
+    def grow(self, batch, max_len):
+        self.lengths += [0] * (batch - self.batch)
+        self.max_len = max(max_len, self.max_len)
+
+
+class MarkovBatchModel:
+    """The Markov "model" of test_engine_sampling_exact, with the ragged batched forward."""
+
+    def __init__(self, table: torch.Tensor):
+        self.log_table = table.log()
+
+    def new_cache(self, batch, max_len):
+        return ToyBatchCache(batch, max_len)
+
+    def forward_rows(self, tokens, cache, row_slot, row_pos):
+        return tokens  # the "hidden state" is the token itself
+
+    def logits(self, hidden):
+        return self.log_table[hidden]
+
+
+N = 2500
+
+
+def sample_batched(target, drafters, sampling, n, seed) -> dict[tuple[int, ...], int]:
+    scheduler = BatchScheduler(MarkovBatchModel(target), max_batch=8)
+    counts: dict[tuple[int, ...], int] = {}
+    try:
+        for group in range(0, n, 64):
+            requests = []
+            for i in range(group, min(group + 64, n)):
+                gamma, drafter = drafters[i % len(drafters)]
+                s = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                   seed=seed * 100_000 + i, max_tokens=LENGTH)
+                spec = SpecConfig(method="draft", gamma=gamma) if drafter else SpecConfig(method="off")
+                seq = new_sequence(PROMPT, s, spec, drafter,
+                                   scheduler.cache, SilentTokenizer(), frozenset(), context_length=64, slot=-1)
+                requests.append(scheduler.submit(seq))
+            for request in requests:
+                result = [e.result for e in scheduler.events(request) if e.result is not None][0]
+                key = tuple(result.token_ids)
+                counts[key] = counts.get(key, 0) + 1
+    finally:
+        scheduler.close()
+    return counts
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_batched_sampling_matches_exact_joint(top_p):
+    target, draft = random_chain(1), random_chain(2)
+    drafters = [(1, MarkovDrafter(draft, False)), (3, MarkovDrafter(draft, True)), (5, MarkovDrafter(draft, False)),
+                (0, None)]  # mixed γ, sampled and one-hot drafts, and plain sequences in one batch
+    sampling = SamplingParams(temperature=0.9, top_p=top_p, max_tokens=LENGTH)
+    counts = sample_batched(target, drafters, sampling, N, seed=11)
+    assert chi_square_p(exact_joint(target, sampling), counts, N) > 1e-3
+
+
+def test_batched_broken_sampler_is_caught(monkeypatch):
+    monkeypatch.setattr(rejection, "residual_distribution", lambda p, q, token: p)
+    target, draft = random_chain(1), random_chain(2)
+    sampling = SamplingParams(temperature=0.9, max_tokens=LENGTH)
+    counts = sample_batched(target, [(3, MarkovDrafter(draft, False))], sampling, N, seed=12)
+    assert chi_square_p(exact_joint(target, sampling), counts, N) < 1e-6
+
+
+def test_step_policy_sees_the_batch_and_sets_gamma_per_step():
+    engine = Engine.tiny_random(seed=4, max_batch=4)
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def no_drafts_when_crowded(batch, waiting):
+        with lock:
+            seen.append((batch, waiting))
+        return 0 if batch > 1 else 4
+
+    prompt = engine.encode("one two three one two three one two three one two")
+    sampling = SamplingParams(max_tokens=24)
+    barrier = threading.Barrier(3)
+
+    def one(_):
+        barrier.wait()
+        return engine.generate(prompt, sampling, SpecConfig(method="ngram", gamma=8),
+                               step_policy=no_drafts_when_crowded)
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(one, range(3)))
+    assert max(b for b, _ in seen) == 3
+    # while all three ran, nothing was drafted; alone at the end, drafts resume
+    assert all(r.token_ids == results[0].token_ids for r in results)
+    alone = engine.generate(prompt, sampling, SpecConfig(method="ngram", gamma=8), step_policy=no_drafts_when_crowded)
+    assert alone.stats.draft_proposed > 0
+
+
+def test_cancelled_and_abandoned_streams_free_their_slots():
+    engine = Engine.tiny_random(seed=5, max_batch=2)
+    prompt = engine.encode("hello there")
+    long = SamplingParams(max_tokens=400)
+    cancel = threading.Event()
+    stream = engine.stream(prompt, long, SpecConfig(), cancel=cancel)
+    next(stream)
+    cancel.set()
+    last = [e for e in stream][-1]
+    assert last.result.finish_reason == "cancelled"
+    abandoned = engine.stream(prompt, long, SpecConfig())
+    next(abandoned)
+    abandoned.close()  # the consumer left: the scheduler retires it at its next step
+    # both slots are free again: two more requests run to the end
+    results = run_concurrently(engine, [(prompt, SamplingParams(max_tokens=8), SpecConfig(), None)] * 2)
+    assert all(r.stats.completion_tokens == 8 for r in results)
+
+
+def test_full_waiting_line_is_refused_at_once():
+    engine = Engine.tiny_random(seed=6, max_batch=2)
+    engine.scheduler.max_waiting = 0
+    with pytest.raises(EngineOverloaded):
+        engine.generate(engine.encode("hi"), SamplingParams(max_tokens=4))
