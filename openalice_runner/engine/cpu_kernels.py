@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.c", "attention.c")]
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("linear.c", "attention.c", "pool.c")]
+HEADERS = [CSRC / "pool.h"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC"]
 DISABLE_ENV = "OPENALICE_NATIVE_KERNELS"
 
 
@@ -123,6 +125,10 @@ def _load() -> tuple[CpuKernels | None, str | None]:
         fn.restype = None
     library.attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
     library.attention.restype = ctypes.c_int
+    library.pool_start.argtypes = [ctypes.c_int]
+    library.pool_start.restype = ctypes.c_int
+    # the kernels' own workers (csrc/pool.c says why not OpenMP), beside the calling thread
+    library.pool_start(max(0, torch.get_num_threads() - 1))
     return CpuKernels(library, path), None
 
 
@@ -133,7 +139,7 @@ def _compiler() -> str | None:
 def _build() -> Path:
     from openalice_runner.engine.model_loading import cache_root
 
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     compiler = _compiler()
     key = hashlib.sha256(source + " ".join([compiler or "", *CFLAGS]).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels"

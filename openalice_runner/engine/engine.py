@@ -61,6 +61,11 @@ class Engine:
         except ValueError:  # not a Llama-family layout: transformers' own forward
             self.model = HFCausalModel(hf_model)
             max_positions = self.model.max_positions
+        if getattr(self.model, "native_kernels", False):
+            # The kernels run the heavy work on their own workers (csrc/pool.c). torch's OpenMP
+            # workers spinning beside them on the same cores slow both several-fold, and what is
+            # left to torch in a pass (norms, rotary, activations) is too small to parallelise.
+            torch.set_num_threads(1)
         self.context_length = min(context_length or max_positions, max_positions)
         self.eos_token_ids = self._eos_ids()
         self.pass_costs = PassCostModel()

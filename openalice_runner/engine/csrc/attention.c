@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "pool.h"
+
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
@@ -105,28 +107,41 @@ static void attend_group_64_3(const float *q, const float *k, const float *v, fl
     attend_group(q, k, v, out, s, stride, n, 64, 3, scale);
 }
 
+typedef struct {
+    const float *q, *keys, *values;
+    float *out;
+    const int64_t *row_slot, *row_pos;
+    int64_t R, n_heads, n_kv_heads, D, max_len;
+    float scale;
+} attention_job;
+
+/* Tasks are (row, KV head); shares take every shares-th task, so long and short rows mix. */
+static void attention_share(void *ctx, int share, int shares) {
+    const attention_job *job = (const attention_job *)ctx;
+    int64_t group = job->n_heads / job->n_kv_heads, D = job->D, stride = job->max_len + 8;
+    float *s = (float *)malloc(sizeof(float) * (size_t)(stride * group));
+    if (!s) return;
+    for (int64_t task = share; task < job->R * job->n_kv_heads; task += shares) {
+        int64_t r = task / job->n_kv_heads, kvh = task % job->n_kv_heads;
+        int64_t base = (job->row_slot[r] * job->n_kv_heads + kvh) * job->max_len * D;
+        const float *qr = job->q + (r * job->n_heads + kvh * group) * D;
+        float *o = job->out + (r * job->n_heads + kvh * group) * D;
+        int64_t n = job->row_pos[r] + 1;
+        if (D == 64 && group == 3)
+            attend_group_64_3(qr, job->keys + base, job->values + base, o, s, stride, n, job->scale);
+        else
+            attend_group_any(qr, job->keys + base, job->values + base, o, s, stride, n, D, group, job->scale);
+    }
+    free(s);
+}
+
 /* Returns 0, or -1 where the shape is not supported (D % 8, D > 128, group > 8). */
 int attention(const float *q, const float *keys, const float *values, float *out,
               const int64_t *row_slot, const int64_t *row_pos, int64_t R, int64_t n_heads,
               int64_t n_kv_heads, int64_t D, int64_t max_len, float scale) {
     int64_t group = n_heads / n_kv_heads;
     if (D % 8 || D / 8 > MAX_DV || group > MAX_GROUP || group * n_kv_heads != n_heads) return -1;
-    int64_t stride = max_len + 8;
-    #pragma omp parallel
-    {
-        float *s = (float *)malloc(sizeof(float) * (size_t)(stride * group));
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < R * n_kv_heads; task++) {
-            int64_t r = task / n_kv_heads, kvh = task % n_kv_heads;
-            int64_t base = (row_slot[r] * n_kv_heads + kvh) * max_len * D;
-            const float *qr = q + (r * n_heads + kvh * group) * D;
-            float *o = out + (r * n_heads + kvh * group) * D;
-            if (D == 64 && group == 3)
-                attend_group_64_3(qr, keys + base, values + base, o, s, stride, row_pos[r] + 1, scale);
-            else
-                attend_group_any(qr, keys + base, values + base, o, s, stride, row_pos[r] + 1, D, group, scale);
-        }
-        free(s);
-    }
+    attention_job job = {q, keys, values, out, row_slot, row_pos, R, n_heads, n_kv_heads, D, max_len, scale};
+    pool_run(attention_share, &job);
     return 0;
 }

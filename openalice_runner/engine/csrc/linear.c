@@ -11,6 +11,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "pool.h"
+
 #define NT 2 /* weight rows per tile */
 #define MT 4 /* input rows per tile */
 
@@ -60,12 +62,23 @@ static inline float hsum(__m256 v) {
         }                                                                                      \
     }
 
-/* K must be a multiple of 8; x, w and y contiguous. */
+typedef struct {
+    const void *w;
+    const float *x;
+    float *y;
+    int64_t M, N, K;
+} linear_job;
+
+/* K must be a multiple of 8; x, w and y contiguous. Each share takes a contiguous run of blocks. */
 #define DEFINE_LINEAR(NAME, TILE, WTYPE)                                                       \
-    void NAME(const WTYPE *w, const float *x, float *y, int64_t M, int64_t N, int64_t K) {     \
+    static void NAME##_share(void *ctx, int share, int shares) {                               \
+        const linear_job *job = (const linear_job *)ctx;                                       \
+        const WTYPE *w = (const WTYPE *)job->w;                                                \
+        const float *x = job->x;                                                               \
+        float *y = job->y;                                                                     \
+        int64_t M = job->M, N = job->N, K = job->K;                                            \
         int64_t blocks = (N + NT - 1) / NT;                                                    \
-        _Pragma("omp parallel for schedule(static)")                                           \
-        for (int64_t b = 0; b < blocks; b++) {                                                 \
+        for (int64_t b = blocks * share / shares; b < blocks * (share + 1) / shares; b++) {    \
             int64_t n0 = b * NT;                                                               \
             if (N - n0 >= 2) {                                                                 \
                 ROWS_OF_X(TILE, 2)                                                             \
@@ -73,6 +86,10 @@ static inline float hsum(__m256 v) {
                 ROWS_OF_X(TILE, 1)                                                             \
             }                                                                                  \
         }                                                                                      \
+    }                                                                                          \
+    void NAME(const WTYPE *w, const float *x, float *y, int64_t M, int64_t N, int64_t K) {     \
+        linear_job job = {w, x, y, M, N, K};                                                   \
+        pool_run(NAME##_share, &job);                                                          \
     }
 
 DEFINE_TILE(tile_bf16, uint16_t, load_bf16)
