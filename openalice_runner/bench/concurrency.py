@@ -1,0 +1,166 @@
+"""`openalice-runner bench-concurrency`: aggregate throughput and latency as concurrency grows.
+
+For each concurrency C, C client threads send the workload's requests to one engine at once
+(each case repeated so that at least 2·C requests run), for each method:
+- `off`, `ngram:G` (γ fixed at G), ...: the batched engine with that setting;
+- `policy`: method per request and γ per step from the policy, with the live batch size;
+- `serial-off`, `serial-ngram:G`: the same on an engine that runs one request at a time
+  (`max_batch=1`, the decode loop before batching), for the comparison at concurrency 1.
+Figures per (concurrency, method): aggregate tokens/s (all tokens over the wall time), p50 and
+p95 request latency, p50 time to first token, mean tokens per target pass. All greedy.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from openalice_runner.bench.runner import split_method
+from openalice_runner.bench.workload import Case, render_case
+from openalice_runner.engine import Engine, SamplingParams, SpecConfig
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_level(
+    engine: Engine,
+    serial: Engine | None,
+    jobs: list[tuple[Case, list[int]]],
+    concurrency: int,
+    method: str,
+    policy_store=None,
+) -> dict:
+    target = serial if method.startswith("serial-") else engine
+    name = method.removeprefix("serial-")
+    lock = threading.Lock()
+
+    def one(job: tuple[Case, list[int]]):
+        case, prompt = job
+        sampling = SamplingParams(max_tokens=case.max_tokens)
+        if name == "policy":
+            from openalice_runner.policies import RequestContext
+            from openalice_runner.policies.stepping import step_gamma
+
+            running, waiting = target.scheduler.load if target.scheduler else (0, 0)
+            decision = policy_store.decide(
+                RequestContext(turn_type=case.turn_type, batch_size=running + waiting + 1, provider="local")
+            )
+            spec = decision.to_spec_config()
+            stepper = step_gamma(policy_store, spec.method, case.turn_type, provider="local")
+            result = target.generate(prompt, sampling, spec, step_policy=stepper)
+            with lock:
+                policy_store.observe(case.turn_type, decision.method, "local", result.stats)
+            return result
+        base, gamma = split_method(name, 5)
+        return target.generate(prompt, sampling, SpecConfig(method=base, gamma=gamma))
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, jobs))
+    wall = time.perf_counter() - start
+    tokens = sum(r.stats.completion_tokens for r in results)
+    latencies = [r.stats.total_s for r in results]
+    ttfts = [r.stats.ttft_s for r in results]
+    passes = sum(r.stats.target_passes for r in results)
+    return {
+        "concurrency": concurrency,
+        "method": method,
+        "requests": len(results),
+        "tokens": tokens,
+        "seconds": round(wall, 3),
+        "tokens_per_second": round(tokens / wall, 2),
+        "latency_p50_s": round(statistics.median(latencies), 3),
+        "latency_p95_s": round(_percentile(latencies, 0.95), 3),
+        "ttft_p50_s": round(statistics.median(ttfts), 3),
+        "mean_tokens_per_pass": round(tokens / passes, 3) if passes else None,
+        "token_ids": [r.token_ids for r in results],
+    }
+
+
+def bench_concurrency(
+    engine: Engine,
+    cases: list[Case],
+    levels: list[int],
+    methods: list[str],
+    policy_store=None,
+    serial: Engine | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    if "policy" in methods and policy_store is None:
+        raise ValueError("method 'policy' needs --policy FILE")
+    if any(m.startswith("serial-") for m in methods) and serial is None:
+        raise ValueError("serial-* methods need the one-at-a-time engine")
+    if engine.max_batch < max(levels):
+        raise ValueError(f"--max-batch {engine.max_batch} is below the highest concurrency {max(levels)}")
+    prompts = [(case, render_case(engine, case)) for case in cases]
+    warm = engine.encode("Hello there, how are you?")
+    for e in filter(None, (engine, serial)):
+        e.generate(warm, SamplingParams(max_tokens=8), SpecConfig(method="ngram", gamma=3))
+    rows = []
+    for level in levels:
+        repeats = -(-2 * level // len(prompts))
+        jobs = (prompts * repeats)[: max(len(prompts), 2 * level)]
+        reference = None
+        for method in methods:
+            if method.startswith("serial-") and level != 1:
+                continue
+            row = run_level(engine, serial, jobs, level, method, policy_store)
+            ids = row.pop("token_ids")
+            if method == "off":
+                reference = ids
+            row["identical_to_off"] = None if reference is None else ids == reference
+            rows.append(row)
+            if progress:
+                progress(
+                    f"c={level:<3} {method:<16} {row['tokens_per_second']:>8.1f} tok/s  "
+                    f"p50 {row['latency_p50_s']:.2f} s  ttft {row['ttft_p50_s']:.2f} s  "
+                    f"tok/pass {row['mean_tokens_per_pass']}"
+                )
+    return {"runs": rows}
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        "| concurrency | method | tok/s (aggregate) | p50 latency s | p95 latency s | p50 TTFT s | tok/pass |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["runs"]:
+        lines.append(
+            f"| {r['concurrency']} | {r['method']} | {r['tokens_per_second']:.1f} | {r['latency_p50_s']:.2f} "
+            f"| {r['latency_p95_s']:.2f} | {r['ttft_p50_s']:.2f} | {r['mean_tokens_per_pass']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(reports: dict[str, dict], path: str) -> None:
+    """Throughput and p50 latency against concurrency, one line per method, per workload subset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(reports), 2, figsize=(11, 4 * len(reports)), squeeze=False)
+    for row, (title, report) in enumerate(reports.items()):
+        methods = list(dict.fromkeys(r["method"] for r in report["runs"]))
+        for method in methods:
+            runs = [r for r in report["runs"] if r["method"] == method]
+            xs = [r["concurrency"] for r in runs]
+            style = "o" if len(runs) == 1 else "o-"
+            axes[row][0].plot(xs, [r["tokens_per_second"] for r in runs], style, label=method)
+            axes[row][1].plot(xs, [r["latency_p50_s"] for r in runs], style, label=method)
+        for col, label in enumerate(("aggregate tokens/s", "p50 request latency (s)")):
+            ax = axes[row][col]
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel(label)
+            ax.set_title(f"{title}: {label}")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
