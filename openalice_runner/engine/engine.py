@@ -61,6 +61,7 @@ class Engine:
         except ValueError:  # not a Llama-family layout: transformers' own forward
             self.model = HFCausalModel(hf_model)
             max_positions = self.model.max_positions
+        self.torch_threads = torch.get_num_threads()  # for work outside the engine's passes
         if getattr(self.model, "native_kernels", False):
             # The kernels run the heavy work on their own workers (csrc/pool.c). torch's OpenMP
             # workers spinning beside them on the same cores slow both several-fold, and what is
