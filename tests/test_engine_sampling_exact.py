@@ -161,3 +161,61 @@ def test_accepting_everything_is_caught(monkeypatch):
     joint = exact_joint(target, sampling)
     counts = sample_sequences(target, MarkovDrafter(draft, deterministic=False), sampling, 3, N, seed=8)
     assert chi_square_p(joint, counts, N) < 1e-6
+
+
+# ---- the EAGLE drafter: a random head over the chain's one-hot "hidden states" -----------------
+class FeatureMarkovModel(MarkovModel):
+    """The same chain, but its hidden states are one-hot feature rows (what an EAGLE head reads)."""
+
+    HIDDEN = 16
+
+    def forward(self, tokens, cache, slots):
+        cache.lengths[slots[0]] += tokens.shape[1]
+        return torch.nn.functional.one_hot(tokens, self.HIDDEN).float()
+
+    def logits(self, hidden):
+        return self.log_table[hidden[..., :VOCAB].argmax(-1)]
+
+
+def random_eagle_runtime(seed: int):
+    from types import SimpleNamespace
+
+    from openalice_runner.engine.eagle.head import EagleHead, EagleRuntime, HeadConfig
+
+    torch.manual_seed(seed)
+    h = FeatureMarkovModel.HIDDEN
+    cfg = HeadConfig(hidden=h, n_heads=2, n_kv_heads=1, head_dim=8, intermediate=32, eps=1e-5, rope_theta=10000.0,
+                     max_positions=64, target={}, draft_vocab=[3, 1, 0, 2])
+    head = EagleHead(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.5)
+    target = SimpleNamespace(weight_dtype=torch.float32, embed=torch.randn(VOCAB, h),
+                             lm_head=SimpleNamespace(weight=torch.randn(VOCAB, h)))
+    return EagleRuntime(head, target)
+
+
+@pytest.mark.parametrize(("gamma", "top_p"), [(3, 1.0), (5, 0.8)])
+def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p):
+    from openalice_runner.engine.drafters.eagle import EagleDrafter
+
+    target = random_chain(1)
+    runtime = random_eagle_runtime(gamma)
+    sampling = SamplingParams(temperature=0.9, top_p=top_p, max_tokens=LENGTH)
+    joint = exact_joint(target, sampling)
+    model = FeatureMarkovModel(target)
+    counts: dict[tuple[int, ...], int] = {}
+    proposed = 0
+    for i in range(N):
+        s = SamplingParams(temperature=0.9, top_p=top_p, seed=gamma * 100_000 + i, max_tokens=LENGTH)
+        drafter = EagleDrafter(runtime, 64, VOCAB)
+        seq = new_sequence(PROMPT, s, SpecConfig(method="eagle", gamma=gamma), drafter, ToyCache(),
+                           SilentTokenizer(), frozenset(), context_length=64)
+        result = None
+        for event in run_sequence(model, seq):
+            result = event.result or result
+        proposed += result.stats.draft_proposed
+        key = tuple(result.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    assert proposed >= N  # the head drafted in every sequence
+    assert chi_square_p(joint, counts, N) > 1e-3

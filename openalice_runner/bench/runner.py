@@ -1,8 +1,8 @@
 """`openalice-runner bench`: every case with every method, side by side in one process.
 
 Methods:
-- `off`, `ngram`, `draft`: the embedded engine;
-- `ngram:G`, `draft:G`: the same with γ fixed at G instead of `--gamma`;
+- `off`, `ngram`, `draft`, `eagle`: the embedded engine (`eagle` needs a trained head);
+- `ngram:G`, `draft:G`, `eagle:G`: the same with γ fixed at G instead of `--gamma`;
 - `policy`: method and γ from a policy file, per case's turn type;
 - `hf-plain`, `hf-prompt-lookup`: transformers' own `generate` on the same model and dtype
   (the peer to beat); `hf-prompt-lookup` is the faster of 4 and 10 lookup tokens.
@@ -23,7 +23,7 @@ import torch
 from openalice_runner.bench.workload import COPY_HEAVY, OPEN_ENDED, Case, render_case
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 
-ENGINE_METHODS = ("off", "ngram", "draft")
+ENGINE_METHODS = ("off", "ngram", "draft", "eagle")
 HF_METHODS = ("hf-plain", "hf-prompt-lookup")
 ALL_METHODS = (*ENGINE_METHODS, "policy", *HF_METHODS)
 HF_LOOKUP_TOKENS = (4, 10)
@@ -102,12 +102,15 @@ def bench(
     repeat: int = 1,
     policy_store=None,
     progress: Callable[[str], None] | None = None,
+    eagle_head: str | None = None,
 ) -> dict:
     unknown = [m for m in methods if split_method(m, gamma)[0] not in ALL_METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
     if "policy" in methods and policy_store is None:
         raise ValueError("method 'policy' needs --policy FILE")
+    if any(split_method(m, gamma)[0] == "eagle" for m in methods) and not eagle_head:
+        raise ValueError("method 'eagle' needs --eagle-head DIR (a head trained with `openalice-runner draft train`)")
     # Warm up allocator, thread pool and caches so the first measured row is not penalised.
     warm = engine.encode("Hello there, how are you?")
     engine.generate(warm, SamplingParams(max_tokens=8), SpecConfig(method="ngram", gamma=3))
@@ -117,7 +120,7 @@ def bench(
         prompt = render_case(engine, case)
         reference: list[int] | None = None
         for method in methods:
-            run = median_run([_one(engine, case, prompt, method, gamma, policy_store) for _ in range(repeat)])
+            run = median_run([_one(engine, case, prompt, method, gamma, policy_store, eagle_head) for _ in range(repeat)])
             if method == "off":
                 reference = run.tokens
             row = {
@@ -152,10 +155,12 @@ def split_method(method: str, gamma: int) -> tuple[str, int]:
     return name, gamma
 
 
-def _one(engine: Engine, case: Case, prompt: list[int], method: str, gamma: int, policy_store) -> Run:
+def _one(engine: Engine, case: Case, prompt: list[int], method: str, gamma: int, policy_store,
+         eagle_head: str | None = None) -> Run:
     method, gamma = split_method(method, gamma)
     if method in ENGINE_METHODS:
-        return run_engine(engine, prompt, case.max_tokens, SpecConfig(method=method, gamma=gamma))
+        head = eagle_head if method == "eagle" else None
+        return run_engine(engine, prompt, case.max_tokens, SpecConfig(method=method, gamma=gamma, eagle_head=head))
     if method == "policy":
         from openalice_runner.policies import RequestContext
 

@@ -15,7 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", required=True, help="JSON-lines workload (see shared/workloads/README.md)")
     p.add_argument("--cases", default=None, help="comma-separated case ids (default: all)")
     p.add_argument("--methods", default="off,ngram,draft,hf-plain,hf-prompt-lookup",
-                   help="comma-separated: off, ngram, draft, policy, hf-plain, hf-prompt-lookup")
+                   help="comma-separated: off, ngram, draft, eagle, policy, hf-plain, hf-prompt-lookup")
+    p.add_argument("--eagle-head", default=None, help="folder of a trained EAGLE head, for the method 'eagle'")
     p.add_argument("--gamma", type=positive_int, default=5)
     p.add_argument("--repeat", type=positive_int, default=1, help="runs per row; the row holds the median")
     p.add_argument("--policy", default=None, help="policy file: adds the method 'policy'")
@@ -40,12 +41,13 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     try:
         report = bench(engine, cases, methods, gamma=args.gamma, repeat=args.repeat, policy_store=store,
-                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+                       progress=lambda line: print(line, file=sys.stderr, flush=True), eagle_head=args.eagle_head)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report["settings"] = {"dtype": args.dtype, "gamma": args.gamma, "repeat": args.repeat,
-                          "model": engine.model_name, "policy": args.policy}
+                          "model": engine.model_name, "policy": args.policy,
+                          "eagle_head": args.eagle_head}
     print(format_table(report))
     print(json.dumps(report["summary"], indent=2))
     if args.json_out:

@@ -1,0 +1,74 @@
+"""`openalice-runner draft`: train an EAGLE-style draft head on the target's own outputs.
+
+    draft prompts --out FILE [--n N]            write a built-in prompt set (JSON lines)
+    draft train --data FILE... [--out DIR] [--minutes N] [--exclude FILE...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from openalice_runner.cli.common import add_engine_args, positive_int
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("draft", help="train EAGLE-style draft heads for the embedded engine")
+    dsub = p.add_subparsers(dest="draft_command", required=True, metavar="SUBCOMMAND")
+
+    t = dsub.add_parser("train", help="self-distil a draft head from prompts (JSON lines)")
+    t.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                   help="JSON-lines prompt files: `messages` (workload / saved traffic) or `prompt` per line")
+    t.add_argument("--out", default=None, help="folder for the head (default: the runner cache's eagle-heads/MODEL)")
+    t.add_argument("--minutes", type=float, default=30.0, help="wall-clock budget of the whole run (default 30)")
+    t.add_argument("--gen-minutes", type=float, default=None,
+                   help="part of the budget for generating new target replies (default 40%%; cached ones are free)")
+    t.add_argument("--exclude", action="append", default=[], metavar="FILE",
+                   help="JSON-lines files whose prompts must not be trained on (e.g. the benchmark workload)")
+    t.add_argument("--max-new-tokens", type=positive_int, default=192, help="reply length distilled per prompt")
+    t.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together while distilling")
+    t.add_argument("--draft-vocab", type=positive_int, default=8192, help="draft vocabulary size (top-N tokens)")
+    t.add_argument("--unroll", type=positive_int, default=3, help="draft steps trained per position")
+    t.add_argument("--max-prompts", type=positive_int, default=None)
+    t.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps")
+    t.add_argument("--seed", type=int, default=0)
+    add_engine_args(t)
+    t.set_defaults(func=run_train)
+
+    pr = dsub.add_parser("prompts", help="write the built-in training prompt set (JSON lines)")
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--n", type=positive_int, default=1500)
+    pr.add_argument("--seed", type=int, default=0)
+    pr.set_defaults(func=run_prompts)
+
+
+def run_prompts(args: argparse.Namespace) -> int:
+    from openalice_runner.engine.eagle.data import builtin_prompts
+
+    rows = builtin_prompts(args.n, seed=args.seed)
+    Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"wrote {len(rows)} prompts to {args.out}", file=sys.stderr)
+    return 0
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from openalice_runner.cli.common import load_engine
+    from openalice_runner.engine.eagle.pipeline import BuildSettings, build_head
+
+    settings = BuildSettings(
+        minutes=args.minutes, gen_minutes=args.gen_minutes, max_new_tokens=args.max_new_tokens, batch=args.batch,
+        draft_vocab=args.draft_vocab, unroll=args.unroll, max_prompts=args.max_prompts, max_steps=args.max_steps,
+        seed=args.seed,
+    )
+    engine = load_engine(args)
+    try:
+        folder, figures = build_head(engine, args.data, args.out, args.exclude, settings)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"head": str(folder), **figures}, indent=1))
+    print(f"use it with: --spec eagle --eagle-head {folder}  (policy: options: {{eagle_head: {folder}}})",
+          file=sys.stderr)
+    return 0

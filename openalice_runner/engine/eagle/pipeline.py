@@ -1,0 +1,135 @@
+"""Prompts -> self-distilled samples (cached) -> a trained head saved to a folder, in a time budget."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from openalice_runner.engine.eagle.data import (
+    Sample,
+    SampleCache,
+    distill,
+    exclude_prompts,
+    prompt_key,
+    read_prompts,
+)
+from openalice_runner.engine.eagle.head import HeadConfig, target_fingerprint
+from openalice_runner.engine.eagle.train import TrainSettings, draft_vocabulary, train_head
+from openalice_runner.engine.model_loading import cache_root
+
+
+@dataclass
+class BuildSettings:
+    minutes: float = 30.0  # bounds the whole build: distillation + training + saving
+    gen_minutes: float | None = None  # distillation share of the budget (default 40%)
+    max_new_tokens: int = 192
+    batch: int = 8
+    draft_vocab: int = 8192
+    unroll: int = 3
+    heldout_every: int = 20  # one prompt in this many (by hash) is held out
+    max_heldout: int = 24
+    max_prompts: int | None = None
+    max_steps: int | None = None
+    seed: int = 0
+    progress: bool = True
+    data_dir: Path | None = None  # distilled-sample cache (default: the runner cache's eagle-data/)
+
+
+def default_out(model_name: str) -> Path:
+    return cache_root() / "eagle-heads" / model_name
+
+
+def data_folder(fingerprint: dict) -> Path:
+    return cache_root() / "eagle-data" / f"{fingerprint['name']}-{fingerprint['lm_head_sha256']}"
+
+
+def _bar(total: float, desc: str, unit: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def build_head(engine, data: list[str | Path], out: str | Path | None = None,
+               exclude: list[str | Path] | None = None, settings: BuildSettings | None = None) -> tuple[Path, dict]:
+    """Train a head for `engine`'s model on prompts from `data` (JSON lines), excluding the
+    prompts of `exclude`; returns the folder it was saved to and its figures."""
+    s = settings or BuildSettings()
+    t0 = time.monotonic()
+    deadline = t0 + s.minutes * 60.0
+    model = engine.model
+    fingerprint = target_fingerprint(engine.model_name, model)
+    prompts = read_prompts(data)
+    n_read = len(prompts)
+    if exclude:
+        prompts = exclude_prompts(prompts, read_prompts(exclude))
+    if s.max_prompts:
+        prompts = prompts[: s.max_prompts]
+    if not prompts:
+        raise ValueError("no training prompts left (after excluding the benchmark prompts)")
+    ids = [engine.render_chat(m) for m in prompts]
+    keys = [prompt_key(fingerprint, p, s.max_new_tokens) for p in ids]
+    unique = dict(zip(keys, ids, strict=True))
+    heldout_keys = [k for k in unique if int(k, 16) % s.heldout_every == 0][: s.max_heldout]
+
+    cache = SampleCache(s.data_dir or data_folder(fingerprint))
+    samples: dict[str, Sample] = {}
+    todo = []
+    for k, p in unique.items():
+        got = cache.get(k)
+        if got is not None:
+            samples[k] = got
+        else:
+            todo.append((k, p))
+    held = set(heldout_keys)
+    gen_minutes = s.gen_minutes if s.gen_minutes is not None else 0.4 * s.minutes
+    gen_deadline = min(deadline, t0 + gen_minutes * 60.0)
+    if todo and time.monotonic() < gen_deadline:
+        bar = _bar(len(todo), "distilling", "prompt", s.progress)
+
+        def keep(sample: Sample) -> None:
+            if sample.complete:
+                cache.put(sample)
+            samples[sample.key] = sample
+            bar.update(1)
+            bar.set_postfix(tokens=sum(x.feats.shape[0] for x in samples.values()))
+
+        distill(engine, [p for _, p in todo], [k for k, _ in todo], s.max_new_tokens, batch=s.batch,
+                deadline=gen_deadline, on_sample=keep)
+        bar.close()
+    heldout = [samples[k] for k in heldout_keys if k in samples]
+    train = [v for k, v in samples.items() if k not in held]
+    if not train:
+        raise ValueError("no training samples: raise --minutes or --gen-minutes")
+    n_tokens = sum(x.feats.shape[0] for x in train)
+    reply_tokens = sum(x.feats.shape[0] - x.prompt_len for x in train)
+
+    vocab = draft_vocabulary(train, min(s.draft_vocab, model.cfg.vocab_size), always=set(engine.eos_token_ids))
+    cfg = HeadConfig.for_target(engine.model_name, model, vocab)
+    seconds = max(1.0, deadline - time.monotonic() - 5.0)  # leave time to save
+    tset = TrainSettings(seconds=seconds, unroll=s.unroll, seed=s.seed, max_steps=s.max_steps,
+                         eval_every_s=max(10.0, seconds / 10))
+    bar = _bar(round(seconds), "training", "s", s.progress)
+
+    def progress(f: dict) -> None:
+        bar.n = min(round(f["elapsed"]), bar.total)
+        post = {"step": f["steps"], "loss": f"{f['loss']:.3f}"}
+        if "acc1" in f:
+            post.update(acc1=f"{f['acc1']:.3f}", tok_per_pass=f"{f['tokens_per_pass']:.2f}")
+        bar.set_postfix(post)
+
+    torch.manual_seed(s.seed)
+    head, figures = train_head(model, cfg, train, heldout, tset, progress=progress)
+    bar.close()
+    figures.update(
+        minutes_total=round((time.monotonic() - t0) / 60.0, 2),
+        prompts_read=n_read, prompts_used=len(unique), train_samples=len(train), heldout_samples=len(heldout),
+        train_tokens=n_tokens, reply_tokens=reply_tokens, draft_vocab=len(vocab), unroll=s.unroll,
+        max_new_tokens=s.max_new_tokens, dtype=engine.dtype,
+    )
+    head.cfg.trained = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}
+    folder = head.save(out or default_out(engine.model_name))
+    return folder, head.cfg.trained

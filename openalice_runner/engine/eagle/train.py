@@ -1,0 +1,202 @@
+"""Training an EAGLE head by self-distillation, within a wall-clock budget.
+
+Each step takes a window of a distilled sequence (target features f_t and tokens), runs the
+head unrolled for `unroll` draft steps (step s > 1 reads step s-1's predicted feature, as the
+drafter does) and minimises, per step, the cross-entropy between the head's draft-vocabulary
+distribution and the target's (soft targets from the true next feature), plus a small smooth-L1
+term on the predicted feature. The learning rate warms up and then decays linearly with the
+time left, so a run of any length ends annealed. Held-out acceptance is the share of positions
+where the head's first draft equals the target's greedy token, and `tokens/pass` estimates the
+mean tokens per target pass of a chain of `unroll` drafts on held-out text.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from openalice_runner.engine.eagle.data import Sample
+from openalice_runner.engine.eagle.head import EagleHead, HeadConfig
+
+
+@dataclass
+class TrainSettings:
+    seconds: float = 600.0  # wall-clock budget of the training loop
+    unroll: int = 3  # draft steps trained per position
+    window: int = 512  # tokens per sequence window
+    tokens_per_step: int = 2048  # windows are accumulated up to this many tokens per optimizer step
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    feature_weight: float = 0.2
+    eval_every_s: float = 60.0
+    seed: int = 0
+    max_steps: int | None = None
+
+
+def draft_vocabulary(samples: list[Sample], size: int, always: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """The `size` most frequent tokens of the samples (replies weigh double), plus `always`."""
+    counts: Counter = Counter()
+    for s in samples:
+        counts.update(s.tokens.tolist())
+        counts.update(s.tokens[s.prompt_len :].tolist())
+    vocab = [t for t in always]
+    for t, _ in counts.most_common():
+        if len(vocab) >= size:
+            break
+        if t not in always:
+            vocab.append(int(t))
+    return vocab
+
+
+class Trainer:
+    def __init__(self, model, head: EagleHead, settings: TrainSettings):
+        self.model = model
+        self.head = head
+        self.s = settings
+        vocab = torch.tensor(head.cfg.draft_vocab)
+        self.vocab = vocab
+        self.lm_sub = model.lm_head.weight.detach()[vocab].float()  # (N, H) frozen
+        self.embed = model.embed
+        self.opt = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0, betas=(0.9, 0.95))
+        self.rng = random.Random(settings.seed)
+        self.step = 0
+
+    def _window(self, s: Sample, window: int, start: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        length = s.feats.shape[0]
+        if start is None:
+            # favour the reply: windows end inside it where the sequence is longer than a window
+            start = 0 if length <= window else self.rng.randint(max(0, min(s.prompt_len, length - window) - window // 2),
+                                                                 length - window)
+        end = min(length, start + window)
+        feats = s.feats[start:end].float()
+        nxt = self.embed[s.tokens[start + 1 : end + 1]].float()
+        return feats, nxt, start
+
+    def losses(self, feats: torch.Tensor, nxt: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
+        outs = self.head.forward_unrolled(feats, nxt, self.s.unroll, start)
+        length = feats.shape[0]
+        with torch.no_grad():
+            target_logp = torch.log_softmax(feats[1:] @ self.lm_sub.t(), dim=-1)  # rows t+1 = 1..L-1
+            target_p = target_logp.exp()
+        total = feats.new_zeros(())
+        count = 0
+        for s, pred in enumerate(outs, start=1):
+            lo = s - 1
+            if lo >= length - 1:
+                break
+            p = pred[lo : length - 1]
+            logq = torch.log_softmax(p @ self.lm_sub.t(), dim=-1)
+            ce = -(target_p[lo:] * logq).sum(-1).mean()
+            reg = F.smooth_l1_loss(p, feats[lo + 1 :])
+            total = total + (0.8 ** (s - 1)) * (ce + self.s.feature_weight * reg)
+            count = length - 1 - lo
+        return total, count
+
+    def lr_at(self, frac_time: float) -> float:
+        warm = min(1.0, (self.step + 1) / self.s.warmup_steps)
+        return self.s.lr * warm * max(0.05, 1.0 - frac_time)
+
+    def train_step(self, samples: list[Sample], frac_time: float) -> float:
+        self.head.train()
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(frac_time)
+        self.opt.zero_grad(set_to_none=True)
+        tokens = 0
+        loss_sum = 0.0
+        while tokens < self.s.tokens_per_step:
+            sample = self.rng.choice(samples)
+            feats, nxt, start = self._window(sample, self.s.window)
+            if feats.shape[0] < 2:
+                continue
+            loss, _ = self.losses(feats, nxt, start)
+            share = feats.shape[0] / self.s.tokens_per_step
+            (loss * share).backward()
+            loss_sum += float(loss.detach()) * share
+            tokens += feats.shape[0]
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+        self.opt.step()
+        self.step += 1
+        return loss_sum * self.s.tokens_per_step / tokens
+
+    @torch.no_grad()
+    def evaluate(self, heldout: list[Sample], truth: list[torch.Tensor]) -> dict:
+        """acc@1 (first draft = target's greedy token) and the estimated tokens per target pass."""
+        self.head.eval()
+        hits = total = 0
+        chain_sum = chains = 0
+        for s, top1 in zip(heldout, truth, strict=True):
+            feats, nxt, start = self._window(s, 1024, start=max(0, s.feats.shape[0] - 1024))
+            outs = self.head.forward_unrolled(feats, nxt, self.s.unroll, start)
+            length = feats.shape[0]
+            want = top1[start + 1 : start + length]  # target's greedy token after f_{t+1}, rows t = 0..L-2
+            correct = []
+            for pred in outs:
+                ids = self.vocab[(pred[: length - 1] @ self.lm_sub.t()).argmax(-1)]
+                correct.append(ids == want)
+            hits += int(correct[0].sum())
+            total += length - 1
+            # a chain started at row u drafts rows u, u+1, ... with steps 1, 2, ...
+            first = max(0, s.prompt_len - start)
+            for u in range(first, length - 1):
+                n = 0
+                while n < len(correct) and u + n < length - 1 and bool(correct[n][u + n]):
+                    n += 1
+                chain_sum += n
+                chains += 1
+        return {"acc1": hits / max(1, total), "tokens_per_pass": 1.0 + chain_sum / max(1, chains)}
+
+
+def target_top1(model, samples: list[Sample]) -> list[torch.Tensor]:
+    """The target's greedy token after each feature, over the full vocabulary (held-out truth)."""
+    out = []
+    with torch.inference_mode():
+        for s in samples:
+            rows = []
+            for i in range(0, s.feats.shape[0], 256):
+                rows.append(model.logits(s.feats[i : i + 256].float()).argmax(-1))
+            out.append(torch.cat(rows))
+    return out
+
+
+def train_head(model, cfg: HeadConfig, train: list[Sample], heldout: list[Sample], settings: TrainSettings,
+               progress: Callable[[dict], None] | None = None, head: EagleHead | None = None) -> tuple[EagleHead, dict]:
+    """Train within `settings.seconds`; returns the head and its final figures."""
+    torch.manual_seed(settings.seed)
+    if head is None:
+        head = EagleHead(cfg)
+        head.init_from_target(model)
+    trainer = Trainer(model, head, settings)
+    truth = target_top1(model, heldout) if heldout else []
+    start = time.monotonic()
+    last_eval = start
+    figures: dict = {"steps": 0, "loss": math.nan, "first_loss": math.nan}
+    if heldout:
+        figures.update({f"initial_{k}": v for k, v in trainer.evaluate(heldout, truth).items()})
+    ema = None
+    while True:
+        elapsed = time.monotonic() - start
+        if elapsed >= settings.seconds or (settings.max_steps is not None and trainer.step >= settings.max_steps):
+            break
+        loss = trainer.train_step(train, elapsed / settings.seconds)
+        ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+        if trainer.step == 1:
+            figures["first_loss"] = loss
+        figures.update(steps=trainer.step, loss=ema)
+        now = time.monotonic()
+        if heldout and now - last_eval >= settings.eval_every_s:
+            figures.update(trainer.evaluate(heldout, truth))
+            last_eval = now
+        if progress:
+            progress(dict(figures, elapsed=now - start))
+    if heldout:
+        figures.update(trainer.evaluate(heldout, truth))
+    figures["train_seconds"] = round(time.monotonic() - start, 1)
+    head.eval()
+    return head, figures

@@ -1,0 +1,161 @@
+"""EAGLE-style draft head: training on a tiny model, reload, target checks, lossless greedy output.
+
+The exactness of sampled drafting with the eagle drafter is tested in test_engine_sampling_exact.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from openalice_runner.engine import SamplingParams, SpecConfig
+from openalice_runner.engine.eagle.data import builtin_prompts, exclude_prompts, read_prompts
+from openalice_runner.engine.eagle.head import EagleHead, load_head
+from openalice_runner.engine.eagle.pipeline import BuildSettings, build_head
+from openalice_runner.engine.eagle.train import Trainer, TrainSettings
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tiny_engine, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in builtin_prompts(24, seed=3)))
+    settings = BuildSettings(minutes=2.0, max_new_tokens=24, draft_vocab=2048, heldout_every=6, max_steps=30,
+                             progress=False, data_dir=root / "data")
+    folder, figures = build_head(tiny_engine, [data], root / "head", settings=settings)
+    return folder, figures, root
+
+
+def test_training_lowers_the_loss_and_the_head_reloads(tiny_engine, tiny_head):
+    folder, figures, root = tiny_head
+    assert (folder / "head.safetensors").is_file() and (folder / "config.json").is_file()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["target"]["name"] == "tiny-random"
+    assert config["trained"]["steps"] == 30
+    head = load_head(folder, tiny_engine.model_name, tiny_engine.model)
+    # the loss on a fixed window: lower for the trained head than for the untrained one
+    from openalice_runner.engine.eagle.data import SampleCache
+
+    cache = SampleCache(root / "data")
+    sample = cache.get(next(iter(sorted(p.stem for p in (root / "data").glob("*.safetensors")))))
+    torch.manual_seed(0)
+    fresh = EagleHead(head.cfg)
+    fresh.init_from_target(tiny_engine.model)
+    settings = TrainSettings()
+    with torch.no_grad():
+        window = Trainer(tiny_engine.model, fresh, settings)._window(sample, 256, start=0)
+        before, _ = Trainer(tiny_engine.model, fresh.eval(), settings).losses(*window)
+        after, _ = Trainer(tiny_engine.model, head, settings).losses(*window)
+    assert float(after) < float(before)
+    assert figures["loss"] < figures["first_loss"]
+
+
+def test_head_for_another_target_is_an_error(tiny_head):
+    from openalice_runner.engine import Engine
+
+    folder, _, _ = tiny_head
+    other = Engine.tiny_random(seed=1)
+    with pytest.raises(ValueError, match="lm_head_sha256"):
+        load_head(folder, other.model_name, other.model)
+    with pytest.raises(ValueError, match="name"):
+        load_head(folder, "SmolLM2-135M-Instruct", other.model)
+    with pytest.raises(ValueError, match="another target"):
+        other.generate(other.encode("hello"), SamplingParams(max_tokens=4),
+                       SpecConfig(method="eagle", gamma=3, eagle_head=str(folder)))
+
+
+def test_eagle_without_a_head_names_the_field(tiny_engine):
+    with pytest.raises(ValueError, match="eagle_head"):
+        tiny_engine.generate(tiny_engine.encode("hello"), SamplingParams(max_tokens=4), SpecConfig(method="eagle"))
+
+
+def test_not_a_head_folder_is_an_error(tiny_engine, tmp_path):
+    with pytest.raises(ValueError, match="not a trained head"):
+        tiny_engine.generate(tiny_engine.encode("hello"), SamplingParams(max_tokens=4),
+                             SpecConfig(method="eagle", eagle_head=str(tmp_path)))
+
+
+def test_greedy_eagle_equals_off_tiny_model(tiny_engine, tiny_head):
+    folder, _, _ = tiny_head
+    for text in ("The quick brown fox jumps over the lazy dog. The quick brown fox", "def f(x):\n    return x"):
+        prompt = tiny_engine.encode(text)
+        plain = tiny_engine.generate(prompt, SamplingParams(max_tokens=40))
+        for gamma in (1, 3, 5):
+            out = tiny_engine.generate(prompt, SamplingParams(max_tokens=40),
+                                       SpecConfig(method="eagle", gamma=gamma, eagle_head=str(folder)))
+            assert out.token_ids == plain.token_ids, gamma
+            assert out.stats.method == "eagle" and out.stats.draft_proposed > 0
+
+
+def test_greedy_eagle_equals_off_with_accepted_drafts(tiny_engine, tiny_head):
+    """A runtime whose drafts are the target's own greedy tokens (all accepted): the catch-up and
+    feature bookkeeping over accepted rounds must keep the output identical and use fewer passes."""
+    from openalice_runner.engine.drafters.eagle import EagleDrafter
+    from openalice_runner.engine.eagle.head import EagleRuntime
+
+    folder, _, _ = tiny_head
+    head = load_head(folder, tiny_engine.model_name, tiny_engine.model)
+    prompt = tiny_engine.encode("one two three four five")
+    plain = tiny_engine.generate(prompt, SamplingParams(max_tokens=30))
+    reference = prompt + plain.token_ids
+
+    class Oracle(EagleRuntime):
+        """Real head passes (cache writes, positions), logits forced to the reference token."""
+
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.vocab = torch.arange(tiny_engine.model.cfg.vocab_size)
+            self.pos = 0
+
+        def step(self, cache, feats, next_tokens, positions):
+            self.pos = positions[-1] + 2  # the predicted feature is that of the token at pos+1
+            return super().step(cache, feats, next_tokens, positions)
+
+        def logits(self, feats):
+            out = torch.zeros(1, len(self.vocab))
+            if self.pos < len(reference):
+                out[0, reference[self.pos]] = 1.0
+            return out
+
+    rt = Oracle(head, tiny_engine.model)
+    out = tiny_engine.generate(prompt, SamplingParams(max_tokens=30), SpecConfig(method="eagle", gamma=4),
+                               drafter=EagleDrafter(rt, 256, tiny_engine.model.cfg.vocab_size))
+    assert out.token_ids == plain.token_ids
+    assert out.stats.acceptance_rate > 0.9
+    assert out.stats.target_passes < plain.stats.target_passes // 2
+
+
+def test_prompts_exclude_the_benchmark(workload_path, tmp_path):
+    bench = read_prompts([workload_path])
+    generated = tmp_path / "p.jsonl"
+    generated.write_text("".join(json.dumps(r) + "\n" for r in builtin_prompts(300, seed=0)))
+    mine = read_prompts([generated])
+    # the workload's own prompts are all dropped; the built-in set keeps (almost) everything
+    assert exclude_prompts(bench, bench) == []
+    assert len(exclude_prompts(mine, bench)) >= 0.95 * len(mine)
+    texts = {m[-1]["content"] for m in bench}
+    assert not texts & {m[-1]["content"] for m in mine}
+    assert "textwrap" not in generated.read_text() and "fnmatch" not in generated.read_text()
+
+
+@pytest.mark.slow
+def test_greedy_eagle_equals_off_real_model_fp32(real_engine_fp32, workload_path):
+    """Every workload case, fp32: eagle output identical to off (needs a trained head; set
+    OPENALICE_EAGLE_HEAD or train the default one with `openalice-runner draft train`)."""
+    from openalice_runner.bench.workload import load_workload, render_case
+    from openalice_runner.engine.eagle.pipeline import default_out
+
+    head = Path(os.environ.get("OPENALICE_EAGLE_HEAD") or default_out(real_engine_fp32.model_name))
+    if not (head / "config.json").is_file():
+        pytest.skip(f"no trained head at {head}")
+    engine = real_engine_fp32
+    for case in load_workload(workload_path):
+        prompt = render_case(engine, case)
+        sampling = SamplingParams(max_tokens=case.max_tokens)
+        plain = engine.generate(prompt, sampling)
+        out = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=4, eagle_head=str(head)))
+        assert out.token_ids == plain.token_ids, case.id
