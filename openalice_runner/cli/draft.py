@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="JSON-lines files whose prompts must not be trained on (e.g. the benchmark workload)")
     t.add_argument("--max-new-tokens", type=positive_int, default=192, help="reply length distilled per prompt")
     t.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together while distilling")
-    t.add_argument("--draft-vocab", type=positive_int, default=8192, help="draft vocabulary size (top-N tokens)")
+    t.add_argument("--draft-vocab", type=positive_int, default=4096, help="draft vocabulary size (top-N tokens)")
     t.add_argument("--unroll", type=positive_int, default=3, help="draft steps trained per position")
     t.add_argument("--max-prompts", type=positive_int, default=None)
     t.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps")

@@ -28,7 +28,7 @@ class BuildSettings:
     gen_minutes: float | None = None  # distillation share of the budget (default 40%)
     max_new_tokens: int = 192
     batch: int = 8
-    draft_vocab: int = 8192
+    draft_vocab: int = 4096
     unroll: int = 3
     heldout_every: int = 20  # one prompt in this many (by hash) is held out
     max_heldout: int = 24

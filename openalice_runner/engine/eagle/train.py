@@ -31,7 +31,7 @@ class TrainSettings:
     seconds: float = 600.0  # wall-clock budget of the training loop
     unroll: int = 3  # draft steps trained per position
     window: int = 512  # tokens per sequence window
-    tokens_per_step: int = 2048  # windows are accumulated up to this many tokens per optimizer step
+    tokens_per_step: int = 1024  # windows are accumulated up to this many tokens per optimizer step
     lr: float = 1e-3
     warmup_steps: int = 20
     feature_weight: float = 0.2
