@@ -26,9 +26,10 @@ from test_engine_sampling_exact import (
 )
 
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig, rejection
-from openalice_runner.engine.batching import BatchScheduler, EngineOverloaded
+from openalice_runner.engine.batching import BatchScheduler
 from openalice_runner.engine.cpu_kernels import cpu_kernels
 from openalice_runner.engine.generator import new_sequence
+from openalice_runner.engine.types import EngineOverloaded
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",

@@ -39,7 +39,7 @@ from openalice_runner.engine.generator import (
     settle_round,
 )
 from openalice_runner.engine.llama import LlamaModel
-from openalice_runner.engine.types import StreamEvent
+from openalice_runner.engine.types import EngineOverloaded, StreamEvent
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +48,6 @@ StepPolicy = Callable[[int, int], int]
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
 CACHE_GRANULE = 512
-
-
-class EngineOverloaded(RuntimeError):
-    """The scheduler's waiting line is full: refused at once instead of queued without bound."""
 
 
 @dataclass
@@ -239,7 +235,9 @@ class BatchScheduler:
         logits = self.model.logits(hidden[wanted]) if wanted else None
         pass_s = time.perf_counter() - t0
         self.steps += 1
-        if self.costs is not None:
+        if self.costs is not None and all(plan.proposal is not None for plan in plans):
+            # decode-only steps: what drafters weigh a longer draft against (prefill rows would
+            # make a step of few decode rows look dear)
             self.costs.record(len(tokens), pass_s)
 
         at = 0  # next row of `logits`

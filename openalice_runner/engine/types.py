@@ -14,6 +14,10 @@ SPEC_METHODS: tuple[str, ...] = ("off", "ngram", "draft", "eagle")
 FinishReason = Literal["stop", "length", "context_length", "cancelled"]
 
 
+class EngineOverloaded(RuntimeError):
+    """The batching scheduler's waiting line is full: refused at once, not queued without bound."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding settings, applied identically to target and draft distributions."""

@@ -29,9 +29,9 @@ from openalice_runner.providers.wrapper import WrapperProvider
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
 
 # Built-in limits where neither the provider's YAML nor the server's flags set one. The embedded
-# engine runs one request at a time (until continuous batching): a second slot would only queue in a
-# worker thread, where a deadline cannot reach it. Remote providers batch on their side.
-DEFAULT_MAX_IN_FLIGHT = {"local": 1}
+# engine decodes up to its max_batch (8 by default) requests together; more in flight would only
+# wait in its scheduler, where a deadline cannot reach them. Remote providers batch on their side.
+DEFAULT_MAX_IN_FLIGHT = {"local": 8}
 DEFAULT_MAX_IN_FLIGHT_REMOTE = 64
 DEFAULT_MAX_QUEUE = 16
 _RETRY_AFTER_MAX_S = 60

@@ -46,6 +46,8 @@ class CallContext:
     step: int = 0
     agent: str | None = None
     decision: Any = None  # openalice_runner.policies.Decision | None
+    # (batch size, queue depth) -> γ, asked again at every step of a batching engine (policies/stepping.py)
+    step_policy: Any = None
     model: str | None = None
     attributes: dict[str, Any] = field(default_factory=dict)
 

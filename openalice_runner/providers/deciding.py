@@ -38,7 +38,10 @@ class PolicyProvider(WrapperProvider):
                 model=request.model or ctx.model,
             )
         )
-        return replace(ctx, decision=decision)
+        from openalice_runner.policies.stepping import step_gamma
+
+        stepper = step_gamma(self.policy, decision.method, ctx.turn_type, self.provider_name, request.model or ctx.model)
+        return replace(ctx, decision=decision, step_policy=stepper)
 
     def observe(self, ctx: CallContext, stats: Any) -> None:
         if stats is not None:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
+from openalice_runner.engine.types import EngineOverloaded
 from openalice_runner.providers import tool_format
 from openalice_runner.providers.admission import AdmissionLimits
 from openalice_runner.providers.base import (
@@ -28,6 +29,7 @@ from openalice_runner.providers.base import (
     ProviderBadRequest,
     ProviderError,
     ProviderLoad,
+    ProviderRateLimited,
     StreamBroken,
 )
 from openalice_runner.types import (
@@ -57,6 +59,8 @@ class LocalConfig(AdmissionLimits):
     dtype: Literal["bf16", "fp32"] = "bf16"
     tiny_random: bool = False  # a tiny random model with the real tokenizer (tests, overhead benchmarks)
     threads: int | None = Field(default=None, ge=1)
+    # requests the engine decodes together (continuous batching); 1 runs them one at a time
+    max_batch: int = Field(default=8, ge=1, le=256)
     max_tokens_default: int = Field(default=256, ge=1)
     # max_in_flight / max_queue (AdmissionLimits): the admission gate in front of this provider.
 
@@ -96,9 +100,11 @@ class LocalProvider(Provider):
 
                     cfg = self.config
                     if cfg.tiny_random:
-                        self._engine = Engine.tiny_random()
+                        self._engine = Engine.tiny_random(max_batch=cfg.max_batch)
                     else:
-                        self._engine = Engine.load(cfg.model, dtype=cfg.dtype, threads=cfg.threads)
+                        self._engine = Engine.load(
+                            cfg.model, dtype=cfg.dtype, threads=cfg.threads, max_batch=cfg.max_batch
+                        )
         return self._engine
 
     async def ensure_loaded(self) -> None:
@@ -111,6 +117,10 @@ class LocalProvider(Provider):
         return [self.config.model or "SmolLM2-135M-Instruct"]
 
     def load(self) -> ProviderLoad:
+        scheduler = getattr(self._engine, "scheduler", None)
+        if scheduler is not None:  # the batching engine knows its batch and its waiting line
+            running, waiting = scheduler.load
+            return ProviderLoad(batch_size=running, queue_depth=waiting)
         return ProviderLoad(batch_size=self._in_flight, queue_depth=max(0, self._in_flight - 1))
 
     @property
@@ -227,7 +237,8 @@ class LocalProvider(Provider):
         yield prompt
         held = 0
         try:
-            for event in self.engine.stream(prompt.ids, sampling, spec, cancel):
+            step_policy = ctx.step_policy if spec.method != "off" else None
+            for event in self.engine.stream(prompt.ids, sampling, spec, cancel, step_policy=step_policy):
                 grown = len(event.token_ids) + (len(prompt.ids) if held == 0 else 0)
                 held += grown
                 self._add_kv(grown)
@@ -249,6 +260,8 @@ class LocalProvider(Provider):
                 prompt, result = await asyncio.to_thread(self._generate, request, ctx, cancel)
             except ProviderError:
                 raise
+            except EngineOverloaded as exc:
+                raise ProviderRateLimited(str(exc), provider=self.name) from exc
             except ValueError as exc:  # ContextLengthError and other bad input
                 raise _bad_request(exc, self.name) from exc
         except asyncio.CancelledError:
@@ -296,6 +309,8 @@ class LocalProvider(Provider):
                         started = True
             except ProviderError:
                 raise
+            except EngineOverloaded as exc:
+                raise ProviderRateLimited(str(exc), provider=self.name) from exc
             except ValueError as exc:
                 if started:
                     raise StreamBroken(str(exc), provider=self.name) from exc
