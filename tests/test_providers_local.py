@@ -47,6 +47,7 @@ class ScriptedEngine:
         self.pieces = pieces or [text]
         self.prompts: list[list[int]] = []
         self.calls: list[tuple] = []
+        self.step_policies: list = []
         self.gate: threading.Event | None = None
 
     def render_chat(self, messages, tools=None):
@@ -62,9 +63,10 @@ class ScriptedEngine:
         stats.finish_reason = "stop"
         return GenerationResult(self.text, [1] * 7, stats)
 
-    def stream(self, prompt_ids, sampling, spec, cancel=None):
+    def stream(self, prompt_ids, sampling, spec, cancel=None, step_policy=None):
         self.prompts.append(prompt_ids)
         self.calls.append((sampling, spec))
+        self.step_policies.append(step_policy)
         if self.gate is not None:
             self.gate.wait(5)
         for piece in self.pieces:
@@ -256,3 +258,32 @@ async def test_overload_is_refused_early():
     engine.gate.set()
     assert [r.content for r in await asyncio.gather(*first)] == ["ok", "ok"]
     assert p.load().batch_size == 0 and p.gate.stats().in_flight == 0
+
+
+async def test_policy_decides_gamma_again_at_every_engine_step():
+    """The policy's batch ranges reach the batching engine per step, not only per request."""
+    from openalice_runner.policies import PolicyStore
+    from openalice_runner.providers.deciding import PolicyProvider
+
+    engine = ScriptedEngine("fine")
+    store = PolicyStore.from_file("policies/default.yaml")
+    provider = PolicyProvider(local(engine), store)
+    req = ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    await provider.chat(req, CallContext(turn_type="code_edit"))
+    _, spec = engine.calls[-1]
+    stepper = engine.step_policies[-1]
+    assert spec.method == "ngram" and stepper is not None
+    assert stepper(1, 0) >= 3  # copy-heavy, small batch: auto γ in [3, 8]
+    assert 1 <= stepper(6, 0) <= 4  # mid batch: capped at 4
+    assert stepper(9, 0) == 0 and stepper(4, 8) == 0  # past 8 (running + waiting): no drafts
+
+
+async def test_local_load_is_the_schedulers_batch_and_queue():
+    engine = tiny_engine()
+    p = local(engine)
+    assert p.load().batch_size == 0
+    engine.scheduler._running.append(object())  # as if one sequence were decoding
+    try:
+        assert (p.load().batch_size, p.load().queue_depth) == (1, 0)
+    finally:
+        engine.scheduler._running.clear()
