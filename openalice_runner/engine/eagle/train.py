@@ -172,9 +172,9 @@ def train_head(model, cfg: HeadConfig, train: list[Sample], heldout: list[Sample
     if head is None:
         head = EagleHead(cfg)
         head.init_from_target(model)
+    start = time.monotonic()  # the budget covers the held-out evaluations too
     trainer = Trainer(model, head, settings)
     truth = target_top1(model, heldout) if heldout else []
-    start = time.monotonic()
     last_eval = start
     figures: dict = {"steps": 0, "loss": math.nan, "first_loss": math.nan}
     if heldout:
@@ -190,7 +190,7 @@ def train_head(model, cfg: HeadConfig, train: list[Sample], heldout: list[Sample
             figures["first_loss"] = loss
         figures.update(steps=trainer.step, loss=ema)
         now = time.monotonic()
-        if heldout and now - last_eval >= settings.eval_every_s:
+        if heldout and now - last_eval >= settings.eval_every_s and now - start < 0.9 * settings.seconds:
             figures.update(trainer.evaluate(heldout, truth))
             last_eval = now
         if progress:
