@@ -79,7 +79,6 @@ class Engine:
         self._draft_models: dict[int, LlamaModel] = {}
         self._draft_caches: dict[int, KVCache] = {}
         self._eagle_heads: dict[str, object] = {}  # head folder -> EagleRuntime
-        self._eagle_heads: dict[str, object] = {}  # head folder -> EagleRuntime
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -233,20 +232,6 @@ class Engine:
                 cache = self._draft_models[n].new_cache(1, max_len)
                 self._draft_caches[n] = cache
             return DraftModelDrafter(self._draft_models[n], cache)
-        if spec.method == "eagle":
-            from openalice_runner.engine.drafters.eagle import EagleDrafter
-            from openalice_runner.engine.eagle.head import EagleRuntime, load_head
-
-            if not spec.eagle_head:
-                raise ValueError("method 'eagle' needs eagle_head (policy options.eagle_head, CLI --eagle-head): "
-                                 "the folder of a head trained with `openalice-runner draft train`")
-            if not isinstance(self.model, LlamaModel):
-                raise ValueError("method 'eagle' needs a Llama-family target")
-            runtime = self._eagle_heads.get(spec.eagle_head)
-            if runtime is None:
-                head = load_head(spec.eagle_head, self.model_name, self.model)
-                runtime = self._eagle_heads[spec.eagle_head] = EagleRuntime(head, self.model)
-            return EagleDrafter(runtime, max_len, self.model.cfg.vocab_size)
         if spec.method == "eagle":
             from openalice_runner.engine.drafters.eagle import EagleDrafter
             from openalice_runner.engine.eagle.head import EagleRuntime, load_head
