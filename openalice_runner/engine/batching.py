@@ -129,12 +129,15 @@ class BatchScheduler:
         return request
 
     def events(self, request: BatchRequest) -> Iterator[StreamEvent]:
-        """The request's stream; leaving it early cancels the request."""
+        """The request's stream; leaving it early cancels the request. Once cancelled, text the
+        scheduler decoded ahead of a slow reader is dropped and the final event comes next."""
         try:
             while True:
                 item = request.events.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.result is None and request.cancel.is_set():
+                    continue
                 yield item
                 if item.result is not None:
                     return
