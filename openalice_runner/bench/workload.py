@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,15 +32,20 @@ def stdlib_context(spec: dict[str, Any]) -> str:
     return "".join(lines[first - 1 : last])
 
 
-def load_workload(path: str | Path, case_ids: list[str] | None = None) -> list[Case]:
-    cases = []
+def json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, object) of a JSON-lines file, skipping blank lines; bad JSON names FILE:LINE."""
     for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            raw = json.loads(line)
+            yield n, json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{n}: not JSON: {exc}") from exc
+
+
+def load_workload(path: str | Path, case_ids: list[str] | None = None) -> list[Case]:
+    cases = []
+    for _, raw in json_lines(path):
         context = stdlib_context(raw["context"]) if raw.get("context") else ""
         messages = [
             {**m, "content": m["content"].replace("{context}", context)} if isinstance(m.get("content"), str) else m

@@ -45,14 +45,10 @@ class Sample:
 def read_prompts(paths: Iterable[str | Path]) -> list[list[dict]]:
     """Message lists from JSON-lines files (`messages` or `prompt` per line; `{context}` filled)."""
     out: list[list[dict]] = []
+    from openalice_runner.bench.workload import json_lines
+
     for path in paths:
-        for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not JSON: {exc}") from exc
+        for n, raw in json_lines(path):
             if isinstance(raw.get("messages"), list):
                 context = ""
                 if raw.get("context"):
