@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 StepPolicy = Callable[[int, int], int]
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
-CACHE_GRANULE = 512
+CACHE_GRANULE = 512  # KV caches grow in steps of this many positions
 
 
 @dataclass

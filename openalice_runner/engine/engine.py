@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from openalice_runner.engine.batching import BatchScheduler, StepPolicy
+from openalice_runner.engine.batching import CACHE_GRANULE, BatchScheduler, StepPolicy
 from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
@@ -26,7 +26,6 @@ from openalice_runner.engine.types import GenerationResult, SamplingParams, Spec
 
 DTYPES = ("bf16", "fp32")
 DEFAULT_MAX_BATCH = 8  # sequences decoded together (continuous batching); 1: one at a time
-CACHE_GRANULE = 512  # KV caches grow in steps of this many positions
 
 
 def default_draft_layers(n_layers: int) -> int:
