@@ -40,9 +40,11 @@ def test_row_results_do_not_depend_on_row_count(kernels, dtype):
     torch.manual_seed(0)
     weight = torch.randn(101, 64).to(dtype)
     x = torch.randn(11, 64)
-    together = kernels.linear(x, weight)
-    for r in range(11):
-        assert torch.equal(kernels.linear(x[r : r + 1], weight)[0], together[r])
+    alone = [kernels.linear(x[r : r + 1], weight)[0] for r in range(11)]
+    for rows in range(2, 12):  # every tile shape: 2-4, the wide 5-8, and 4-row tiles beyond
+        together = kernels.linear(x[:rows], weight)
+        for r in range(rows):
+            assert torch.equal(alone[r], together[r]), (rows, r)
 
 
 def test_batched_leading_dims_and_strided_input(kernels):
