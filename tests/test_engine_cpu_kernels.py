@@ -77,10 +77,12 @@ def test_one_pass_equals_token_by_token_in_bf16(kernels):
     assert torch.equal(together, one_by_one)
 
 
-def test_attention_matches_sdpa_on_ragged_rows(kernels):
-    """Rows of three slots with different lengths and token counts in one call."""
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_attention_matches_sdpa_on_ragged_rows(kernels, cache_dtype):
+    """Rows of three slots with different lengths and token counts in one call; the cache in
+    fp32 or bf16 (which the kernel widens exactly, so SDPA gets the same widened values)."""
     torch.manual_seed(3)
-    keys, values = torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)
+    keys, values = torch.randn(3, 2, 40, 16).to(cache_dtype), torch.randn(3, 2, 40, 16).to(cache_dtype)
     row_slot = [2, 2, 2, 0, 1, 1, 1, 1, 1]
     row_pos = [30, 31, 32, 5, 0, 1, 2, 3, 4]  # a verify, a decode step, a prefill chunk
     q = torch.randn(len(row_slot), 4, 16)
@@ -88,8 +90,8 @@ def test_attention_matches_sdpa_on_ragged_rows(kernels):
     for r, (slot, pos) in enumerate(zip(row_slot, row_pos, strict=True)):
         expected = torch.nn.functional.scaled_dot_product_attention(
             q[r].unsqueeze(1),
-            keys[slot, :, : pos + 1],
-            values[slot, :, : pos + 1],
+            keys[slot, :, : pos + 1].float(),
+            values[slot, :, : pos + 1].float(),
             scale=0.25,
             enable_gqa=True,
         )
@@ -119,3 +121,12 @@ def test_turned_off_falls_back_to_torch(monkeypatch, kernels):
     sampling = SamplingParams(max_tokens=24)
     plain = engine.generate(prompt, sampling, SpecConfig(method="off"))
     assert engine.generate(prompt, sampling, SpecConfig(method="ngram", gamma=4)).token_ids == plain.token_ids
+
+
+def test_bf16_model_keeps_a_bf16_cache_and_fp32_model_an_fp32_one(kernels):
+    from openalice_runner.engine import Engine
+
+    bf16 = Engine.tiny_random(dtype="bf16", max_batch=1).model.new_cache(1, 8)
+    fp32 = Engine.tiny_random(dtype="fp32", max_batch=1).model.new_cache(1, 8)
+    assert bf16.keys[0].dtype == bf16.values[0].dtype == torch.bfloat16
+    assert fp32.keys[0].dtype == torch.float32

@@ -57,7 +57,7 @@ class CpuKernels:
         row_pos: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """q (R, n_heads, D) fp32; keys/values (slots, n_kv_heads, max_len, D) fp32 contiguous;
+        """q (R, n_heads, D) fp32; keys/values (slots, n_kv_heads, max_len, D) fp32 or bf16, contiguous;
         row r attends keys 0..row_pos[r] of slot row_slot[r] (int64 tensors). -> (R, n_heads, D)."""
         q = q.contiguous()
         rows, n_heads, dim = q.shape
@@ -65,7 +65,7 @@ class CpuKernels:
         status = self.library.attention(
             q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(),
             row_slot.data_ptr(), row_pos.data_ptr(),
-            rows, n_heads, keys.shape[1], dim, keys.shape[2], scale,
+            rows, n_heads, keys.shape[1], dim, keys.shape[2], scale, keys.dtype == torch.bfloat16,
         )  # fmt: skip
         if status != 0:
             raise ValueError(
@@ -123,7 +123,7 @@ def _load() -> tuple[CpuKernels | None, str | None]:
         fn = getattr(library, name)
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         fn.restype = None
-    library.attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
+    library.attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     library.attention.restype = ctypes.c_int
     library.pool_start.argtypes = [ctypes.c_int]
     library.pool_start.restype = ctypes.c_int

@@ -193,8 +193,8 @@ class LlamaModel:
         )
         inner = hf_model.model
         self.weight_dtype = inner.embed_tokens.weight.dtype
-        # Activations, norms, rotary tables and the KV cache stay fp32 whatever the weights:
-        # they are small, and a CPU without bf16 arithmetic is faster on fp32 for them.
+        # Activations, norms and rotary tables stay fp32 whatever the weights: they are small,
+        # and a CPU without bf16 arithmetic is faster on fp32 for them.
         self.dtype = torch.float32
         if split_multi_row is None:
             split_multi_row = self.weight_dtype == torch.bfloat16 and not has_native_bf16()
@@ -208,6 +208,10 @@ class LlamaModel:
             self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         )
         self.attention_kernels = kernels if usable else None
+        # A bf16 model keeps its KV cache in bf16, as transformers does: half the memory, and
+        # half the bytes every decode step reads (the attention kernel widens them exactly).
+        bf16_cache = self.weight_dtype == torch.bfloat16 and self.attention_kernels is not None
+        self.kv_dtype = torch.bfloat16 if bf16_cache else torch.float32
         self.attention_scale = self.cfg.head_dim**-0.5
 
         def linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> Linear:
@@ -249,7 +253,7 @@ class LlamaModel:
         return draft
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
-        return KVCache(self.cfg, batch, max_len or self.cfg.max_positions, self.dtype)
+        return KVCache(self.cfg, batch, max_len or self.cfg.max_positions, self.kv_dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.eps))
@@ -299,8 +303,8 @@ class LlamaModel:
             qk = RotaryTable.rotate(qkv[:, :n_qk], cos, sin)  # q and k heads in one go
             q, k, v = qk[:, : cfg.n_heads], qk[:, cfg.n_heads :], qkv[:, n_qk:]
             keys, values = cache.keys[i], cache.values[i]
-            keys[slot_t, :, pos_t] = k
-            values[slot_t, :, pos_t] = v
+            keys[slot_t, :, pos_t] = k.to(keys.dtype)
+            values[slot_t, :, pos_t] = v.to(values.dtype)
             if runs is None:
                 attn = self.attention_kernels.attention(q, keys, values, slot_t, pos_t, self.attention_scale)
             else:
