@@ -119,8 +119,15 @@ def bench(
     for case in cases:
         prompt = render_case(engine, case)
         reference: list[int] | None = None
+        # Repeats go round the methods (off, ngram, ..., off, ngram, ...) rather than one
+        # method R times in a row: on a shared machine a slow minute then slows every method
+        # of the case alike, and the median of each method compares like with like.
+        runs: dict[str, list[Run]] = {m: [] for m in methods}
+        for _ in range(repeat):
+            for method in methods:
+                runs[method].append(_one(engine, case, prompt, method, gamma, policy_store, eagle_head))
         for method in methods:
-            run = median_run([_one(engine, case, prompt, method, gamma, policy_store, eagle_head) for _ in range(repeat)])
+            run = median_run(runs[method])
             if method == "off":
                 reference = run.tokens
             row = {
