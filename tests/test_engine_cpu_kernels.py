@@ -1,5 +1,5 @@
-"""The engine's small-M linear kernels: right results, the same bits for any row count, and a
-clean fallback to torch's matmuls where they are turned off."""
+"""The engine's CPU kernels (linear, attention, the per-row layer steps): right results, the
+same bits for any row count, and a clean fallback to torch where they are turned off."""
 
 from __future__ import annotations
 
@@ -130,3 +130,62 @@ def test_bf16_model_keeps_a_bf16_cache_and_fp32_model_an_fp32_one(kernels):
     fp32 = Engine.tiny_random(dtype="fp32", max_batch=1).model.new_cache(1, 8)
     assert bf16.keys[0].dtype == bf16.values[0].dtype == torch.bfloat16
     assert fp32.keys[0].dtype == torch.float32
+
+
+def test_add_rms_norm_matches_torch_and_adds_the_residual_in_place(kernels):
+    torch.manual_seed(4)
+    x, delta, weight = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
+    expected_x = x + delta
+    expected = weight * (expected_x * torch.rsqrt(expected_x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    out = kernels.add_rms_norm(x, weight, 1e-5, delta=delta)
+    torch.testing.assert_close(x, expected_x, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    plain = kernels.add_rms_norm(expected_x.clone(), weight, 1e-5)
+    torch.testing.assert_close(plain, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: shared among the workers
+def test_silu_mul_matches_torch(kernels, rows):
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 24) * 6  # both signs, large magnitudes
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_rotates_q_and_k_and_writes_the_cache(kernels, cache_dtype):
+    from openalice_runner.engine.llama import RotaryTable
+
+    torch.manual_seed(5)
+    n_heads, n_kv, dim = 4, 2, 16
+    table = RotaryTable(dim, 10000.0, 64, torch.float32)
+    qkv = torch.randn(3, n_heads + 2 * n_kv, dim)
+    row_slot, row_pos = torch.tensor([1, 1, 0]), torch.tensor([7, 8, 30])
+    keys = torch.zeros(2, n_kv, 40, dim, dtype=cache_dtype)
+    values = torch.zeros_like(keys)
+    original = qkv.clone()
+    kernels.rope_store(qkv, table.cos, table.sin, row_slot, row_pos, n_heads, n_kv, keys, values)
+    rotated = RotaryTable.rotate(
+        original[:, : n_heads + n_kv], table.cos[row_pos].unsqueeze(1), table.sin[row_pos].unsqueeze(1)
+    )
+    torch.testing.assert_close(qkv[:, : n_heads + n_kv], rotated, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, n_heads + n_kv :], original[:, n_heads + n_kv :])  # v untouched
+    for r, (slot, pos) in enumerate(zip(row_slot.tolist(), row_pos.tolist(), strict=True)):
+        assert torch.equal(keys[slot, :, pos], qkv[r, n_heads : n_heads + n_kv].to(cache_dtype))
+        assert torch.equal(values[slot, :, pos], original[r, n_heads + n_kv :].to(cache_dtype))
+    assert int((keys != 0).any(-1).sum()) == 3 * n_kv  # nothing else written
+
+
+def test_fused_forward_matches_the_torch_op_forward_and_transformers(kernels):
+    """The kernels' layer steps compute what the torch-op path and transformers compute."""
+    engine = Engine.tiny_random(seed=2, dtype="fp32", max_batch=1)
+    fused = engine.model
+    assert fused.rowwise_kernels is not None
+    plain = LlamaModel(engine.hf_model)
+    plain.rowwise_kernels = None
+    tokens = torch.randint(0, 1000, (1, 20))
+    out = [m.logits(m.forward(tokens, m.new_cache(1, 32))) for m in (fused, plain)]
+    torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        reference = engine.hf_model(tokens).logits
+    torch.testing.assert_close(out[0], reference, rtol=1e-4, atol=1e-4)

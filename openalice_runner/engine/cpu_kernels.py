@@ -4,9 +4,12 @@
   decode costs, the premise of speculative decoding, on CPUs without bf16 arithmetic.
 - `attention`: causal attention for ragged rows read straight from the KV cache, so one pass
   serves sequences of different lengths, each feeding its own number of tokens.
+- `add_rms_norm`, `silu_mul`, `rope_store`: a layer's small per-row steps, one call each
+  instead of several torch ops (at a few rows per pass the dispatch costs more than the work).
 
-Both give every row the same bits whatever the other rows are. They need x86-64 with AVX2 and FMA and a C compiler (`cc`, or `$CC`); the shared object is cached
-under the runner's cache folder, keyed by the source and flags, so it is built once (about a
+All give every row the same bits whatever the other rows are. They need x86-64 with AVX2 and
+FMA and a C compiler (`cc`, or `$CC`); the shared object is cached under the runner's cache
+folder, keyed by the source and flags, so it is built once (about a
 second). Where any of that is missing, `cpu_kernels()` returns None and the engine uses
 torch's matmuls. `OPENALICE_NATIVE_KERNELS=0` turns them off (for side-by-side benchmarks).
 """
@@ -27,8 +30,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("linear.c", "attention.c", "pool.c")]
-HEADERS = [CSRC / "pool.h"]
+SOURCES = [CSRC / name for name in ("linear.c", "attention.c", "rowwise.c", "pool.c")]
+HEADERS = [CSRC / name for name in ("pool.h", "vec.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC"]
 DISABLE_ENV = "OPENALICE_NATIVE_KERNELS"
 
@@ -72,6 +75,44 @@ class CpuKernels:
                 f"attention kernel: unsupported shape heads={n_heads} kv={keys.shape[1]} dim={dim}"
             )
         return out
+
+    def add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """weight * x / rms(x) per row of x (R, H) fp32 contiguous; with `delta`, x += delta
+        first, in place (the residual add)."""
+        rows, dim = x.shape
+        out = torch.empty_like(x)
+        if delta is not None:
+            delta = delta.contiguous()
+        self.library.add_rms_norm(
+            x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            rows, dim, eps,
+        )  # fmt: skip
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up (R, 2I) = [gate | up] fp32 contiguous -> (R, I)."""
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=torch.float32)
+        self.library.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+    def rope_store(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, row_slot: torch.Tensor,
+        row_pos: torch.Tensor, n_heads: int, n_kv_heads: int, keys: torch.Tensor, values: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Rotate the q and k heads of qkv (R, n_heads + 2·n_kv_heads, D) in place by each row's
+        position (cos/sin tables (positions, D) fp32), and store each row's k and v in the cache
+        (slots, n_kv_heads, max_len, D), fp32 or bf16, at (row_slot[r], row_pos[r])."""
+        rows, _, dim = qkv.shape
+        self.library.rope_store(
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), row_slot.data_ptr(), row_pos.data_ptr(),
+            rows, n_heads, n_kv_heads, dim, keys.data_ptr(), values.data_ptr(), keys.shape[2],
+            keys.dtype == torch.bfloat16,
+        )  # fmt: skip
+
+    @staticmethod
+    def rowwise_supports(hidden: int, intermediate: int, head_dim: int) -> bool:
+        return hidden % 8 == 0 and intermediate % 8 == 0 and head_dim % 2 == 0
 
     @staticmethod
     def attention_supports(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
@@ -125,6 +166,14 @@ def _load() -> tuple[CpuKernels | None, str | None]:
         fn.restype = None
     library.attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     library.attention.restype = ctypes.c_int
+    library.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    library.add_rms_norm.restype = None
+    library.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    library.silu_mul.restype = None
+    library.rope_store.argtypes = (
+        [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
+    )
+    library.rope_store.restype = None
     library.pool_start.argtypes = [ctypes.c_int]
     library.pool_start.restype = ctypes.c_int
     # the kernels' own workers (csrc/pool.c says why not OpenMP), beside the calling thread

@@ -208,6 +208,9 @@ class LlamaModel:
             self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         )
         self.attention_kernels = kernels if usable else None
+        # the fused per-row steps go with the attention kernel (it reads what rope_store writes)
+        rowwise = usable and kernels.rowwise_supports(self.cfg.hidden, self.cfg.intermediate, self.cfg.head_dim)
+        self.rowwise_kernels = kernels if rowwise else None
         # A bf16 model keeps its KV cache in bf16, as transformers does: half the memory, and
         # half the bytes every decode step reads (the attention kernel widens them exactly).
         bf16_cache = self.weight_dtype == torch.bfloat16 and self.attention_kernels is not None
@@ -292,6 +295,8 @@ class LlamaModel:
             raise ValueError(f"position {max(row_pos)} is beyond the cache of {cache.max_len}")
         slot_t = torch.tensor(row_slot)
         pos_t = torch.tensor(row_pos)
+        if self.rowwise_kernels is not None:
+            return self._forward_rows_fused(tokens, cache, slot_t, pos_t)
         cos = self.rotary.cos[pos_t].unsqueeze(1)  # (R, 1, D), shared by every layer and head
         sin = self.rotary.sin[pos_t].unsqueeze(1)
         runs = None if self.attention_kernels is not None else _runs(row_slot, row_pos)
@@ -314,6 +319,26 @@ class LlamaModel:
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         return self._rms_norm(x, self.norm)
+
+    def _forward_rows_fused(
+        self, tokens: torch.Tensor, cache: KVCache, slot_t: torch.Tensor, pos_t: torch.Tensor
+    ) -> torch.Tensor:
+        """forward_rows on the engine's kernels throughout: the same steps, with each layer's
+        norms (and residual adds), rotary embedding, cache write and SiLU gate one call each."""
+        cfg, k = self.cfg, self.rowwise_kernels
+        rows = len(tokens)
+        x = self.embed[tokens].float()  # the residual stream, updated in place
+        h = k.add_rms_norm(x, self.layers[0].attn_norm, cfg.eps)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(h).view(rows, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
+            keys, values = cache.keys[i], cache.values[i]
+            k.rope_store(qkv, self.rotary.cos, self.rotary.sin, slot_t, pos_t, cfg.n_heads, cfg.n_kv_heads, keys, values)
+            attn = k.attention(qkv[:, : cfg.n_heads], keys, values, slot_t, pos_t, self.attention_scale)
+            h = k.add_rms_norm(x, layer.mlp_norm, cfg.eps, delta=layer.o(attn.reshape(rows, -1)))
+            down = layer.down(k.silu_mul(layer.gate_up(h)))
+            after = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
+            h = k.add_rms_norm(x, after, cfg.eps, delta=down)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits (sampling and acceptance tests want full precision probabilities)."""

@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "pool.h"
+#include "vec.h"
 
 #define NT 2 /* weight rows per tile */
 #define MT 4 /* input rows per tile */
@@ -26,13 +27,6 @@ static inline __m256 load_bf16(const uint16_t *p) {
 }
 
 static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
-
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 
 /* NN weight rows from n0 times MM input rows from m0; NN and MM are constants after inlining. */
 #define DEFINE_TILE(NAME, WTYPE, LOAD)                                                          \
