@@ -223,6 +223,24 @@ def summarize(rows: list[dict], methods: list[str]) -> dict:
     if "policy" in methods and "off" in methods and "ngram" in methods:
         worst = [tps[(c, "policy")] / max(tps[(c, "off")], tps[(c, "ngram")]) for c in cases]
         summary["policy_vs_best_of_off_ngram_min"] = round(min(worst), 3)
+    if "policy" in methods and "off" in methods and "ngram:5" in methods:
+        # the policy's bar: per case, the better of no speculation and n-gram with γ fixed at 5
+        per_case = {c: tps[(c, "policy")] / max(tps[(c, "off")], tps[(c, "ngram:5")]) for c in cases}
+        summary["policy_vs_best_of_off_ngram5"] = {
+            "min": round(min(per_case.values()), 3),
+            "cases_at_least_0.95": f"{sum(v >= 0.95 for v in per_case.values())}/{len(per_case)}",
+            "per_case": {c: round(v, 3) for c, v in per_case.items()},
+        }
+    copy_cases = [c for c in cases if group_of[c] in COPY_HEAVY]
+    if copy_cases:
+        # throughput over the copy-heavy cases as a whole: all their tokens over all their time
+        totals = {(r["case"], r["method"]): (r["tokens"], r["seconds"]) for r in rows}
+        aggregate = {}
+        for m in methods:
+            got = [totals[(c, m)] for c in copy_cases if (c, m) in totals]
+            if len(got) == len(copy_cases) and sum(t for _, t in got) > 0:
+                aggregate[m] = round(sum(n for n, _ in got) / sum(t for _, t in got), 2)
+        summary["copy_heavy_aggregate_tokens_per_second"] = aggregate
     identical = {}
     for m in methods:
         flags = [r["identical_to_off"] for r in rows if r["method"] == m and r["identical_to_off"] is not None]

@@ -1,0 +1,94 @@
+"""The benchmarks' reports are a contract: the fields, the summary that states each issue's bar,
+and the order in which repeats run. On the tiny random model, so they run in seconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from openalice_runner.bench import runner
+from openalice_runner.bench.concurrency import bench_concurrency
+from openalice_runner.bench.workload import load_workload
+from openalice_runner.engine import Engine
+from openalice_runner.policies import PolicyStore
+
+RUN_FIELDS = {
+    "case", "turn_type", "method", "gamma", "tokens", "seconds", "tokens_per_second", "acceptance_rate",
+    "mean_accept_length", "target_passes", "identical_to_off",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.tiny_random(seed=3, max_batch=4)
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    path = tmp_path_factory.mktemp("workload") / "tiny.jsonl"
+    lines = [
+        {"id": "edit", "turn_type": "code_edit", "max_tokens": 12,
+         "messages": [{"role": "user", "content": "def f(x):\n    return x + 1\n" * 4}]},
+        {"id": "hello", "turn_type": "chat", "max_tokens": 10,
+         "messages": [{"role": "user", "content": "Say hello."}]},
+    ]  # fmt: skip
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return load_workload(path)
+
+
+def test_bench_report_fields_and_summary(engine, cases):
+    store = PolicyStore.from_file("policies/default.yaml")
+    report = runner.bench(engine, cases, ["off", "ngram", "ngram:5", "ngram:8", "policy"], gamma=7, policy_store=store)
+    assert len(report["runs"]) == 2 * 5
+    for row in report["runs"]:
+        assert RUN_FIELDS <= row.keys()
+        if row["method"] != "off":
+            assert row["identical_to_off"] is True  # greedy, fp32: speculation is lossless
+    gammas = {r["method"]: r["gamma"] for r in report["runs"] if r["case"] == "edit"}
+    assert gammas["ngram"] == 7 and gammas["ngram:5"] == 5 and gammas["ngram:8"] == 8
+    summary = report["summary"]
+    bar = summary["policy_vs_best_of_off_ngram5"]
+    assert set(bar["per_case"]) == {"edit", "hello"}
+    assert bar["min"] == min(bar["per_case"].values())
+    assert bar["cases_at_least_0.95"].endswith("/2")
+    aggregate = summary["copy_heavy_aggregate_tokens_per_second"]
+    edit = {r["method"]: r for r in report["runs"] if r["case"] == "edit"}
+    assert aggregate["ngram:8"] == round(edit["ngram:8"]["tokens"] / edit["ngram:8"]["seconds"], 2)
+    assert set(aggregate) == {"off", "ngram", "ngram:5", "ngram:8", "policy"}
+    assert "copy_heavy_geomean" in summary["ngram_vs_off"]
+    assert runner.format_table(report).count("\n") == 2 + 1  # header, rule, two cases
+
+
+def test_repeats_go_round_the_methods(engine, cases, monkeypatch):
+    calls = []
+    real = runner._one
+
+    def recording(engine, case, prompt, method, *args, **kwargs):
+        calls.append((case.id, method))
+        return real(engine, case, prompt, method, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "_one", recording)
+    runner.bench(engine, cases[:1], ["off", "ngram:3"], repeat=3)
+    assert calls == [("edit", "off"), ("edit", "ngram:3")] * 3
+
+
+def test_bench_refuses_unknown_methods(engine, cases):
+    with pytest.raises(ValueError, match="unknown methods"):
+        runner.bench(engine, cases, ["off", "magic"])
+    with pytest.raises(ValueError, match="needs --policy"):
+        runner.bench(engine, cases, ["policy"])
+
+
+def test_bench_concurrency_report(engine, cases):
+    serial = Engine(engine.hf_model, engine.tokenizer, engine.model_name, engine.dtype, max_batch=1)
+    report = bench_concurrency(engine, cases, [1, 2], ["off", "ngram:3", "serial-off"], serial=serial)
+    rows = {(r["concurrency"], r["method"]): r for r in report["runs"]}
+    assert set(rows) == {(1, "off"), (1, "ngram:3"), (1, "serial-off"), (2, "off"), (2, "ngram:3")}
+    for row in rows.values():
+        assert row["tokens"] > 0 and row["tokens_per_second"] > 0
+        assert row["latency_p50_s"] <= row["latency_p95_s"]
+        assert row["identical_to_off"] in (True, None)
+    assert rows[(2, "off")]["requests"] == 4  # at least 2 x concurrency requests
+    with pytest.raises(ValueError, match="max-batch"):
+        bench_concurrency(engine, cases, [8], ["off"])
