@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.ngram import NgramDrafter, NgramIndex, find_continuation
 from openalice_runner.engine.types import SamplingParams
 
@@ -62,6 +63,38 @@ def test_drafter_follows_growing_history():
     history = prompt + [12, 13, 99]
     assert drafter.propose(history, 3, SamplingParams(), None).tokens == []
     assert drafter.propose(history + [10], 2, SamplingParams(), None).tokens == [11, 12]
+
+
+def dear_passes() -> PassCostModel:
+    costs = PassCostModel()
+    costs.record(1, 0.010)
+    for rows in range(2, 10):
+        costs.record(rows, 0.030)  # every multi-row pass costs three plain steps
+    return costs
+
+
+def test_gated_drafter_declines_weak_matches_and_probes_now_and_then():
+    """A one-token match (prior α 0.25) cannot pay for a pass that costs 3 plain steps: the
+    drafter proposes nothing, except every `probe_every`-th time a short draft marked probe."""
+    drafter = NgramDrafter(1, 4, costs=dear_passes(), probe_every=4)
+    history = [5, 6, 7, 8, 9, 1, 2, 3, 5]  # suffix (5,) matched once, longer suffixes not
+    drafter.start(history)
+    proposals = [drafter.propose(history, 5, SamplingParams(), None) for _ in range(8)]
+    probes = [p for p in proposals if p.tokens]
+    assert len(probes) == 2 and all(p.probe and p.tokens == [6, 7] for p in probes)
+    assert all(not p.probe for p in proposals if not p.tokens)
+
+
+def test_gated_drafter_proposes_in_earnest_where_it_expects_a_gain():
+    cheap = PassCostModel()
+    cheap.record(1, 0.010)
+    for rows in range(2, 10):
+        cheap.record(rows, 0.011)
+    drafter = NgramDrafter(1, 4, costs=cheap)
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]  # a 4-token match
+    drafter.start(history)
+    proposal = drafter.propose(history, 4, SamplingParams(), None)
+    assert proposal.tokens == [5, 6, 7, 8] and not proposal.probe
 
 
 @settings(max_examples=300, deadline=None)

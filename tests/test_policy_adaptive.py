@@ -64,6 +64,17 @@ def test_request_alpha_mle_and_fallbacks():
     assert request_draft_cost(GenerationStats(gamma=4, verify_s=0.0)) is None
 
 
+def test_request_alpha_leaves_probes_out():
+    # 10 drafted, 4 of them probes that all failed: α is 6 of the 6 drafted in earnest
+    mixed = GenerationStats(gamma=5, draft_proposed=10, draft_accepted=6, probe_proposed=4,
+                            acceptance_rate=0.6, accept_length_histogram=[2, 0, 0, 2])
+    assert request_alpha(mixed) == 1.0
+    # a turn with nothing to copy: probes only, which say nothing about the turns that copy
+    probes_only = GenerationStats(gamma=5, draft_proposed=6, draft_accepted=0, probe_proposed=6,
+                                  acceptance_rate=0.0, accept_length_histogram=[3])
+    assert request_alpha(probes_only) is None
+
+
 def settings(**kw) -> AdaptiveSettings:
     base = {"ema_weight": 0.5, "warmup": 2, "margin": 0.05, "probe_every": 4}
     return AdaptiveSettings(**{**base, **kw})

@@ -126,6 +126,9 @@ def settle_round(
     if draft:
         seq.stats.draft_proposed += len(draft)
         seq.stats.draft_accepted += verdict.accepted
+        if proposal.probe:
+            seq.stats.probe_proposed += len(draft)
+            seq.stats.probe_accepted += verdict.accepted
         seq.accept_lengths.append(verdict.accepted)
     emitted = verdict.emitted(draft)
     if seq.drafter is not None:

@@ -80,6 +80,9 @@ class GenerationStats:
     target_passes: int = 0  # target forward passes after prefill (decode or verify)
     draft_proposed: int = 0
     draft_accepted: int = 0
+    # of those, exploratory drafts (see Proposal.probe): counted above, left out of the policy's α
+    probe_proposed: int = 0
+    probe_accepted: int = 0
     acceptance_rate: float = 0.0  # accepted / proposed (0 when nothing was proposed)
     mean_tokens_per_pass: float = 0.0  # completion tokens / target passes (prefill's token counted)
     accept_length_histogram: list[int] = field(default_factory=list)  # [n rounds that accepted k drafts]

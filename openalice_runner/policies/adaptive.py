@@ -58,10 +58,20 @@ class Choice:
 
 
 def request_alpha(stats: Any) -> float | None:
-    """Per-token acceptance of one request, or None when it proposed nothing."""
-    proposed = getattr(stats, "draft_proposed", 0) or 0
+    """Per-token acceptance of one request, or None when it proposed nothing but probes.
+
+    Probes (drafts the drafter itself expected to lose, sent to re-measure) are left out: a
+    self-gating drafter such as n-gram drafts in earnest only where it expects a gain, so a turn
+    with nothing to copy proposes probes only, and must not teach the policy that this turn
+    type never copies. (It did: three prose answers to a tool call turned n-gram off for the
+    next tool-call turns, which copied.)"""
+    probes = getattr(stats, "probe_proposed", 0) or 0
+    proposed = (getattr(stats, "draft_proposed", 0) or 0) - probes
     if proposed <= 0:
         return None
+    if probes:
+        accepted = (getattr(stats, "draft_accepted", 0) or 0) - (getattr(stats, "probe_accepted", 0) or 0)
+        return min(1.0, max(0.0, accepted / proposed))
     hist = list(getattr(stats, "accept_length_histogram", None) or [])
     gamma = getattr(stats, "gamma", 0) or 0
     # The MLE needs every round to have proposed the full γ (n-gram rounds may propose fewer: then a

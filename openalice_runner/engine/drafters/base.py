@@ -21,6 +21,10 @@ class Proposal:
     # (len(tokens), V) processed draft probabilities; None means the draft was chosen
     # deterministically and q is one-hot at each proposed token.
     q: torch.Tensor | None = None
+    # An exploratory draft, proposed against the drafter's own estimate that it will not pay, to
+    # notice when the text starts copying again. The adaptive policy leaves probes out of the α
+    # it learns: α describes the drafts the drafter stands behind.
+    probe: bool = False
 
 
 class Drafter(ABC):

@@ -137,7 +137,7 @@ class NgramDrafter(Drafter):
             self._declined += 1
             if self._declined % self._probe_interval:
                 return Proposal([])
-            k = min(len(tokens), 2)  # a cheap probe
+            return Proposal(tokens[: min(len(tokens), 2)], probe=True)  # a cheap probe
         return Proposal(tokens[:k])
 
     def _best_length(self, n: int, k_max: int) -> tuple[int, float]:
