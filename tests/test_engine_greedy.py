@@ -97,3 +97,27 @@ def test_transformers_fallback_path_for_other_architectures(tiny_engine):
     ref = engine.hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
                                    eos_token_id=sorted(engine.eos_token_ids), pad_token_id=0)
     assert ref[0, len(prompt):].tolist()[: len(plain.token_ids)] == plain.token_ids
+
+
+class ProbingDrafter(OracleDrafter):
+    """The oracle, with every other round's draft marked as a probe."""
+
+    rounds = 0
+
+    def propose(self, history, gamma, sampling, generator):
+        proposal = super().propose(history, gamma, sampling, generator)
+        self.rounds += 1
+        proposal.probe = self.rounds % 2 == 0
+        return proposal
+
+
+def test_probes_are_counted_apart(tiny_engine):
+    prompt = tiny_engine.encode("one two three four")
+    sampling = SamplingParams(max_tokens=30)
+    plain = tiny_engine.generate(prompt, sampling, SpecConfig(method="off"))
+    drafter = ProbingDrafter(len(prompt), plain.token_ids, tiny_engine.model.cfg.vocab_size, True)
+    out = tiny_engine.generate(prompt, sampling, SpecConfig(method="draft", gamma=3), drafter=drafter)
+    assert out.token_ids == plain.token_ids
+    stats = out.stats
+    assert 0 < stats.probe_proposed < stats.draft_proposed
+    assert stats.probe_accepted == stats.probe_proposed  # the oracle is always right

@@ -97,6 +97,36 @@ def test_gated_drafter_proposes_in_earnest_where_it_expects_a_gain():
     assert proposal.tokens == [5, 6, 7, 8] and not proposal.probe
 
 
+def linear_passes(rows_max: int = 40) -> PassCostModel:
+    costs = PassCostModel()
+    for rows in range(1, rows_max + 1):
+        costs.record(rows, 0.010 + 0.002 * rows)  # compute grows with every row
+    return costs
+
+
+def test_gated_drafter_weighs_its_draft_against_the_whole_batch():
+    """A 4-token match pays alone (4 more rows on top of 1), but not in a step where 8
+    sequences decode: the draft would slow all eight for about one extra token."""
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]
+    alone = NgramDrafter(1, 4, costs=linear_passes(), probe_every=1000)
+    alone.start(history)
+    drafted = alone.propose(history, 4, SamplingParams(), None).tokens
+    assert drafted and drafted == [5, 6, 7, 8][: len(drafted)]
+    crowded = NgramDrafter(1, 4, costs=linear_passes(), probe_every=1000)
+    crowded.start(history)
+    crowded.step_load(batch=8, rows=8)
+    assert crowded.propose(history, 4, SamplingParams(), None).tokens == []
+
+
+def test_pass_cost_grows_beyond_what_was_measured():
+    costs = PassCostModel()
+    costs.record(1, 0.01)
+    costs.record(8, 0.02)
+    assert costs.ratio(8) == 2.0
+    assert costs.ratio(4) == 2.0  # the nearest measured count above
+    assert costs.ratio(16) == 4.0  # linear beyond the largest measured
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     context=st.lists(st.integers(0, 5), max_size=60),

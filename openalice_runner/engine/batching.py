@@ -199,8 +199,8 @@ class BatchScheduler:
         row_slot: list[int] = []
         row_pos: list[int] = []
         plans: list[_Rows] = []
-        decoding = any(not r.prefilling for r in self._running)
-        budget = self.prefill_chunk if decoding else PREFILL_CHUNK
+        decoders = sum(not r.prefilling for r in self._running)
+        budget = self.prefill_chunk if decoders else PREFILL_CHUNK
         for request in list(self._running):
             seq = request.seq
             if request.cancel.is_set():
@@ -217,6 +217,10 @@ class BatchScheduler:
                 row_pos += range(request.prefilled, request.prefilled + n)
                 row_slot += [seq.slot] * n
                 continue
+            if seq.drafter is not None:
+                # rows so far, plus one for this and each decoding sequence not yet planned
+                unplanned = decoders - sum(1 for p in plans if p.proposal is not None)
+                seq.drafter.step_load(decoders, len(tokens) + unplanned)
             proposal, draft = plan_round(seq, request.gamma_now(batch, waiting))
             start = seq.cache.lengths[seq.slot]
             plans.append(_Rows(request, len(tokens), 1 + len(draft), proposal, draft, start))

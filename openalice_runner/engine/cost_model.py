@@ -38,5 +38,8 @@ class PassCostModel:
         if above:
             return seconds[above[0]] / single
         if below:
-            return seconds[below[-1]] / single
+            # beyond what was measured a pass grows about linearly with its rows (compute-bound);
+            # assuming it flat would make drafting look free at a batch never seen before
+            largest = below[-1]
+            return seconds[largest] / single * max(1.0, rows / largest)
         return PRIOR_RATIO

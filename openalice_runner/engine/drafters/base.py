@@ -41,6 +41,11 @@ class Drafter(ABC):
                 generator: torch.Generator | None) -> Proposal:
         """Up to `gamma` tokens to follow `history` (prompt + generated tokens so far)."""
 
+    def step_load(self, batch: int, rows: int) -> None:  # noqa: B027 - optional hook
+        """Called by the batching scheduler before `propose`: `batch` sequences decode in this
+        step and `rows` rows are in it before this sequence drafts. Drafters that weigh a
+        draft's length against the pass's cost use it; alone, a sequence has (1, 1)."""
+
     def update(self, history: list[int], proposed: int, accepted: int) -> None:  # noqa: B027
         """Called after verification; `history` now holds the emitted tokens too."""
 

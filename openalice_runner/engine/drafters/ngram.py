@@ -97,7 +97,10 @@ class NgramDrafter(Drafter):
     For a match of n tokens with estimated per-token acceptance alpha_n, proposing k tokens
     emits 1 + E[accepted] tokens for the price `costs.ratio(k + 1)` of plain steps. The drafter
     proposes the k <= gamma with the best ratio of the two, or nothing where no k beats a plain
-    step. A declined match is still probed now and then (every `probe_every`-th time, backing
+    step. In a batch (`step_load`: B sequences, R rows before this draft) the step emits about
+    B tokens and k drafts make every sequence wait for R + k rows instead of R, so k must beat
+    (B + E[accepted]) / B against cost(R + k) / cost(R): at a large batch drafting has to be
+    nearly certain to pay, which is where speculation stops helping throughput. A declined match is still probed now and then (every `probe_every`-th time, backing
     off exponentially while probes fail), so the estimate recovers when the output starts
     copying again.
     """
@@ -115,6 +118,10 @@ class NgramDrafter(Drafter):
         self._probe_interval = probe_every
         self._probing = False
         self._last_match = 0
+        self._batch, self._rows = 1, 1
+
+    def step_load(self, batch: int, rows: int) -> None:
+        self._batch, self._rows = max(1, batch), max(1, rows)
 
     def start(self, prompt: list[int]) -> None:
         self.index = NgramIndex(self.index.n_min, self.index.n_max)
@@ -141,10 +148,14 @@ class NgramDrafter(Drafter):
         return Proposal(tokens[:k])
 
     def _best_length(self, n: int, k_max: int) -> tuple[int, float]:
-        """The draft length with the most expected tokens per unit of pass cost, and that value."""
+        """The draft length with the most expected tokens per unit of pass cost, and that value
+        (relative to drafting nothing, 1.0)."""
         best_k, best = 0, 1.0
+        batch, rows = self._batch, self._rows
+        base = self.costs.ratio(rows)
         for k in range(1, k_max + 1):
-            value = (1.0 + self.acceptance.expected_accepted(n, k)) / self.costs.ratio(k + 1)
+            gain = (batch + self.acceptance.expected_accepted(n, k)) / batch
+            value = gain / (self.costs.ratio(rows + k) / base)
             if value > best:
                 best_k, best = k, value
         return best_k, best
