@@ -137,3 +137,20 @@ def test_pass_cost_grows_beyond_what_was_measured():
 def test_index_matches_plain_scan(context, n_min, extra, k):
     n_max = n_min + extra
     assert lookup(context, n_min, n_max, k) == find_continuation(context, n_min, n_max, k)
+
+
+def test_ceiling_replay_counts_passes_with_free_verification():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "ngram_ceiling.py"
+    spec = importlib.util.spec_from_file_location("ngram_ceiling", path)
+    ceiling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ceiling)
+    prompt = [7, 1, 2, 3, 4, 5, 6, 9]
+    # the reply copies 1..6 after a fresh token: one pass for 7 (nothing to match after 9),
+    # then "7 -> 1 2 3 4 5 6" is found: one pass takes 6 drafts plus the target's next token
+    assert ceiling.passes_with_free_verification(prompt, [7, 1, 2, 3, 4, 5, 6, 8], 4, 16) == 2
+    # 8 is new, the second 8 has no earlier 8 to follow yet, the third is "8 -> 8" from the first
+    assert ceiling.passes_with_free_verification(prompt, [8, 8, 8], 4, 16) == 3
+    assert ceiling.passes_with_free_verification(prompt, [7, 1, 2, 3, 4, 5, 6, 8], 4, 2) == 4  # γ caps each pass
