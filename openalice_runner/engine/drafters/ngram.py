@@ -100,9 +100,11 @@ class NgramDrafter(Drafter):
     step. In a batch (`step_load`: B sequences, R rows before this draft) the step emits about
     B tokens and k drafts make every sequence wait for R + k rows instead of R, so k must beat
     (B + E[accepted]) / B against cost(R + k) / cost(R): at a large batch drafting has to be
-    nearly certain to pay, which is where speculation stops helping throughput. A declined match is still probed now and then (every `probe_every`-th time, backing
-    off exponentially while probes fail), so the estimate recovers when the output starts
-    copying again.
+    nearly certain to pay, which is where speculation stops helping throughput.
+
+    A declined match is still probed now and then (every `probe_every`-th time, backing off
+    exponentially while probes fail), so the estimate recovers when the output starts copying
+    again. Probes are marked as such (`Proposal.probe`), so the policy's α leaves them out.
     """
 
     name = "ngram"
