@@ -201,8 +201,10 @@ class BatchScheduler:
         plans: list[_Rows] = []
         decoders = sum(not r.prefilling for r in self._running)
         budget = self.prefill_chunk if decoders else PREFILL_CHUNK
+        unplanned = decoders  # decoding sequences the loop has not reached yet
         for request in list(self._running):
             seq = request.seq
+            unplanned -= not request.prefilling
             if request.cancel.is_set():
                 seq.finish_reason = "cancelled"
                 self._retire(request)
@@ -218,9 +220,8 @@ class BatchScheduler:
                 row_slot += [seq.slot] * n
                 continue
             if seq.drafter is not None:
-                # rows so far, plus one for this and each decoding sequence not yet planned
-                unplanned = decoders - sum(1 for p in plans if p.proposal is not None)
-                seq.drafter.step_load(decoders, len(tokens) + unplanned)
+                # rows so far, plus one for this and each decoding sequence still to come
+                seq.drafter.step_load(decoders, len(tokens) + 1 + unplanned)
             proposal, draft = plan_round(seq, request.gamma_now(batch, waiting))
             start = seq.cache.lengths[seq.slot]
             plans.append(_Rows(request, len(tokens), 1 + len(draft), proposal, draft, start))

@@ -9,9 +9,9 @@
 
 All give every row the same bits whatever the other rows are. They need x86-64 with AVX2 and
 FMA and a C compiler (`cc`, or `$CC`); the shared object is cached under the runner's cache
-folder, keyed by the source and flags, so it is built once (about a
-second). Where any of that is missing, `cpu_kernels()` returns None and the engine uses
-torch's matmuls. `OPENALICE_NATIVE_KERNELS=0` turns them off (for side-by-side benchmarks).
+folder, keyed by the source and flags, so it is built once (about a second). Where any of that
+is missing, `cpu_kernels()` returns None and the engine uses torch's matmuls.
+`OPENALICE_NATIVE_KERNELS=0` turns them off (for side-by-side benchmarks).
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ class CpuKernels:
         row_pos: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """q (R, n_heads, D) fp32; keys/values (slots, n_kv_heads, max_len, D) fp32 or bf16, contiguous;
-        row r attends keys 0..row_pos[r] of slot row_slot[r] (int64 tensors). -> (R, n_heads, D)."""
+        """q (R, n_heads, D) fp32; keys/values (slots, n_kv_heads, max_len, D) fp32 or bf16,
+        contiguous; row r attends keys 0..row_pos[r] of slot row_slot[r] (int64 tensors).
+        -> (R, n_heads, D)."""
         q = q.contiguous()
         rows, n_heads, dim = q.shape
         out = torch.empty_like(q)
