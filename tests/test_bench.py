@@ -90,5 +90,8 @@ def test_bench_concurrency_report(engine, cases):
         assert row["latency_p50_s"] <= row["latency_p95_s"]
         assert row["identical_to_off"] in (True, None)
     assert rows[(2, "off")]["requests"] == 4  # at least 2 x concurrency requests
+    three = bench_concurrency(engine, [*cases, cases[0]], [1, 2], ["off"])["runs"]
+    # whole passes over the cases at every level, so each level runs the same mix of turns
+    assert [r["requests"] for r in three] == [3, 6]
     with pytest.raises(ValueError, match="max-batch"):
         bench_concurrency(engine, cases, [8], ["off"])

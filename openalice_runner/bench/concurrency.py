@@ -1,7 +1,7 @@
 """`openalice-runner bench-concurrency`: aggregate throughput and latency as concurrency grows.
 
 For each concurrency C, C client threads send the workload's requests to one engine at once
-(each case repeated so that at least 2·C requests run), for each method:
+(whole passes over the cases, as many as make at least 2·C requests), for each method:
 - `off`, `ngram:G` (γ fixed at G), ...: the batched engine with that setting;
 - `policy`: method per request and γ per step from the policy, with the live batch size;
 - `serial-off`, `serial-ngram:G`: the same on an engine that runs one request at a time
@@ -104,8 +104,9 @@ def bench_concurrency(
         e.generate(warm, SamplingParams(max_tokens=8), SpecConfig(method="ngram", gamma=3))
     rows = []
     for level in levels:
-        repeats = -(-2 * level // len(prompts))
-        jobs = (prompts * repeats)[: max(len(prompts), 2 * level)]
+        # whole passes over the cases, at least 2·C requests: every level runs the same mix of
+        # turns (a cut pass would weigh some cases twice and compare unlike workloads)
+        jobs = prompts * -(-2 * level // len(prompts))
         reference = None
         for method in methods:
             if method.startswith("serial-") and level != 1:
