@@ -110,7 +110,7 @@ class MarkovBatchModel:
     def new_cache(self, batch, max_len):
         return ToyBatchCache(batch, max_len)
 
-    def forward_rows(self, tokens, cache, row_slot, row_pos, prompt_from=None):
+    def forward_rows(self, tokens, cache, row_slot, row_pos):
         return tokens  # the "hidden state" is the token itself
 
     def logits(self, hidden):

@@ -24,81 +24,46 @@ def kernels():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
-def test_matches_torch(kernels, dtype, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 40])
+@pytest.mark.parametrize("n", [40, 37])  # 40: two full panels and a half one; 37: padded to 40
+def test_matches_torch(kernels, dtype, rows, n):
     torch.manual_seed(rows)
-    weight = torch.randn(37, 48).to(dtype)  # odd N exercises the one-row weight tile
-    x = torch.randn(rows, 48)
+    weight = torch.randn(n, 600).to(dtype)  # K = 600: two full k blocks and a short one
+    x = torch.randn(rows, 600)
     expected = x.double() @ weight.double().T
-    got = kernels.linear(x, weight)
-    assert got.dtype == torch.float32 and got.shape == (rows, 37)
+    got = kernels.linear(x, kernels.pack(weight))
+    assert got.dtype == torch.float32 and got.shape == (rows, n) and got.is_contiguous()
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_row_results_do_not_depend_on_row_count(kernels, dtype):
+    """A row gets the same bits alone (decode), among a few (verify, a batch) or among many
+    (prefill), wherever it falls in the register tiles."""
     torch.manual_seed(0)
-    weight = torch.randn(101, 64).to(dtype)
-    x = torch.randn(11, 64)
-    alone = [kernels.linear(x[r : r + 1], weight)[0] for r in range(11)]
-    for rows in range(2, 12):  # every tile shape: 2-4, the wide 5-8, and 4-row tiles beyond
-        together = kernels.linear(x[:rows], weight)
-        for r in range(rows):
-            assert torch.equal(alone[r], together[r]), (rows, r)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 40])
-def test_prefill_kernel_matches_torch(kernels, dtype, rows):
-    torch.manual_seed(rows)
-    weight = torch.randn(40, 600).to(dtype)  # N = 16 + 16 + 8: the narrow last panel; K > one block
-    x = torch.randn(rows, 600)
-    got = kernels.linear_prefill(x, weight)
-    torch.testing.assert_close(got.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-4)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        kernels.linear_prefill(x, torch.randn(12, 600))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_prefill_rows_do_not_depend_on_the_other_rows(kernels, dtype):
-    """A prompt token gets the same bits in one long prefill, in any chunk of it, or alone."""
-    torch.manual_seed(1)
-    weight = torch.randn(24, 520).to(dtype)
+    weight = kernels.pack(torch.randn(104, 520).to(dtype))
     x = torch.randn(23, 520)
-    whole = kernels.linear_prefill(x, weight)
-    for first, end in [(0, 1), (3, 4), (5, 11), (6, 18), (7, 23), (0, 13)]:  # every tile remainder
-        assert torch.equal(kernels.linear_prefill(x[first:end], weight), whole[first:end]), (first, end)
-
-
-def test_prompt_rows_and_decode_rows_take_their_own_kernel(kernels):
-    """`prompt_from` splits one pass: decode rows get the decode kernel's bits, prompt rows the
-    prefill kernel's, whatever else shares the pass."""
-    from openalice_runner.engine.llama import Linear
-
-    torch.manual_seed(2)
-    layer = Linear(torch.randn(32, 64).to(torch.bfloat16), None, False, kernels)
-    x = torch.randn(9, 64)
-    mixed = layer(x, prompt_from=3)
-    assert torch.equal(mixed[:3], kernels.linear(x[:3], layer.weight))
-    assert torch.equal(mixed[3:], kernels.linear_prefill(x[3:], layer.weight))
-    assert torch.equal(layer(x, prompt_from=0), kernels.linear_prefill(x, layer.weight))
-    assert torch.equal(layer(x), kernels.linear(x, layer.weight))
+    alone = [kernels.linear(x[r : r + 1], weight)[0] for r in range(23)]
+    for first, end in [(0, 2), (0, 5), (0, 6), (0, 7), (0, 8), (0, 9), (0, 13), (0, 23), (3, 11), (5, 23)]:
+        together = kernels.linear(x[first:end], weight)
+        for r in range(first, end):
+            assert torch.equal(alone[r], together[r - first]), (first, end, r)
 
 
 def test_chunked_and_batched_prefill_equal_one_prefill(kernels):
-    """A prompt fed in one pass, in chunks, or after decode rows of another slot in the same
+    """A prompt fed in one pass, in chunks, or beside another sequence's decode row in the same
     pass leaves the same keys, values and last hidden state."""
     model = Engine.tiny_random(seed=3, dtype="bf16").model
     prompt = torch.randint(0, 1000, (30,))
     one = model.new_cache(2, 64)
-    whole = model.forward(prompt.view(1, -1), one, [0], prompt=True)[0, -1]
+    whole = model.forward(prompt.view(1, -1), one, [0])[0, -1]
     chunked = model.new_cache(2, 64)
     for first in range(0, 30, 7):
-        part = model.forward(prompt[first : first + 7].view(1, -1), chunked, [0], prompt=True)[0, -1]
+        part = model.forward(prompt[first : first + 7].view(1, -1), chunked, [0])[0, -1]
     assert torch.equal(part, whole)
     shared = model.new_cache(2, 64)
-    model.forward(torch.tensor([[5, 6, 7]]), shared, [1], prompt=True)
-    rows = model.forward_rows(torch.cat([torch.tensor([8]), prompt]), shared, [1] + [0] * 30, [3, *range(30)], 1)
+    model.forward(torch.tensor([[5, 6, 7]]), shared, [1])
+    rows = model.forward_rows(torch.cat([torch.tensor([8]), prompt]), shared, [1] + [0] * 30, [3, *range(30)])
     assert torch.equal(rows[-1], whole)
     for layer in range(model.cfg.n_layers):
         assert torch.equal(shared.keys[layer][0, :, :30], one.keys[layer][0, :, :30])

@@ -41,7 +41,7 @@ class MarkovModel:
     def __init__(self, table: torch.Tensor):
         self.log_table = table.log()
 
-    def forward(self, tokens: torch.Tensor, cache: ToyCache, slots: list[int], prompt: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: ToyCache, slots: list[int]) -> torch.Tensor:
         cache.lengths[slots[0]] += tokens.shape[1]
         return tokens
 
@@ -169,7 +169,7 @@ class FeatureMarkovModel(MarkovModel):
 
     HIDDEN = 16
 
-    def forward(self, tokens, cache, slots, prompt=False):
+    def forward(self, tokens, cache, slots):
         cache.lengths[slots[0]] += tokens.shape[1]
         return torch.nn.functional.one_hot(tokens, self.HIDDEN).float()
 

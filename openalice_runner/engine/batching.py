@@ -83,22 +83,6 @@ class _Rows:
     length_before: int = 0
 
 
-@dataclass
-class _RowBlock:
-    """Rows of a step being assembled: tokens with their slots and positions, and the plans."""
-
-    tokens: list[int] = field(default_factory=list)
-    row_slot: list[int] = field(default_factory=list)
-    row_pos: list[int] = field(default_factory=list)
-    plans: list[_Rows] = field(default_factory=list)
-
-    def add(self, plan: _Rows, tokens: list[int], slot: int, start: int) -> None:
-        self.plans.append(plan)
-        self.tokens += tokens
-        self.row_slot += [slot] * len(tokens)
-        self.row_pos += range(start, start + len(tokens))
-
-
 class BatchScheduler:
     def __init__(
         self,
@@ -211,47 +195,44 @@ class BatchScheduler:
 
     def _step(self) -> None:
         batch, waiting = len(self._running), len(self._waiting)
-        for request in list(self._running):
-            if request.cancel.is_set():
-                request.seq.finish_reason = "cancelled"
-                self._retire(request)
-        # Decode rows first, prompt rows after: the pass runs prompt rows on the prefill kernel
-        # (`forward_rows`' prompt_from), so they must sit together at the end.
-        prompt = _RowBlock()
+        tokens: list[int] = []
+        row_slot: list[int] = []
+        row_pos: list[int] = []
+        plans: list[_Rows] = []
         decoders = sum(not r.prefilling for r in self._running)
         budget = self.prefill_chunk if decoders else PREFILL_CHUNK
-        for request in self._running:
-            n = min(budget, len(request.seq.prompt) - request.prefilled) if request.prefilling else 0
-            if n > 0:
-                budget -= n
-                prompt.add(_Rows(request, len(prompt.tokens), n), request.seq.prompt[request.prefilled : request.prefilled + n],
-                           request.seq.slot, request.prefilled)  # fmt: skip
-        decode = _RowBlock()
         unplanned = decoders  # decoding sequences the loop has not reached yet
-        for request in self._running:
-            if request.prefilling:
-                continue
+        for request in list(self._running):
             seq = request.seq
-            unplanned -= 1
+            unplanned -= not request.prefilling
+            if request.cancel.is_set():
+                seq.finish_reason = "cancelled"
+                self._retire(request)
+                continue
+            if request.prefilling:
+                n = min(budget, len(seq.prompt) - request.prefilled)
+                if n <= 0:
+                    continue
+                budget -= n
+                plans.append(_Rows(request, len(tokens), n))
+                tokens += seq.prompt[request.prefilled : request.prefilled + n]
+                row_pos += range(request.prefilled, request.prefilled + n)
+                row_slot += [seq.slot] * n
+                continue
             if seq.drafter is not None:
                 # rows so far, plus one for this and each decoding sequence still to come
-                seq.drafter.step_load(decoders, len(decode.tokens) + len(prompt.tokens) + 1 + unplanned)
+                seq.drafter.step_load(decoders, len(tokens) + 1 + unplanned)
             proposal, draft = plan_round(seq, request.gamma_now(batch, waiting))
             start = seq.cache.lengths[seq.slot]
-            plan = _Rows(request, len(decode.tokens), 1 + len(draft), proposal, draft, start)
-            decode.add(plan, [seq.tokens[-1], *draft], seq.slot, start)
-        for plan in prompt.plans:
-            plan.first += len(decode.tokens)
-        plans = decode.plans + prompt.plans
+            plans.append(_Rows(request, len(tokens), 1 + len(draft), proposal, draft, start))
+            tokens += [seq.tokens[-1], *draft]
+            row_pos += range(start, start + 1 + len(draft))
+            row_slot += [seq.slot] * (1 + len(draft))
         if not plans:
             return
-        tokens = decode.tokens + prompt.tokens
-        row_slot = decode.row_slot + prompt.row_slot
-        row_pos = decode.row_pos + prompt.row_pos
 
         t0 = time.perf_counter()
-        prompt_from = len(decode.tokens) if prompt.tokens else None
-        hidden = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos, prompt_from)
+        hidden = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos)
         # logits only where a token is chosen: every decode row, the last row of a finished prefill
         wanted: list[int] = []
         for plan in plans:

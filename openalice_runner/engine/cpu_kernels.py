@@ -1,9 +1,8 @@
 """The engine's own CPU kernels (csrc/), compiled once and loaded with ctypes.
 
-- `linear`: small-M matmuls that make a verify pass over γ+1 rows cost about what a one-row
-  decode costs, the premise of speculative decoding, on CPUs without bf16 arithmetic.
-- `linear_prefill`: the same product for prompt rows, at arithmetic speed (prefill has hundreds
-  of rows, so it is bound by arithmetic rather than by reading the weight).
+- `linear`: matmuls for any number of rows on weights packed once at load: a verify pass over
+  γ+1 rows costs about what a one-row decode costs (the premise of speculative decoding) on
+  CPUs without bf16 arithmetic, and a prefill runs at arithmetic speed.
 - `attention`: causal attention for ragged rows read straight from the KV cache, so one pass
   serves sequences of different lengths, each feeding its own number of tokens.
 - `add_rms_norm`, `silu_mul`, `rope_store`: a layer's small per-row steps, one call each
@@ -32,10 +31,25 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("linear.c", "prefill.c", "attention.c", "rowwise.c", "pool.c")]
+SOURCES = [CSRC / name for name in ("linear.c", "attention.c", "rowwise.c", "pool.c")]
 HEADERS = [CSRC / name for name in ("pool.h", "vec.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC"]
 DISABLE_ENV = "OPENALICE_NATIVE_KERNELS"
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight (N, K) in the linear kernel's panel layout (csrc/linear.c), N padded with zero
+    rows to a multiple of 8."""
+
+    data: torch.Tensor  # 1-D, bf16 or fp32
+    n: int
+    n_padded: int
+    k: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
 
 
 @dataclass(frozen=True)
@@ -43,33 +57,28 @@ class CpuKernels:
     library: ctypes.CDLL
     path: Path
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x (..., K) fp32 @ weight (N, K).T in fp32; weight bf16 or fp32, contiguous.
-        `out`: a contiguous fp32 (..., N) to write into."""
-        x = x.contiguous()
-        k = x.shape[-1]
-        n = weight.shape[0]
-        if out is None:
-            out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-        fn = self.library.linear_bf16 if weight.dtype == torch.bfloat16 else self.library.linear_f32
-        fn(weight.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel() // k, n, k)
-        return out
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
+        """The weight (N, K), bf16 or fp32, in the layout `linear` reads (a copy; packed once
+        at load time)."""
+        weight = weight.detach().contiguous()
+        n, k = weight.shape
+        n_padded = -(-n // 8) * 8
+        if n_padded != n:
+            weight = torch.cat([weight, weight.new_zeros(n_padded - n, k)])
+        data = torch.empty(n_padded * k, dtype=weight.dtype)
+        self.library.pack_weight(weight.data_ptr(), data.data_ptr(), n_padded, k, weight.dtype == torch.bfloat16)
+        return PackedWeight(data, n, n_padded, k)
 
-    def linear_prefill(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`linear` for prompt rows (csrc/prefill.c): many rows at arithmetic speed, each row's
-        bits independent of the other rows, but not `linear`'s bits. weight (N, K), N % 8 == 0.
-        `out`: a contiguous fp32 (..., N) to write into."""
+    def linear(self, x: torch.Tensor, weight: PackedWeight | torch.Tensor) -> torch.Tensor:
+        """x (..., K) fp32 @ weight (N, K).T in fp32. `weight`: packed (`pack`), or a bf16 or
+        fp32 (N, K) tensor, packed for this call."""
+        if isinstance(weight, torch.Tensor):
+            weight = self.pack(weight)
         x = x.contiguous()
-        k = x.shape[-1]
-        n = weight.shape[0]
-        if out is None:
-            out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-        status = self.library.linear_prefill(
-            weight.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel() // k, n, k, weight.dtype == torch.bfloat16
-        )
-        if status != 0:
-            raise ValueError(f"linear_prefill: weight rows {n} not a multiple of 8")
-        return out
+        out = torch.empty(*x.shape[:-1], weight.n_padded, dtype=torch.float32)
+        fn = self.library.linear_bf16 if weight.dtype == torch.bfloat16 else self.library.linear_f32
+        fn(weight.data.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel() // weight.k, weight.n_padded, weight.k)
+        return out if weight.n == weight.n_padded else out[..., : weight.n].contiguous()
 
     def attention(
         self,
@@ -141,10 +150,6 @@ class CpuKernels:
         return head_dim % 8 == 0 and head_dim <= 128 and group * n_kv_heads == n_heads and group <= 8
 
     @staticmethod
-    def prefill_supports(weight: torch.Tensor) -> bool:
-        return weight.shape[0] % 8 == 0
-
-    @staticmethod
     def supports(weight: torch.Tensor) -> bool:
         return (
             weight.dtype in (torch.bfloat16, torch.float32)
@@ -189,8 +194,8 @@ def _load() -> tuple[CpuKernels | None, str | None]:
         fn = getattr(library, name)
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         fn.restype = None
-    library.linear_prefill.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    library.linear_prefill.restype = ctypes.c_int
+    library.pack_weight.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    library.pack_weight.restype = None
     library.attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     library.attention.restype = ctypes.c_int
     library.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]

@@ -83,7 +83,7 @@ def prefill(model: LlamaModel, seq: Sequence) -> list[int]:
     wants_hidden = seq.drafter is not None and seq.drafter.wants_hidden
     for i in range(0, len(seq.prompt), PREFILL_CHUNK):
         chunk = torch.tensor([seq.prompt[i : i + PREFILL_CHUNK]])
-        hidden = model.forward(chunk, seq.cache, [seq.slot], prompt=True)
+        hidden = model.forward(chunk, seq.cache, [seq.slot])
         if wants_hidden:
             seq.drafter.observe(hidden[0])
     first = choose_token(model.logits(hidden[0, -1]), seq)

@@ -32,9 +32,7 @@ class HFCausalModel:
         return HFCache(self.config, max_len or self.max_positions)
 
     @torch.inference_mode()
-    def forward(
-        self, tokens: torch.Tensor, cache: HFCache, slots: list[int] | None = None, prompt: bool = False
-    ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: HFCache, slots: list[int] | None = None) -> torch.Tensor:
         kept = cache.lengths[0]
         stale = cache.cache.get_seq_length() - kept
         if stale > 0:

@@ -9,9 +9,9 @@ each, and logits are computed only for the positions the caller asks for.
 Weights stay in the dtype asked for. Verifying γ draft tokens must cost about what decoding one
 costs, and torch's matmuls do not give that on CPUs without bf16 arithmetic: there a bf16
 matmul over several rows costs several times one row, and an fp32 one reads twice the bytes.
-`Linear` therefore uses the engine's own small-M kernels (cpu_kernels.py) where they build,
-which read the bf16 weight once for all rows and give every row the same bits whatever the
-row count. Without them it keeps an fp32 copy of each bf16 weight for multi-row inputs and the
+`Linear` therefore uses the engine's own kernel (cpu_kernels.py) where it builds: on weights
+packed once at load, it reads the bf16 weight once for all rows, runs prefill at arithmetic
+speed, and gives every row the same bits whatever the row count. Without them it keeps an fp32 copy of each bf16 weight for multi-row inputs and the
 bf16 weight for one-row decode.
 """
 
@@ -49,7 +49,7 @@ class Linear:
     for a handful of rows.
     """
 
-    __slots__ = ("weight", "weight_rows", "bias", "tall", "kernels")
+    __slots__ = ("weight", "packed", "weight_rows", "bias", "tall", "kernels")
 
     def __init__(
         self,
@@ -61,25 +61,16 @@ class Linear:
         self.weight = weight.contiguous()
         self.bias = None if bias is None else bias.float()
         self.kernels = kernels if kernels is not None and kernels.supports(self.weight) else None
+        # the kernels read their own layout, packed once here (`weight` stays for other readers)
+        self.packed = None if self.kernels is None else self.kernels.pack(self.weight)
         # fp32 copy for multi-row inputs (None: kernels in use, the stored weight is fp32
         # already, or the CPU multiplies bf16 natively)
         self.weight_rows = weight.float().contiguous() if split_multi_row and self.kernels is None else None
         self.tall = weight.shape[0] >= 8 * weight.shape[1]
 
-    def __call__(self, x: torch.Tensor, prompt_from: int | None = None) -> torch.Tensor:
-        """`prompt_from`: rows from this index on are prompt rows (prefill). With the kernels
-        they go to the prefill kernel and the rows before it to the decode kernel, so a
-        prompt token and a decoded token each get the same bits in every pass."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            if prompt_from is None or not self.kernels.prefill_supports(self.weight):
-                y = self.kernels.linear(x, self.weight)
-            else:
-                x = x.reshape(-1, x.shape[-1]).contiguous()
-                y = torch.empty(x.shape[0], self.weight.shape[0], dtype=torch.float32)
-                if prompt_from > 0:
-                    self.kernels.linear(x[:prompt_from], self.weight, out=y[:prompt_from])
-                if prompt_from < x.shape[0]:
-                    self.kernels.linear_prefill(x[prompt_from:], self.weight, out=y[prompt_from:])
+            y = self.kernels.linear(x, self.packed)
         else:
             rows = x.numel() // x.shape[-1]
             if rows == 1:
@@ -273,32 +264,24 @@ class LlamaModel:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.eps))
 
     @torch.inference_mode()
-    def forward(
-        self, tokens: torch.Tensor, cache: KVCache, slots: list[int] | None = None, prompt: bool = False
-    ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, slots: list[int] | None = None) -> torch.Tensor:
         """Run `tokens` (B, T) appended at each slot's current length; returns hidden (B, T, H).
 
         All sequences in the call append the same number T of tokens. Cache lengths advance
-        by T; the caller rolls back rejected tokens by lowering `cache.lengths`. `prompt`: the
-        tokens are prompt tokens (prefill), see `forward_rows`.
+        by T; the caller rolls back rejected tokens by lowering `cache.lengths`.
         """
         batch, steps = tokens.shape
         slots = list(range(batch)) if slots is None else slots
         row_slot = [s for s in slots for _ in range(steps)]
         row_pos = [cache.lengths[s] + t for s in slots for t in range(steps)]
-        hidden = self.forward_rows(tokens.reshape(-1), cache, row_slot, row_pos, 0 if prompt else None)
+        hidden = self.forward_rows(tokens.reshape(-1), cache, row_slot, row_pos)
         for s in slots:
             cache.lengths[s] += steps
         return hidden.view(batch, steps, -1)
 
     @torch.inference_mode()
     def forward_rows(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache,
-        row_slot: list[int],
-        row_pos: list[int],
-        prompt_from: int | None = None,
+        self, tokens: torch.Tensor, cache: KVCache, row_slot: list[int], row_pos: list[int]
     ) -> torch.Tensor:
         """One row per token: row r is a token of slot `row_slot[r]` at position `row_pos[r]`,
         attending to that slot's cache up to and including itself. Returns hidden (R, H).
@@ -307,10 +290,6 @@ class LlamaModel:
         of γ drafts, a prefill chunk), share one pass. A slot's rows must be consecutive and in
         position order, and its cache must hold every earlier position. Each row's key and value
         are written at its position; `cache.lengths` is the caller's to move.
-
-        `prompt_from`: rows from this index on are prompt tokens (None: none are). The linear
-        layers run them on the prefill kernel, which gives other bits than the decode kernel;
-        so a caller must mark every prompt token, and only those, in every pass.
         """
         cfg = self.cfg
         rows = len(row_slot)
@@ -319,7 +298,7 @@ class LlamaModel:
         slot_t = torch.tensor(row_slot)
         pos_t = torch.tensor(row_pos)
         if self.rowwise_kernels is not None:
-            return self._forward_rows_fused(tokens, cache, slot_t, pos_t, prompt_from)
+            return self._forward_rows_fused(tokens, cache, slot_t, pos_t)
         cos = self.rotary.cos[pos_t].unsqueeze(1)  # (R, 1, D), shared by every layer and head
         sin = self.rotary.sin[pos_t].unsqueeze(1)
         runs = None if self.attention_kernels is not None else _runs(row_slot, row_pos)
@@ -327,7 +306,7 @@ class LlamaModel:
         x = self.embed[tokens].float()
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)
-            qkv = layer.qkv(h, prompt_from).view(rows, n_qk + cfg.n_kv_heads, cfg.head_dim)
+            qkv = layer.qkv(h).view(rows, n_qk + cfg.n_kv_heads, cfg.head_dim)
             qk = RotaryTable.rotate(qkv[:, :n_qk], cos, sin)  # q and k heads in one go
             q, k, v = qk[:, : cfg.n_heads], qk[:, cfg.n_heads :], qkv[:, n_qk:]
             keys, values = cache.keys[i], cache.values[i]
@@ -337,14 +316,14 @@ class LlamaModel:
                 attn = self.attention_kernels.attention(q, keys, values, slot_t, pos_t, self.attention_scale)
             else:
                 attn = _attention_by_runs(q, keys, values, runs)
-            x = x + layer.o(attn.reshape(rows, -1), prompt_from)
+            x = x + layer.o(attn.reshape(rows, -1))
             h = self._rms_norm(x, layer.mlp_norm)
-            gate, up = layer.gate_up(h, prompt_from).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up, prompt_from)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         return self._rms_norm(x, self.norm)
 
     def _forward_rows_fused(
-        self, tokens: torch.Tensor, cache: KVCache, slot_t: torch.Tensor, pos_t: torch.Tensor, prompt_from: int | None
+        self, tokens: torch.Tensor, cache: KVCache, slot_t: torch.Tensor, pos_t: torch.Tensor
     ) -> torch.Tensor:
         """forward_rows on the engine's kernels throughout: the same steps, with each layer's
         norms (and residual adds), rotary embedding, cache write and SiLU gate one call each."""
@@ -353,12 +332,12 @@ class LlamaModel:
         x = self.embed[tokens].float()  # the residual stream, updated in place
         h = k.add_rms_norm(x, self.layers[0].attn_norm, cfg.eps)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(h, prompt_from).view(rows, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
+            qkv = layer.qkv(h).view(rows, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
             keys, values = cache.keys[i], cache.values[i]
             k.rope_store(qkv, self.rotary.cos, self.rotary.sin, slot_t, pos_t, cfg.n_heads, cfg.n_kv_heads, keys, values)
             attn = k.attention(qkv[:, : cfg.n_heads], keys, values, slot_t, pos_t, self.attention_scale)
-            h = k.add_rms_norm(x, layer.mlp_norm, cfg.eps, delta=layer.o(attn.reshape(rows, -1), prompt_from))
-            down = layer.down(k.silu_mul(layer.gate_up(h, prompt_from)), prompt_from)
+            h = k.add_rms_norm(x, layer.mlp_norm, cfg.eps, delta=layer.o(attn.reshape(rows, -1)))
+            down = layer.down(k.silu_mul(layer.gate_up(h)))
             after = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
             h = k.add_rms_norm(x, after, cfg.eps, delta=down)
         return h

@@ -279,7 +279,7 @@ def distill(engine, prompts: list[list[int]], keys: list[str], max_new: int, bat
         feats = []
         hidden = None
         for i in range(0, len(prompt), PREFILL_CHUNK):
-            hidden = model.forward(torch.tensor([prompt[i : i + PREFILL_CHUNK]]), cache, [slot], prompt=True)[0]
+            hidden = model.forward(torch.tensor([prompt[i : i + PREFILL_CHUNK]]), cache, [slot])[0]
             feats.append(hidden.to(torch.bfloat16))
         first = int(model.logits(hidden[-1]).argmax())
         slots[slot] = {"key": key, "tokens": list(prompt) + [first], "feats": feats, "prompt_len": len(prompt)}
