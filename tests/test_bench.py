@@ -95,3 +95,22 @@ def test_bench_concurrency_report(engine, cases):
     assert [r["requests"] for r in three] == [3, 6]
     with pytest.raises(ValueError, match="max-batch"):
         bench_concurrency(engine, cases, [8], ["off"])
+
+
+def test_bench_concurrency_repeat_goes_round_levels_and_methods_and_keeps_the_median(engine, cases, monkeypatch):
+    from openalice_runner.bench import concurrency
+
+    calls = []
+    real = concurrency.run_level
+
+    def recording(engine, serial, jobs, level, method, policy_store=None):
+        calls.append((level, method))
+        return real(engine, serial, jobs, level, method, policy_store)
+
+    monkeypatch.setattr(concurrency, "run_level", recording)
+    report = bench_concurrency(engine, cases, [1, 2], ["off", "ngram:3"], repeat=3)
+    assert calls == [(1, "off"), (1, "ngram:3"), (2, "off"), (2, "ngram:3")] * 3
+    for row in report["runs"]:
+        runs = sorted(row["runs_tokens_per_second"])
+        assert len(runs) == 3 and row["tokens_per_second"] == runs[1]
+        assert row["identical_to_off"] is True

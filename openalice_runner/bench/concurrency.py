@@ -7,7 +7,9 @@ For each concurrency C, C client threads send the workload's requests to one eng
 - `serial-off`, `serial-ngram:G`: the same on an engine that runs one request at a time
   (`max_batch=1`, the decode loop before batching), for the comparison at concurrency 1.
 Figures per (concurrency, method): aggregate tokens/s (all tokens over the wall time), p50 and
-p95 request latency, p50 time to first token, mean tokens per target pass. All greedy.
+p95 request latency, p50 time to first token, mean tokens per target pass. All greedy. With
+`repeat`, every (level, method) takes its turn in each round and each row is the run of median
+throughput.
 """
 
 from __future__ import annotations
@@ -91,7 +93,11 @@ def bench_concurrency(
     policy_store=None,
     serial: Engine | None = None,
     progress: Callable[[str], None] | None = None,
+    repeat: int = 1,
 ) -> dict:
+    """`repeat` > 1 goes round every (level, method) that many times, so a slow minute of a
+    noisy machine hits methods and levels alike, and keeps for each the run of median
+    throughput. Progress lines come per run."""
     if "policy" in methods and policy_store is None:
         raise ValueError("method 'policy' needs --policy FILE")
     if any(m.startswith("serial-") for m in methods) and serial is None:
@@ -102,27 +108,36 @@ def bench_concurrency(
     warm = engine.encode("Hello there, how are you?")
     for e in filter(None, (engine, serial)):
         e.generate(warm, SamplingParams(max_tokens=8), SpecConfig(method="ngram", gamma=3))
-    rows = []
-    for level in levels:
+    plan = {
         # whole passes over the cases, at least 2·C requests: every level runs the same mix of
         # turns (a cut pass would weigh some cases twice and compare unlike workloads)
-        jobs = prompts * -(-2 * level // len(prompts))
+        level: (prompts * -(-2 * level // len(prompts)), [m for m in methods if level == 1 or not m.startswith("serial-")])
+        for level in levels
+    }
+    runs: dict[tuple[int, str], list[dict]] = {(level, m): [] for level, (_, chosen) in plan.items() for m in chosen}
+    for _ in range(repeat):
+        for level, (jobs, chosen) in plan.items():
+            for method in chosen:
+                run = run_level(engine, serial, jobs, level, method, policy_store)
+                runs[level, method].append(run)
+                if progress:
+                    progress(
+                        f"c={level:<3} {method:<16} {run['tokens_per_second']:>8.1f} tok/s  "
+                        f"p50 {run['latency_p50_s']:.2f} s  ttft {run['ttft_p50_s']:.2f} s  "
+                        f"tok/pass {run['mean_tokens_per_pass']}"
+                    )
+    rows = []
+    for level, (_, chosen) in plan.items():
         reference = None
-        for method in methods:
-            if method.startswith("serial-") and level != 1:
-                continue
-            row = run_level(engine, serial, jobs, level, method, policy_store)
-            ids = row.pop("token_ids")
+        for method in chosen:
+            done = runs[level, method]
+            row = sorted(done, key=lambda r: r["tokens_per_second"])[len(done) // 2]
+            row["runs_tokens_per_second"] = [r["tokens_per_second"] for r in done]
+            outputs = [r.pop("token_ids") for r in done]
             if method == "off":
-                reference = ids
-            row["identical_to_off"] = None if reference is None else ids == reference
+                reference = outputs[0]
+            row["identical_to_off"] = None if reference is None else all(ids == reference for ids in outputs)
             rows.append(row)
-            if progress:
-                progress(
-                    f"c={level:<3} {method:<16} {row['tokens_per_second']:>8.1f} tok/s  "
-                    f"p50 {row['latency_p50_s']:.2f} s  ttft {row['ttft_p50_s']:.2f} s  "
-                    f"tok/pass {row['mean_tokens_per_pass']}"
-                )
     return {"runs": rows}
 
 

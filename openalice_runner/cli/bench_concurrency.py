@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-batch", type=positive_int, default=None, help="engine batch slots (default: top concurrency)"
     )
+    p.add_argument(
+        "--repeat", type=positive_int, default=1, help="runs per (level, method), taken in turns; the row holds the median"
+    )
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG plot of throughput and latency here")
     add_engine_args(p)
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
                 store,
                 serial,
                 progress=lambda line: print(line, file=sys.stderr, flush=True),
+                repeat=args.repeat,
             )
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -101,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             "model": engine.model_name,
             "max_batch": engine.max_batch,
             "policy": args.policy,
+            "repeat": args.repeat,
         },
     }
     if args.json_out:
