@@ -15,10 +15,12 @@ whole prefill.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -125,6 +127,7 @@ class BatchScheduler:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="engine-batch", daemon=True)
                 self._thread.start()
+                atexit.register(_stop_at_exit, weakref.ref(self))
             self._cond.notify()
         return request
 
@@ -290,3 +293,16 @@ class BatchScheduler:
         self._fail_running(exc)
         while self._waiting:
             self._waiting.popleft().events.put(exc)
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    """Let the scheduler thread finish its step and leave before the interpreter shuts down.
+
+    A daemon thread still inside a torch call at shutdown is ended by forced unwinding through
+    torch's C++ frames, and the process aborts ("terminate called without an active exception",
+    exit status 134) after its work is done.
+    """
+    scheduler = ref()
+    if scheduler is not None and scheduler._thread is not None:
+        scheduler.close()
+        scheduler._thread.join(timeout=30)
