@@ -11,8 +11,8 @@ costs, and torch's matmuls do not give that on CPUs without bf16 arithmetic: the
 matmul over several rows costs several times one row, and an fp32 one reads twice the bytes.
 `Linear` therefore uses the engine's own kernel (cpu_kernels.py) where it builds: on weights
 packed once at load, it reads the bf16 weight once for all rows, runs prefill at arithmetic
-speed, and gives every row the same bits whatever the row count. Without them it keeps an fp32 copy of each bf16 weight for multi-row inputs and the
-bf16 weight for one-row decode.
+speed, and gives every row the same bits whatever the row count. Without it, `Linear` keeps an
+fp32 copy of each bf16 weight for multi-row inputs and the bf16 weight for one-row decode.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def has_native_bf16() -> bool:
 class Linear:
     """y = x @ W.T for fp32 activations, choosing the kernel and weight copy by row count.
 
-    With the engine's kernels every row count reads the stored weight once. Without them, one
+    With the engine's kernels every row count reads the packed weight once. Without them, one
     row (decode) reads the stored weight, bf16 where asked for, which halves the bytes moved;
     several rows (prefill, verify) use an fp32 copy where the CPU has no bf16 arithmetic, and
     tall weights (the LM head) multiply as W @ x.T, which MKL runs markedly faster than x @ W.T
