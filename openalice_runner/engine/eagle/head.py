@@ -255,8 +255,8 @@ def load_head(folder: str | Path, model_name: str | None = None, model: LlamaMod
 class EagleRuntime:
     """Inference over a head's weights: rows of (feature, next token, position) -> predicted features.
 
-    Weights are cast to the target's weight dtype and run through the engine's small-M kernels
-    where they build. The head's KV cache is one slot; a row attends the cache up to its own
+    Weights are cast to the target's weight dtype and run through the engine's linear kernel
+    where it builds. The head's KV cache is one slot; a row attends the cache up to its own
     position, so rolling back is simply writing later positions again.
     """
 
