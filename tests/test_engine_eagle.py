@@ -30,6 +30,71 @@ def tiny_head(tiny_engine, tmp_path_factory):
     return folder, figures, root
 
 
+@pytest.fixture(scope="module")
+def tiny_fused_head(tiny_engine, tmp_path_factory):
+    """An EAGLE-3-style head: the target's low, middle and high layers fused with f_t."""
+    root = tmp_path_factory.mktemp("eagle3")
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in builtin_prompts(24, seed=3)))
+    settings = BuildSettings(minutes=2.0, max_new_tokens=24, draft_vocab=2048, heldout_every=6, max_steps=30,
+                             progress=False, data_dir=root / "data", feature_layers="eagle3")
+    folder, figures = build_head(tiny_engine, [data], root / "head", settings=settings)
+    return folder, figures, root
+
+
+def test_tapped_layers_are_the_residual_stream(tiny_engine):
+    """Taps leave the hidden state alone; the tap after the last layer, normed, is the hidden state."""
+    model = tiny_engine.model
+    last = model.cfg.n_layers - 1
+    tokens = torch.tensor(tiny_engine.encode("one two three four five six"))
+    n = len(tokens)
+    plain = model.forward_rows(tokens, model.new_cache(1, 64), [0] * n, list(range(n)))
+    hidden, tapped = model.forward_rows(tokens, model.new_cache(1, 64), [0] * n, list(range(n)), (0, last))
+    assert torch.equal(hidden, plain)
+    assert tapped.shape == (n, 2 * model.cfg.hidden)
+    x = tapped[:, model.cfg.hidden :]
+    torch.testing.assert_close(model._rms_norm(x, model.norm), hidden, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(tapped[:, : model.cfg.hidden], x)
+
+
+def test_fused_head_trains_reloads_and_stays_exact(tiny_engine, tiny_fused_head):
+    folder, figures, root = tiny_fused_head
+    config = json.loads((folder / "config.json").read_text())
+    layers = config["feature_layers"]
+    assert layers == sorted(set(layers)) and len(layers) >= 2  # low .. high of a 4-layer target
+    assert figures["loss"] < figures["first_loss"]
+    head = load_head(folder, tiny_engine.model_name, tiny_engine.model)
+    assert head.fuse is not None and head.fuse.in_features == (len(layers) + 1) * tiny_engine.model.cfg.hidden
+    sample = next(iter((root / "data").glob("*.safetensors")))
+    from safetensors.torch import load_file
+
+    assert load_file(str(sample))["feats"].shape[1] == head.fuse.in_features  # taps, then f_t
+    for text in ("The quick brown fox jumps over the lazy dog. The quick brown fox", "def f(x):\n    return x"):
+        prompt = tiny_engine.encode(text)
+        plain = tiny_engine.generate(prompt, SamplingParams(max_tokens=40))
+        for gamma in (1, 3, 5):
+            out = tiny_engine.generate(prompt, SamplingParams(max_tokens=40),
+                                       SpecConfig(method="eagle", gamma=gamma, eagle_head=str(folder)))
+            assert out.token_ids == plain.token_ids, gamma
+            assert out.stats.draft_proposed > 0
+
+
+def test_fused_and_plain_heads_share_a_batch(tiny_engine, tiny_head, tiny_fused_head):
+    """One pass taps layers for the fused head's rows; every request still equals its `off` output."""
+    from test_engine_batching import run_concurrently
+
+    sampling = SamplingParams(max_tokens=32)
+    prompts = [tiny_engine.encode(t) for t in ("one two three four one two", "def g(y):\n    return y", "a b c")]
+    reference = [tiny_engine.generate(p, sampling) for p in prompts]
+    specs = [SpecConfig(method="eagle", gamma=3, eagle_head=str(tiny_fused_head[0])),
+             SpecConfig(method="eagle", gamma=2, eagle_head=str(tiny_head[0])),
+             SpecConfig(method="ngram", gamma=4)]
+    jobs = [(p, sampling, spec, None) for p in prompts for spec in specs]
+    results = run_concurrently(tiny_engine, jobs)
+    for (prompt, _, spec, _), got in zip(jobs, results, strict=True):
+        assert got.token_ids == reference[prompts.index(prompt)].token_ids, spec
+
+
 def test_training_lowers_the_loss_and_the_head_reloads(tiny_engine, tiny_head):
     folder, figures, root = tiny_head
     assert (folder / "head.safetensors").is_file() and (folder / "config.json").is_file()

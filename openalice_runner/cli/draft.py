@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together while distilling")
     t.add_argument("--draft-vocab", type=positive_int, default=4096, help="draft vocabulary size (top-N tokens)")
     t.add_argument("--unroll", type=positive_int, default=3, help="draft steps trained per position")
+    t.add_argument("--feature-layers", type=feature_layers, default="none", metavar="none|eagle3|I,J,K",
+                   help="target layers whose residual stream the head fuses with the final hidden state: "
+                        "none (final state alone), eagle3 (low, middle and high layers) or indices")
     t.add_argument("--max-prompts", type=positive_int, default=None)
     t.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps")
     t.add_argument("--seed", type=int, default=0)
@@ -42,6 +45,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("--n", type=positive_int, default=1500)
     pr.add_argument("--seed", type=int, default=0)
     pr.set_defaults(func=run_prompts)
+
+
+def feature_layers(text: str) -> str | list[int] | None:
+    text = text.strip().lower()
+    if text in ("none", "eagle3"):
+        return None if text == "none" else text
+    try:
+        layers = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--feature-layers: {text!r} is not none, eagle3 or comma-separated layer indices") from None
+    if not layers or layers[0] < 0:
+        raise argparse.ArgumentTypeError(f"--feature-layers: {text!r} needs layer indices >= 0")
+    return layers
 
 
 def run_prompts(args: argparse.Namespace) -> int:
@@ -60,7 +76,7 @@ def run_train(args: argparse.Namespace) -> int:
     settings = BuildSettings(
         minutes=args.minutes, gen_minutes=args.gen_minutes, max_new_tokens=args.max_new_tokens, batch=args.batch,
         draft_vocab=args.draft_vocab, unroll=args.unroll, max_prompts=args.max_prompts, max_steps=args.max_steps,
-        seed=args.seed,
+        seed=args.seed, feature_layers=args.feature_layers,
     )
     engine = load_engine(args)
     try:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from openalice_runner.engine.cost_model import PassCostModel
-from openalice_runner.engine.drafters.base import Proposal
+from openalice_runner.engine.drafters.base import Proposal, observed_rows, taps_for
 from openalice_runner.engine.generator import (
     PREFILL_CHUNK,
     Sequence,
@@ -235,7 +235,9 @@ class BatchScheduler:
             return
 
         t0 = time.perf_counter()
-        hidden = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos)
+        taps = taps_for(plan.request.seq.drafter for plan in plans)
+        out = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos, taps)
+        hidden, tapped = out if taps else (out, None)
         # logits only where a token is chosen: every decode row, the last row of a finished prefill
         wanted: list[int] = []
         for plan in plans:
@@ -255,6 +257,8 @@ class BatchScheduler:
         for plan in plans:
             request, seq = plan.request, plan.request.seq
             rows = hidden[plan.first : plan.first + plan.count]
+            if seq.drafter is not None and seq.drafter.feature_layers:
+                rows = observed_rows(seq.drafter, rows, tapped[plan.first : plan.first + plan.count], taps)
             if plan.proposal is None:
                 request.prefilled += plan.count
                 seq.cache.lengths[seq.slot] = request.prefilled

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from openalice_runner.engine.cost_model import PassCostModel
-from openalice_runner.engine.drafters.base import Drafter, Proposal
+from openalice_runner.engine.drafters.base import Drafter, Proposal, observed_rows, taps_for
 from openalice_runner.engine.llama import KVCache, LlamaModel
 from openalice_runner.engine.rejection import Verdict, verify_greedy, verify_sampled
 from openalice_runner.engine.sampling import make_generator, processed_probs
@@ -81,11 +81,12 @@ def prefill(model: LlamaModel, seq: Sequence) -> list[int]:
     seq.cache.lengths[seq.slot] = 0
     hidden = None
     wants_hidden = seq.drafter is not None and seq.drafter.wants_hidden
+    taps = taps_for([seq.drafter])
     for i in range(0, len(seq.prompt), PREFILL_CHUNK):
         chunk = torch.tensor([seq.prompt[i : i + PREFILL_CHUNK]])
-        hidden = model.forward(chunk, seq.cache, [seq.slot])
+        hidden, tapped = _forward(model, chunk, seq, taps)
         if wants_hidden:
-            seq.drafter.observe(hidden[0])
+            seq.drafter.observe(observed_rows(seq.drafter, hidden[0], tapped, taps))
     first = choose_token(model.logits(hidden[0, -1]), seq)
     seq.stats.prefill_s = time.perf_counter() - start
     # The invariant holds again: `first` is the emitted but not yet fed last token.
@@ -116,7 +117,8 @@ def settle_round(
     pass_s: float,
 ) -> list[int]:
     """Verify the draft against the target's (k+1, V) logits of the round, roll the cache back
-    to the accepted prefix and emit 1..k+1 tokens. `hidden`: the round's (k+1, H) rows."""
+    to the accepted prefix and emit 1..k+1 tokens. `hidden`: the round's (k+1, ...) rows as the
+    drafter observes them (`observed_rows`)."""
     t0 = time.perf_counter()
     verdict = verify(logits, proposal, draft, seq)
     # Roll back: keep the fed last token and the accepted drafts.
@@ -144,12 +146,22 @@ def decode_round(model: LlamaModel, seq: Sequence) -> list[int]:
     t0 = time.perf_counter()
     length_before = seq.cache.lengths[seq.slot]
     feed = torch.tensor([[seq.tokens[-1], *draft]])
-    hidden = model.forward(feed, seq.cache, [seq.slot])
+    taps = taps_for([seq.drafter])
+    hidden, tapped = _forward(model, feed, seq, taps)
     logits = model.logits(hidden[0])  # (k+1, V)
     pass_s = time.perf_counter() - t0
     if seq.costs is not None:
         seq.costs.record(len(draft) + 1, pass_s)
-    return settle_round(seq, logits, hidden[0], proposal, draft, length_before, pass_s)
+    observed = hidden[0] if seq.drafter is None else observed_rows(seq.drafter, hidden[0], tapped, taps)
+    return settle_round(seq, logits, observed, proposal, draft, length_before, pass_s)
+
+
+def _forward(model: LlamaModel, feed: torch.Tensor, seq: Sequence, taps: tuple[int, ...]):
+    """(hidden (1, T, H), tapped row 0 (T, len(taps) * H) or None)."""
+    if not taps:
+        return model.forward(feed, seq.cache, [seq.slot]), None
+    hidden, tapped = model.forward(feed, seq.cache, [seq.slot], taps)
+    return hidden, tapped[0]
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, draft: list[int], seq: Sequence) -> Verdict:

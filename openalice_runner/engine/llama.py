@@ -264,8 +264,10 @@ class LlamaModel:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.eps))
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: KVCache, slots: list[int] | None = None) -> torch.Tensor:
-        """Run `tokens` (B, T) appended at each slot's current length; returns hidden (B, T, H).
+    def forward(self, tokens: torch.Tensor, cache: KVCache, slots: list[int] | None = None,
+                taps: tuple[int, ...] = ()):
+        """Run `tokens` (B, T) appended at each slot's current length; returns hidden (B, T, H)
+        (with `taps`, also the tapped residuals (B, T, len(taps) * H): see `forward_rows`).
 
         All sequences in the call append the same number T of tokens. Cache lengths advance
         by T; the caller rolls back rejected tokens by lowering `cache.lengths`.
@@ -274,17 +276,22 @@ class LlamaModel:
         slots = list(range(batch)) if slots is None else slots
         row_slot = [s for s in slots for _ in range(steps)]
         row_pos = [cache.lengths[s] + t for s in slots for t in range(steps)]
-        hidden = self.forward_rows(tokens.reshape(-1), cache, row_slot, row_pos)
+        out = self.forward_rows(tokens.reshape(-1), cache, row_slot, row_pos, taps)
         for s in slots:
             cache.lengths[s] += steps
-        return hidden.view(batch, steps, -1)
+        if taps:
+            return out[0].view(batch, steps, -1), out[1].view(batch, steps, -1)
+        return out.view(batch, steps, -1)
 
     @torch.inference_mode()
     def forward_rows(
-        self, tokens: torch.Tensor, cache: KVCache, row_slot: list[int], row_pos: list[int]
-    ) -> torch.Tensor:
+        self, tokens: torch.Tensor, cache: KVCache, row_slot: list[int], row_pos: list[int],
+        taps: tuple[int, ...] = (),
+    ):
         """One row per token: row r is a token of slot `row_slot[r]` at position `row_pos[r]`,
-        attending to that slot's cache up to and including itself. Returns hidden (R, H).
+        attending to that slot's cache up to and including itself. Returns hidden (R, H); with
+        `taps` (layer indices), returns (hidden, tapped) where tapped (R, len(taps) * H) holds
+        the residual stream after each of those layers (an EAGLE-3 head fuses them).
 
         Rows of many sequences, each feeding its own number of tokens (a decode step, a verify
         of γ drafts, a prefill chunk), share one pass. A slot's rows must be consecutive and in
@@ -297,8 +304,10 @@ class LlamaModel:
             raise ValueError(f"position {max(row_pos)} is beyond the cache of {cache.max_len}")
         slot_t = torch.tensor(row_slot)
         pos_t = torch.tensor(row_pos)
+        tapped: list[torch.Tensor] = []
         if self.rowwise_kernels is not None:
-            return self._forward_rows_fused(tokens, cache, slot_t, pos_t)
+            hidden = self._forward_rows_fused(tokens, cache, slot_t, pos_t, taps, tapped)
+            return (hidden, torch.cat(tapped, dim=-1)) if taps else hidden
         cos = self.rotary.cos[pos_t].unsqueeze(1)  # (R, 1, D), shared by every layer and head
         sin = self.rotary.sin[pos_t].unsqueeze(1)
         runs = None if self.attention_kernels is not None else _runs(row_slot, row_pos)
@@ -320,10 +329,14 @@ class LlamaModel:
             h = self._rms_norm(x, layer.mlp_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        return self._rms_norm(x, self.norm)
+            if i in taps:
+                tapped.append(x)
+        hidden = self._rms_norm(x, self.norm)
+        return (hidden, torch.cat(tapped, dim=-1)) if taps else hidden
 
     def _forward_rows_fused(
-        self, tokens: torch.Tensor, cache: KVCache, slot_t: torch.Tensor, pos_t: torch.Tensor
+        self, tokens: torch.Tensor, cache: KVCache, slot_t: torch.Tensor, pos_t: torch.Tensor,
+        taps: tuple[int, ...] = (), tapped: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """forward_rows on the engine's kernels throughout: the same steps, with each layer's
         norms (and residual adds), rotary embedding, cache write and SiLU gate one call each."""
@@ -340,6 +353,8 @@ class LlamaModel:
             down = layer.down(k.silu_mul(layer.gate_up(h)))
             after = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
             h = k.add_rms_norm(x, after, cfg.eps, delta=down)
+            if i in taps:
+                tapped.append(x.clone())  # x is updated in place by the next layer
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,9 @@ class Drafter(ABC):
     # Drafters that read the target's hidden states (EAGLE-style heads) set this, and then get
     # `observe` calls; the others cost nothing extra.
     wants_hidden: bool = False
+    # Target layers (indices) whose residual stream the drafter also reads (EAGLE-3 fuses low,
+    # middle and high layers): `observe` then gets those, in this order, before the final state.
+    feature_layers: tuple[int, ...] = ()
 
     def start(self, prompt: list[int]) -> None:  # noqa: B027 - optional hook
         """Called once with the prompt before the first proposal."""
@@ -52,4 +55,21 @@ class Drafter(ABC):
     def observe(self, hidden: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Only where `wants_hidden`: the target's final hidden states (rows, H), what its LM head
         reads, at the tokens it was just fed and kept: the prompt after each prefill chunk, then
-        each round's input token and accepted drafts. Called before `update`."""
+        each round's input token and accepted drafts. Called before `update`. With
+        `feature_layers`, rows are (rows, (len(feature_layers) + 1) * H): see `observed_rows`."""
+
+
+def taps_for(drafters) -> tuple[int, ...]:
+    """The target layers a pass must tap for these drafters (None entries allowed)."""
+    return tuple(sorted({i for d in drafters if d is not None and d.wants_hidden for i in d.feature_layers}))
+
+
+def observed_rows(drafter: Drafter, hidden: torch.Tensor, tapped: torch.Tensor | None,
+                  taps: tuple[int, ...]) -> torch.Tensor:
+    """What `drafter` observes of a pass: its own tapped layers (from the pass's `taps`), then
+    the final hidden state."""
+    if not drafter.feature_layers:
+        return hidden
+    h = hidden.shape[-1]
+    parts = [tapped[..., taps.index(i) * h : (taps.index(i) + 1) * h] for i in drafter.feature_layers]
+    return torch.cat([*parts, hidden], dim=-1)

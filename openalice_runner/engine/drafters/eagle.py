@@ -29,6 +29,7 @@ class EagleDrafter(Drafter):
     def __init__(self, runtime, max_len: int, vocab_size: int | None = None):
         """`runtime`: an `EagleRuntime` (or anything with its `new_cache`, `step`, `logits`, `vocab`)."""
         self.runtime = runtime
+        self.feature_layers = tuple(getattr(getattr(runtime, "cfg", None), "taps", ()))
         self.vocab_size = vocab_size
         self.cache = runtime.new_cache(max_len)
         self.max_len = self.cache[0].shape[2]

@@ -36,7 +36,7 @@ class Sample:
 
     key: str
     tokens: torch.Tensor  # (L+1,) int64
-    feats: torch.Tensor  # (L, H) bf16
+    feats: torch.Tensor  # (L, W) bf16: f_t, after the taps of `distill` where it tapped layers
     prompt_len: int
     complete: bool = True  # False: cut short by the deadline (used, not cached)
 
@@ -221,8 +221,9 @@ def builtin_prompts(n: int = 1500, seed: int = 0, skip_modules: Iterable[str] = 
 
 
 # ---- self-distillation ---------------------------------------------------------------------------
-def prompt_key(fingerprint: dict, prompt_ids: list[int], max_new: int) -> str:
-    raw = json.dumps([fingerprint["name"], fingerprint["lm_head_sha256"], prompt_ids, max_new])
+def prompt_key(fingerprint: dict, prompt_ids: list[int], max_new: int, taps: tuple[int, ...] = ()) -> str:
+    key = [fingerprint["name"], fingerprint["lm_head_sha256"], prompt_ids, max_new]
+    raw = json.dumps(key + [list(taps)] if taps else key)
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -260,10 +261,11 @@ class SampleCache:
 @torch.inference_mode()
 def distill(engine, prompts: list[list[int]], keys: list[str], max_new: int, batch: int = 8,
             deadline: float | None = None, on_sample: Callable[[Sample], None] | None = None,
-            max_prompt: int = 1536) -> int:
+            max_prompt: int = 1536, taps: tuple[int, ...] = ()) -> int:
     """Greedy-decode `prompts` on the target, `batch` at a time, calling `on_sample` for each
     finished one (features of every fed token). Stops taking new prompts at `deadline`.
     At the deadline the sequences in flight are cut short and handed over as incomplete.
+    With `taps`, each feature row is the residual stream after those layers, then f_t.
     Returns the number of samples produced."""
     model = engine.model
     eos = engine.eos_token_ids
@@ -279,8 +281,9 @@ def distill(engine, prompts: list[list[int]], keys: list[str], max_new: int, bat
         feats = []
         hidden = None
         for i in range(0, len(prompt), PREFILL_CHUNK):
-            hidden = model.forward(torch.tensor([prompt[i : i + PREFILL_CHUNK]]), cache, [slot])[0]
-            feats.append(hidden.to(torch.bfloat16))
+            out = model.forward(torch.tensor([prompt[i : i + PREFILL_CHUNK]]), cache, [slot], taps)
+            hidden, row = (out[0][0], torch.cat([out[1][0], out[0][0]], -1)) if taps else (out[0], out[0])
+            feats.append(row.to(torch.bfloat16))
         first = int(model.logits(hidden[-1]).argmax())
         slots[slot] = {"key": key, "tokens": list(prompt) + [first], "feats": feats, "prompt_len": len(prompt)}
 
@@ -314,10 +317,11 @@ def distill(engine, prompts: list[list[int]], keys: list[str], max_new: int, bat
             continue
         feed = torch.tensor([slots[i]["tokens"][-1] for i in active])
         pos = [cache.lengths[i] for i in active]
-        hidden = model.forward_rows(feed, cache, active, pos)
+        out = model.forward_rows(feed, cache, active, pos, taps)
+        hidden, rows = (out[0], torch.cat([out[1], out[0]], -1)) if taps else (out, out)
         nxt = model.logits(hidden).argmax(-1).tolist()
         for r, i in enumerate(active):
             cache.lengths[i] += 1
-            slots[i]["feats"].append(hidden[r : r + 1].to(torch.bfloat16))
+            slots[i]["feats"].append(rows[r : r + 1].to(torch.bfloat16))
             slots[i]["tokens"].append(int(nxt[r]))
     return done

@@ -2,7 +2,9 @@
 
 At position t the head reads the target's final hidden state f_t (after the final norm: what
 the LM head reads) and the embedding of the token x_{t+1} that follows it, fuses them with one
-linear layer, runs one Llama decoder layer (attention over its own KV cache, MLP) and a final
+linear layer (a head with `feature_layers` first fuses f_t with the target's residual stream
+after those layers, low, middle and high, as EAGLE-3 does: one linear over the RMS-normalised
+taps and f_t), runs one Llama decoder layer (attention over its own KV cache, MLP) and a final
 RMSNorm, and predicts f_{t+1}. Logits come from the target's frozen LM head, restricted to a
 draft vocabulary (the most frequent target tokens in the training data, mapped back to full
 ids): the LM head over the full vocabulary would be the dominant cost of a draft step.
@@ -76,17 +78,45 @@ class HeadConfig:
     draft_vocab: list[int]  # full ids of the draft vocabulary, in head-logit order
     format_version: int = FORMAT_VERSION
     trained: dict | None = None  # training figures (minutes, loss, held-out acceptance, data)
+    feature_layers: list[int] | None = None  # target layers fused with f_t (EAGLE-3); None: f_t alone
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return tuple(self.feature_layers or ())
+
+    @property
+    def feature_width(self) -> int:
+        """Width of a target feature row as stored and observed: taps, then f_t."""
+        return (len(self.taps) + 1) * self.hidden
 
     @classmethod
     def for_target(cls, model_name: str, model: LlamaModel, draft_vocab: list[int],
-                   intermediate: int | None = None) -> HeadConfig:
+                   intermediate: int | None = None, feature_layers: list[int] | None = None) -> HeadConfig:
         cfg = model.cfg
+        for i in feature_layers or ():
+            if not 0 <= i < cfg.n_layers:
+                raise ValueError(f"feature_layers: layer {i} is outside 0..{cfg.n_layers - 1} of the target")
         return cls(
             hidden=cfg.hidden, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
             intermediate=intermediate or cfg.intermediate, eps=cfg.eps, rope_theta=cfg.rope_theta,
             max_positions=cfg.max_positions, target=target_fingerprint(model_name, model),
-            draft_vocab=list(draft_vocab),
+            draft_vocab=list(draft_vocab), feature_layers=list(feature_layers) if feature_layers else None,
         )
+
+
+def default_feature_layers(n_layers: int) -> list[int]:
+    """Low, middle and high taps as in EAGLE-3 (f_t, after the last layer, comes on top)."""
+    return sorted({min(2, n_layers - 1), n_layers // 2, max(0, n_layers - 3)})
+
+
+def fuse_input(feats: torch.Tensor, hidden: int, eps: float) -> torch.Tensor:
+    """(..., (k+1)H) taps + f_t -> the fuse layer's input: each tap RMS-normalised (residual
+    streams differ in scale by orders of magnitude across layers), f_t as it is."""
+    if feats.shape[-1] == hidden:
+        return feats
+    taps = feats[..., :-hidden].unflatten(-1, (-1, hidden))
+    taps = taps * torch.rsqrt(taps.pow(2).mean(-1, keepdim=True) + eps)
+    return torch.cat([taps.flatten(-2), feats[..., -hidden:]], dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -114,7 +144,15 @@ class EagleHead(nn.Module):
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate, bias=False)
         self.down = nn.Linear(cfg.intermediate, h, bias=False)
         self.out_norm = RMSNorm(h, cfg.eps)
+        self.fuse = nn.Linear(cfg.feature_width, h, bias=False) if cfg.taps else None
         self._rotary: RotaryTable | None = None
+
+    def fused(self, feats: torch.Tensor) -> torch.Tensor:
+        """Target feature rows (..., feature_width) -> (..., H); H-wide rows (the head's own
+        predictions) pass as they are."""
+        if self.fuse is None or feats.shape[-1] == self.cfg.hidden:
+            return feats
+        return self.fuse(fuse_input(feats, self.cfg.hidden, self.cfg.eps))
 
     def init_from_target(self, model: LlamaModel) -> None:
         """Start from the target's last layer and final norm; fc passes the feature through."""
@@ -127,6 +165,9 @@ class EagleHead(nn.Module):
             self.attn_norm.weight.copy_(last.attn_norm)
             self.mlp_norm.weight.copy_(last.mlp_norm)
             self.out_norm.weight.copy_(model.norm)
+            if self.fuse is not None:  # starts as f_t alone, with a little of each tap
+                self.fuse.weight.normal_(0.0, 0.02)
+                self.fuse.weight[:, -h:] = torch.eye(h)
             if self.cfg.intermediate == model.cfg.intermediate:
                 self.qkv.weight.copy_(last.qkv.weight.float())
                 self.o.weight.copy_(last.o.weight.float())
@@ -161,8 +202,9 @@ class EagleHead(nn.Module):
 
     def forward_unrolled(self, feats: torch.Tensor, next_emb: torch.Tensor, steps: int,
                          start: int = 0) -> list[torch.Tensor]:
-        """One window at positions start..start+L-1: feats (L, H) are its features f_t and
-        next_emb (L, H) embeds the tokens x_{t+1} that follow them.
+        """One window at positions start..start+L-1: feats (L, feature_width) are its target
+        features (f_t, with taps first where the head fuses them) and next_emb (L, H) embeds
+        the tokens x_{t+1} that follow them.
 
         Returns per step s = 1..steps the predictions (L, H), where row t of step s predicts
         f_{t+1} as the drafter's s-th step does: step 1 reads the true f_t; step s > 1 reads
@@ -174,6 +216,7 @@ class EagleHead(nn.Module):
         length = feats.shape[0]
         pos = torch.arange(start, start + length)
         scale = c.head_dim**-0.5
+        feats = self.fused(feats)
         x = self.fc(torch.cat([next_emb, feats], dim=-1))
         q, k1, v1 = self._qkv(x, pos)  # (L, heads, D)
         causal = torch.ones(length, length, dtype=torch.bool).tril()
@@ -271,6 +314,7 @@ class EagleRuntime:
             return Linear(w.detach().to(dtype).contiguous(), None, dtype == torch.bfloat16, kernels)
 
         self.fc = lin(head.fc.weight)
+        self.fuse = lin(head.fuse.weight) if head.fuse is not None else None
         self.qkv = lin(head.qkv.weight)
         self.o = lin(head.o.weight)
         self.gate_up = lin(head.gate_up.weight)
@@ -299,12 +343,16 @@ class EagleRuntime:
     @torch.inference_mode()
     def step(self, cache: tuple[torch.Tensor, torch.Tensor], feats: torch.Tensor, next_tokens: list[int],
              positions: list[int]) -> torch.Tensor:
-        """Rows (feature f_t, token x_{t+1}, position t), consecutive positions -> predicted f_{t+1}."""
+        """Rows (feature f_t, token x_{t+1}, position t), consecutive positions -> predicted f_{t+1}.
+        Features are the target's (feature_width wide) or the head's own predictions (H wide)."""
         keys, values = cache
         c = self.cfg
         rows = len(positions)
         pos_t = torch.tensor(positions)
-        x = self.fc(torch.cat([self.embed[torch.tensor(next_tokens)].float(), feats.float()], dim=-1))
+        feats = feats.float()
+        if self.fuse is not None and feats.shape[-1] != c.hidden:
+            feats = self.fuse(fuse_input(feats, c.hidden, c.eps))
+        x = self.fc(torch.cat([self.embed[torch.tensor(next_tokens)].float(), feats], dim=-1))
         h = self._norm(x, self.attn_norm)
         n_qk = c.n_heads + c.n_kv_heads
         qkv = self.qkv(h).view(rows, n_qk + c.n_kv_heads, c.head_dim)

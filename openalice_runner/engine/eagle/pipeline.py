@@ -17,7 +17,7 @@ from openalice_runner.engine.eagle.data import (
     prompt_key,
     read_prompts,
 )
-from openalice_runner.engine.eagle.head import HeadConfig, target_fingerprint
+from openalice_runner.engine.eagle.head import HeadConfig, default_feature_layers, target_fingerprint
 from openalice_runner.engine.eagle.train import TrainSettings, draft_vocabulary, train_head
 from openalice_runner.engine.model_loading import cache_root
 
@@ -30,6 +30,8 @@ class BuildSettings:
     batch: int = 8
     draft_vocab: int = 4096
     unroll: int = 3
+    # target layers fused with f_t: None (f_t alone), "eagle3" (low, middle, high) or indices
+    feature_layers: list[int] | str | None = None
     heldout_every: int = 20  # one prompt in this many (by hash) is held out
     max_heldout: int = 24
     max_prompts: int | None = None
@@ -71,7 +73,15 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
     if not prompts:
         raise ValueError("no training prompts left (after excluding the benchmark prompts)")
     ids = [engine.render_chat(m) for m in prompts]
-    keys = [prompt_key(fingerprint, p, s.max_new_tokens) for p in ids]
+    layers = s.feature_layers
+    if layers == "eagle3":
+        layers = default_feature_layers(model.cfg.n_layers)
+    elif isinstance(layers, str):
+        raise ValueError(f"feature_layers: {layers!r} is not None, 'eagle3' or a list of layer indices")
+    if layers and not all(0 <= i < model.cfg.n_layers for i in layers):
+        raise ValueError(f"feature_layers: {layers} has a layer outside 0..{model.cfg.n_layers - 1}")
+    taps = tuple(layers or ())
+    keys = [prompt_key(fingerprint, p, s.max_new_tokens, taps) for p in ids]
     unique = dict(zip(keys, ids, strict=True))
     heldout_keys = [k for k in unique if int(k, 16) % s.heldout_every == 0][: s.max_heldout]
 
@@ -98,7 +108,7 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
             bar.set_postfix(tokens=sum(x.feats.shape[0] for x in samples.values()))
 
         distill(engine, [p for _, p in todo], [k for k, _ in todo], s.max_new_tokens, batch=s.batch,
-                deadline=gen_deadline, on_sample=keep)
+                deadline=gen_deadline, on_sample=keep, taps=taps)
         bar.close()
     heldout = [samples[k] for k in heldout_keys if k in samples]
     train = [v for k, v in samples.items() if k not in held]
@@ -108,7 +118,7 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
     reply_tokens = sum(x.feats.shape[0] - x.prompt_len for x in train)
 
     vocab = draft_vocabulary(train, min(s.draft_vocab, model.cfg.vocab_size), always=set(engine.eos_token_ids))
-    cfg = HeadConfig.for_target(engine.model_name, model, vocab)
+    cfg = HeadConfig.for_target(engine.model_name, model, vocab, feature_layers=list(taps) or None)
     seconds = max(1.0, deadline - time.monotonic() - 5.0)  # leave time to save
     tset = TrainSettings(seconds=seconds, unroll=s.unroll, seed=s.seed, max_steps=s.max_steps,
                          eval_every_s=max(10.0, seconds / 10))
@@ -128,7 +138,7 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
         minutes_total=round((time.monotonic() - t0) / 60.0, 2),
         prompts_read=n_read, prompts_used=len(unique), train_samples=len(train), heldout_samples=len(heldout),
         train_tokens=n_tokens, reply_tokens=reply_tokens, draft_vocab=len(vocab), unroll=s.unroll,
-        max_new_tokens=s.max_new_tokens, dtype=engine.dtype,
+        max_new_tokens=s.max_new_tokens, dtype=engine.dtype, feature_layers=list(taps) or None,
     )
     head.cfg.trained = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}
     folder = head.save(out or default_out(engine.model_name))

@@ -82,8 +82,9 @@ class Trainer:
     def losses(self, feats: torch.Tensor, nxt: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
         outs = self.head.forward_unrolled(feats, nxt, self.s.unroll, start)
         length = feats.shape[0]
+        final = feats[:, -self.head.cfg.hidden :]  # f_t; taps (if any) come before it
         with torch.no_grad():
-            target_logp = torch.log_softmax(feats[1:] @ self.lm_sub.t(), dim=-1)  # rows t+1 = 1..L-1
+            target_logp = torch.log_softmax(final[1:] @ self.lm_sub.t(), dim=-1)  # rows t+1 = 1..L-1
             target_p = target_logp.exp()
         total = feats.new_zeros(())
         count = 0
@@ -94,7 +95,7 @@ class Trainer:
             p = pred[lo : length - 1]
             logq = torch.log_softmax(p @ self.lm_sub.t(), dim=-1)
             ce = -(target_p[lo:] * logq).sum(-1).mean()
-            reg = F.smooth_l1_loss(p, feats[lo + 1 :])
+            reg = F.smooth_l1_loss(p, final[lo + 1 :])
             total = total + (0.8 ** (s - 1)) * (ce + self.s.feature_weight * reg)
             count = length - 1 - lo
         return total, count
@@ -156,11 +157,12 @@ class Trainer:
 def target_top1(model, samples: list[Sample]) -> list[torch.Tensor]:
     """The target's greedy token after each feature, over the full vocabulary (held-out truth)."""
     out = []
+    hidden = model.cfg.hidden
     with torch.inference_mode():
         for s in samples:
             rows = []
             for i in range(0, s.feats.shape[0], 256):
-                rows.append(model.logits(s.feats[i : i + 256].float()).argmax(-1))
+                rows.append(model.logits(s.feats[i : i + 256, -hidden:].float()).argmax(-1))
             out.append(torch.cat(rows))
     return out
 
