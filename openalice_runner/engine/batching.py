@@ -236,8 +236,10 @@ class BatchScheduler:
 
         t0 = time.perf_counter()
         taps = taps_for(plan.request.seq.drafter for plan in plans)
-        out = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos, taps)
-        hidden, tapped = out if taps else (out, None)
+        if taps:  # only eagle-3 drafters ask; other models need not know about taps
+            hidden, tapped = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos, taps)
+        else:
+            hidden, tapped = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos), None
         # logits only where a token is chosen: every decode row, the last row of a finished prefill
         wanted: list[int] = []
         for plan in plans:
