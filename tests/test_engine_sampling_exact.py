@@ -169,15 +169,19 @@ class FeatureMarkovModel(MarkovModel):
 
     HIDDEN = 16
 
-    def forward(self, tokens, cache, slots):
+    def forward(self, tokens, cache, slots, taps=()):
         cache.lengths[slots[0]] += tokens.shape[1]
-        return torch.nn.functional.one_hot(tokens, self.HIDDEN).float()
+        hidden = torch.nn.functional.one_hot(tokens, self.HIDDEN).float()
+        if not taps:
+            return hidden
+        # stand-ins for earlier layers' residual streams: the same rows, scaled per layer
+        return hidden, torch.cat([hidden * (2.0 + i) for i in taps], dim=-1)
 
     def logits(self, hidden):
         return self.log_table[hidden[..., :VOCAB].argmax(-1)]
 
 
-def random_eagle_runtime(seed: int):
+def random_eagle_runtime(seed: int, feature_layers: list[int] | None = None):
     from types import SimpleNamespace
 
     from openalice_runner.engine.eagle.head import EagleHead, EagleRuntime, HeadConfig
@@ -185,7 +189,7 @@ def random_eagle_runtime(seed: int):
     torch.manual_seed(seed)
     h = FeatureMarkovModel.HIDDEN
     cfg = HeadConfig(hidden=h, n_heads=2, n_kv_heads=1, head_dim=8, intermediate=32, eps=1e-5, rope_theta=10000.0,
-                     max_positions=64, target={}, draft_vocab=[3, 1, 0, 2])
+                     max_positions=64, target={}, draft_vocab=[3, 1, 0, 2], feature_layers=feature_layers)
     head = EagleHead(cfg)
     with torch.no_grad():
         for p in head.parameters():
@@ -195,12 +199,13 @@ def random_eagle_runtime(seed: int):
     return EagleRuntime(head, target)
 
 
-@pytest.mark.parametrize(("gamma", "top_p"), [(3, 1.0), (5, 0.8)])
-def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p):
+@pytest.mark.parametrize(("gamma", "top_p", "feature_layers"), [(3, 1.0, None), (5, 0.8, None), (4, 0.9, [0, 1])])
+def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_layers):
+    """With `feature_layers`, an EAGLE-3-style head that fuses tapped layers with f_t."""
     from openalice_runner.engine.drafters.eagle import EagleDrafter
 
     target = random_chain(1)
-    runtime = random_eagle_runtime(gamma)
+    runtime = random_eagle_runtime(gamma, feature_layers)
     sampling = SamplingParams(temperature=0.9, top_p=top_p, max_tokens=LENGTH)
     joint = exact_joint(target, sampling)
     model = FeatureMarkovModel(target)
@@ -218,4 +223,5 @@ def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p):
         key = tuple(result.token_ids)
         counts[key] = counts.get(key, 0) + 1
     assert proposed >= N  # the head drafted in every sequence
+    assert drafter.feats.shape[1] == (len(feature_layers or ()) + 1) * FeatureMarkovModel.HIDDEN  # it read the taps
     assert chi_square_p(joint, counts, N) > 1e-3
