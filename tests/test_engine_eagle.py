@@ -74,9 +74,13 @@ def test_fused_head_trains_reloads_and_stays_exact(tiny_engine, tiny_fused_head)
         plain = tiny_engine.generate(prompt, SamplingParams(max_tokens=40))
         for gamma in (1, 3, 5):
             out = tiny_engine.generate(prompt, SamplingParams(max_tokens=40),
-                                       SpecConfig(method="eagle", gamma=gamma, eagle_head=str(folder)))
+                                       SpecConfig(method="eagle", gamma=gamma, eagle_head=str(folder), adaptive_length=False))
             assert out.token_ids == plain.token_ids, gamma
             assert out.stats.draft_proposed > 0
+        # drafts sized by the head's confidence and the engine's pass costs (the default)
+        out = tiny_engine.generate(prompt, SamplingParams(max_tokens=40),
+                                   SpecConfig(method="eagle", gamma=8, eagle_head=str(folder)))
+        assert out.token_ids == plain.token_ids
 
 
 def test_fused_and_plain_heads_share_a_batch(tiny_engine, tiny_head, tiny_fused_head):
@@ -151,7 +155,7 @@ def test_greedy_eagle_equals_off_tiny_model(tiny_engine, tiny_head):
         plain = tiny_engine.generate(prompt, SamplingParams(max_tokens=40))
         for gamma in (1, 3, 5):
             out = tiny_engine.generate(prompt, SamplingParams(max_tokens=40),
-                                       SpecConfig(method="eagle", gamma=gamma, eagle_head=str(folder)))
+                                       SpecConfig(method="eagle", gamma=gamma, eagle_head=str(folder), adaptive_length=False))
             assert out.token_ids == plain.token_ids, gamma
             assert out.stats.method == "eagle" and out.stats.draft_proposed > 0
 
@@ -224,3 +228,35 @@ def test_greedy_eagle_equals_off_real_model_fp32(real_engine_fp32, workload_path
         plain = engine.generate(prompt, sampling)
         out = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=4, eagle_head=str(head)))
         assert out.token_ids == plain.token_ids, case.id
+
+
+def _costs(per_row: float):
+    from openalice_runner.engine.cost_model import PassCostModel
+
+    costs = PassCostModel()
+    for rows in range(1, 10):
+        costs.record(rows, 0.02 * (1 + per_row * (rows - 1)))
+    return costs
+
+
+def test_draft_length_follows_confidence_and_costs():
+    """Sure drafts on cheap verify rows run to the cap; unsure ones on dear rows are not proposed."""
+    from openalice_runner.engine.drafters.eagle import _DraftLength
+
+    sure = _DraftLength(_costs(0.05), step_s=0.001, batch=1, rows=1)
+    assert all(sure.worth_another(0.95) for _ in range(6)) and sure.best == 6
+    unsure = _DraftLength(_costs(0.5), step_s=0.004, batch=1, rows=1)
+    assert not unsure.worth_another(0.3) and unsure.best == 0
+    # confidence falling along the chain: stop where the next draft no longer pays
+    falling = _DraftLength(_costs(0.1), step_s=0.001, batch=1, rows=1)
+    steps = [falling.worth_another(c) for c in (0.95, 0.9, 0.4, 0.2)]
+    assert steps[:2] == [True, True] and not all(steps) and 2 <= falling.best <= 3
+    # in a batch of 8 the same sure draft must beat 8 sequences' worth of tokens: shorter
+    busy = _DraftLength(_costs(0.05), step_s=0.001, batch=8, rows=8)
+    while busy.worth_another(0.95):
+        pass
+    assert busy.best < 6
+    # nothing timed yet: the drafter drafts γ, so verify passes get measured
+    from openalice_runner.engine.cost_model import PassCostModel
+
+    assert not _DraftLength(PassCostModel(), None, 1, 1).active

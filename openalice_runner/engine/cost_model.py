@@ -24,6 +24,14 @@ class PassCostModel:
             old = self._seconds.get(rows)
             self._seconds[rows] = seconds if old is None else old + EMA * (seconds - old)
 
+    def seconds(self, rows: int = 1) -> float | None:
+        """Measured seconds of a pass of `rows` rows (None until one ran)."""
+        return self._seconds.get(rows)
+
+    def measured_above(self, rows: int) -> bool:
+        """Whether a pass of more than `rows` rows was timed."""
+        return any(r > rows for r in self._seconds)
+
     def ratio(self, rows: int) -> float:
         """cost(rows) / cost(1): from the nearest measured row count at or above `rows`."""
         seconds = self._seconds

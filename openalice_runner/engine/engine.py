@@ -215,7 +215,7 @@ class Engine:
     def _make_drafter(self, spec: SpecConfig, max_len: int, own_cache: bool = False) -> Drafter:
         """`own_cache`: a fresh draft cache for this request (concurrent requests cannot share one)."""
         if spec.method == "ngram":
-            return NgramDrafter(spec.ngram_min, spec.ngram_max, costs=self.pass_costs)
+            return NgramDrafter(spec.ngram_min, spec.ngram_max, costs=self.pass_costs if spec.adaptive_length else None)
         if spec.method == "draft":
             if not isinstance(self.model, LlamaModel):
                 raise ValueError("method 'draft' needs a Llama-family target (self-draft from its layers)")
@@ -244,5 +244,6 @@ class Engine:
             if runtime is None:
                 head = load_head(spec.eagle_head, self.model_name, self.model)
                 runtime = self._eagle_heads[spec.eagle_head] = EagleRuntime(head, self.model)
-            return EagleDrafter(runtime, max_len, self.model.cfg.vocab_size)
+            return EagleDrafter(runtime, max_len, self.model.cfg.vocab_size,
+                                costs=self.pass_costs if spec.adaptive_length else None)
         raise ValueError(f"speculation method {spec.method!r} is not available in the embedded engine yet")

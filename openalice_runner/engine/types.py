@@ -57,6 +57,9 @@ class SpecConfig:
     draft_model: str | None = None  # path of a separate draft LM sharing the vocabulary
     draft_layers: int | None = None  # self-draft from the target's first N layers
     eagle_head: str | None = None  # path of a trained EAGLE-style head
+    # n-gram and eagle drafters cut a draft below γ where the engine's measured pass costs say
+    # the longer one will not pay; False: every draft is γ long (fixed-γ experiments, tests)
+    adaptive_length: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:

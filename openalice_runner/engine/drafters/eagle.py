@@ -11,35 +11,54 @@ attends only up to its own position), so rolling back costs nothing.
 Greedy requests draft the argmax (one-hot q, like n-gram). Sampled requests draw from the
 head's processed distribution over the draft vocabulary and report it as q, so rejection
 sampling stays exact.
+
+Draft length (as EAGLE-2's dynamic drafts, on a chain): with the engine's pass costs, γ is a
+cap. The head's own probability of each drafted token, multiplied along the chain, estimates
+the chance that the draft survives that far; the drafter stops where one more draft step and
+verify row are expected to cost more than the token they would add, and proposes the prefix
+with the most expected tokens per unit of step time (possibly none). The length depends on the
+drafter's side alone, so output and sampling stay exact.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter, Proposal
 from openalice_runner.engine.sampling import processed_probs
 from openalice_runner.engine.types import SamplingParams
+
+PRIOR_STEP_COST = 0.07  # one head step relative to a one-row target pass, until measured
+STEP_EMA = 0.1
 
 
 class EagleDrafter(Drafter):
     name = "eagle"
     wants_hidden = True
 
-    def __init__(self, runtime, max_len: int, vocab_size: int | None = None):
-        """`runtime`: an `EagleRuntime` (or anything with its `new_cache`, `step`, `logits`, `vocab`)."""
+    def __init__(self, runtime, max_len: int, vocab_size: int | None = None, costs: PassCostModel | None = None):
+        """`runtime`: an `EagleRuntime` (or anything with its `new_cache`, `step`, `logits`, `vocab`).
+        `costs`: the engine's pass costs; without them every proposal is γ long."""
         self.runtime = runtime
         self.feature_layers = tuple(getattr(getattr(runtime, "cfg", None), "taps", ()))
         self.vocab_size = vocab_size
+        self.costs = costs
         self.cache = runtime.new_cache(max_len)
         self.max_len = self.cache[0].shape[2]
-        self.feats: torch.Tensor | None = None  # (capacity, H) target features, row = position
+        self.feats: torch.Tensor | None = None  # (capacity, W) target features, row = position
         self.n_feats = 0
         self.seen = 0  # positions whose true rows are in the head's cache
+        self._batch, self._rows = 1, 1
 
     def start(self, prompt: list[int]) -> None:
         self.n_feats = 0
         self.seen = 0
+
+    def step_load(self, batch: int, rows: int) -> None:
+        self._batch, self._rows = max(1, batch), max(1, rows)
 
     def observe(self, hidden: torch.Tensor) -> None:
         rows = hidden.shape[0]
@@ -53,6 +72,15 @@ class EagleDrafter(Drafter):
         self.feats[self.n_feats : need] = hidden.float()
         self.n_feats = need
 
+    def _step(self, *args) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = self.runtime.step(*args)
+        seconds = time.perf_counter() - t0
+        rt = self.runtime
+        old = getattr(rt, "draft_step_s", None)  # shared by the head's requests
+        rt.draft_step_s = seconds if old is None else old + STEP_EMA * (seconds - old)
+        return out
+
     def propose(self, history: list[int], gamma: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
         last = len(history) - 2  # position of the last fed token; history[-1] is not fed yet
@@ -64,24 +92,71 @@ class EagleDrafter(Drafter):
         rt = self.runtime
         start = min(self.seen, last)
         positions = list(range(start, last + 1))
-        out = rt.step(self.cache, self.feats[start : last + 1], history[start + 1 : last + 2], positions)
+        out = self._step(self.cache, self.feats[start : last + 1], history[start + 1 : last + 2], positions)
         self.seen = last + 1
         feat = out[-1:]
+        length = _DraftLength(self.costs, getattr(rt, "draft_step_s", None), self._batch, self._rows)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         pos = last + 1
         for i in range(gamma):
             sub = rt.logits(feat)[0]
             if sampling.greedy:
-                token = int(rt.vocab[int(sub.argmax())])
+                choice = int(sub.argmax())
+                token = int(rt.vocab[choice])
+                confidence = float(torch.softmax(sub.float(), -1)[choice]) if length.active else 1.0
             else:
                 full = torch.full((self.vocab_size or int(rt.vocab.max()) + 1,), float("-inf"))
                 full[rt.vocab] = sub
                 probs = processed_probs(full, sampling)
                 token = int(torch.multinomial(probs, 1, generator=generator).item())
                 rows.append(probs)
+                confidence = float(probs[token])
             tokens.append(token)
-            if i + 1 < gamma:
-                feat = rt.step(self.cache, feat, [token], [pos])
-                pos += 1
-        return Proposal(tokens, torch.stack(rows) if rows else None)
+            if not length.worth_another(confidence) or i + 1 == gamma:
+                break
+            feat = self._step(self.cache, feat, [token], [pos])
+            pos += 1
+        k = length.best if length.active else len(tokens)
+        return Proposal(tokens[:k], torch.stack(rows[:k]) if rows and k else None)
+
+
+class _DraftLength:
+    """Expected tokens per unit of step time for each draft length, as the chain grows.
+
+    A step of B decoding sequences and R rows before this draft emits about B tokens for
+    cost(R); k drafts surviving with probability c_1 >= c_2 >= ... add sum(c_i) tokens and cost
+    k verify rows and k - 1 more head steps (the first draft comes with the catch-up step)."""
+
+    def __init__(self, costs: PassCostModel | None, step_s: float | None, batch: int, rows: int):
+        single = costs.seconds(1) if costs is not None else None
+        # until a plain and a verify pass were timed, draft γ (the verify passes get measured)
+        self.active = single is not None and costs.measured_above(1)
+        if not self.active:
+            return
+        self.costs = costs
+        self.step_cost = PRIOR_STEP_COST if step_s is None else step_s / single
+        self.batch, self.rows = batch, rows
+        self.base = costs.ratio(rows)
+        self.survive = 1.0
+        self.expected = 0.0
+        self.k = 0
+        self.best, self.best_value = 0, 1.0
+
+    def value(self, k: int, expected: float) -> float:
+        cost = self.costs.ratio(self.rows + k) + max(0, k - 1) * self.step_cost
+        return ((self.batch + expected) / self.batch) / (cost / self.base)
+
+    def worth_another(self, confidence: float) -> bool:
+        """Record the k-th draft's confidence; True if a (k+1)-th is expected to pay."""
+        if not self.active:
+            return True
+        self.k += 1
+        self.survive *= confidence
+        self.expected += self.survive
+        v = self.value(self.k, self.expected)
+        if v > self.best_value:
+            self.best, self.best_value = self.k, v
+        # the next draft, guessed as sure as this one was
+        guess = self.survive * confidence
+        return self.value(self.k + 1, self.expected + guess) > self.best_value
