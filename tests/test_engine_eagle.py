@@ -25,7 +25,7 @@ def tiny_head(tiny_engine, tmp_path_factory):
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in builtin_prompts(24, seed=3)))
     settings = BuildSettings(minutes=2.0, max_new_tokens=24, draft_vocab=2048, heldout_every=6, max_steps=30,
-                             progress=False, data_dir=root / "data")
+                             progress=False, data_dir=root / "data", feature_layers=None)  # f_t alone
     folder, figures = build_head(tiny_engine, [data], root / "head", settings=settings)
     return folder, figures, root
 
@@ -226,8 +226,12 @@ def test_greedy_eagle_equals_off_real_model_fp32(real_engine_fp32, workload_path
         prompt = render_case(engine, case)
         sampling = SamplingParams(max_tokens=case.max_tokens)
         plain = engine.generate(prompt, sampling)
-        out = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=4, eagle_head=str(head)))
-        assert out.token_ids == plain.token_ids, case.id
+        fixed = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=4, eagle_head=str(head),
+                                                             adaptive_length=False))
+        assert fixed.token_ids == plain.token_ids, case.id
+        assert fixed.stats.draft_proposed > 0
+        sized = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=8, eagle_head=str(head)))
+        assert sized.token_ids == plain.token_ids, case.id
 
 
 def _costs(per_row: float):

@@ -31,9 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together while distilling")
     t.add_argument("--draft-vocab", type=positive_int, default=4096, help="draft vocabulary size (top-N tokens)")
     t.add_argument("--unroll", type=positive_int, default=3, help="draft steps trained per position")
-    t.add_argument("--feature-layers", type=feature_layers, default="none", metavar="none|eagle3|I,J,K",
+    t.add_argument("--feature-layers", type=feature_layers, default="eagle3", metavar="eagle3|none|I,J,K",
                    help="target layers whose residual stream the head fuses with the final hidden state: "
-                        "none (final state alone), eagle3 (low, middle and high layers) or indices")
+                        "eagle3 (low, middle and high layers; the default), none (final state alone) or indices")
     t.add_argument("--max-prompts", type=positive_int, default=None)
     t.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps")
     t.add_argument("--seed", type=int, default=0)

@@ -31,7 +31,7 @@ class BuildSettings:
     draft_vocab: int = 4096
     unroll: int = 3
     # target layers fused with f_t: None (f_t alone), "eagle3" (low, middle, high) or indices
-    feature_layers: list[int] | str | None = None
+    feature_layers: list[int] | str | None = "eagle3"
     heldout_every: int = 20  # one prompt in this many (by hash) is held out
     max_heldout: int = 24
     max_prompts: int | None = None
