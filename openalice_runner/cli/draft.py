@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--exclude", action="append", default=[], metavar="FILE",
                    help="JSON-lines files whose prompts must not be trained on (e.g. the benchmark workload)")
     t.add_argument("--max-new-tokens", type=positive_int, default=192, help="reply length distilled per prompt")
-    t.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together while distilling")
+    t.add_argument("--batch", type=positive_int, default=24, help="prompts decoded together while distilling")
     t.add_argument("--draft-vocab", type=positive_int, default=4096, help="draft vocabulary size (top-N tokens)")
     t.add_argument("--unroll", type=positive_int, default=3, help="draft steps trained per position")
     t.add_argument("--feature-layers", type=feature_layers, default="eagle3", metavar="eagle3|none|I,J,K",

@@ -27,7 +27,7 @@ class BuildSettings:
     minutes: float = 30.0  # bounds the whole build: distillation + training + saving
     gen_minutes: float | None = None  # distillation share of the budget (default 40%)
     max_new_tokens: int = 192
-    batch: int = 8
+    batch: int = 24  # 24 at a time: 275 reply tok/s here against 203 for 8
     draft_vocab: int = 4096
     unroll: int = 3
     # target layers fused with f_t: None (f_t alone), "eagle3" (low, middle, high) or indices
