@@ -72,9 +72,11 @@ class EagleDrafter(Drafter):
         self.feats[self.n_feats : need] = hidden.float()
         self.n_feats = need
 
-    def _step(self, *args) -> torch.Tensor:
+    def _chain_step(self, feat: torch.Tensor, token: int, pos: int) -> torch.Tensor:
+        """One draft step of the chain, timed: what a longer draft costs on the drafter's side
+        (catch-up steps over many rows would overstate it)."""
         t0 = time.perf_counter()
-        out = self.runtime.step(*args)
+        out = self.runtime.step(self.cache, feat, [token], [pos])
         seconds = time.perf_counter() - t0
         rt = self.runtime
         old = getattr(rt, "draft_step_s", None)  # shared by the head's requests
@@ -92,7 +94,7 @@ class EagleDrafter(Drafter):
         rt = self.runtime
         start = min(self.seen, last)
         positions = list(range(start, last + 1))
-        out = self._step(self.cache, self.feats[start : last + 1], history[start + 1 : last + 2], positions)
+        out = rt.step(self.cache, self.feats[start : last + 1], history[start + 1 : last + 2], positions)
         self.seen = last + 1
         feat = out[-1:]
         length = _DraftLength(self.costs, getattr(rt, "draft_step_s", None), self._batch, self._rows)
@@ -115,7 +117,7 @@ class EagleDrafter(Drafter):
             tokens.append(token)
             if not length.worth_another(confidence) or i + 1 == gamma:
                 break
-            feat = self._step(self.cache, feat, [token], [pos])
+            feat = self._chain_step(feat, token, pos)
             pos += 1
         k = length.best if length.active else len(tokens)
         return Proposal(tokens[:k], torch.stack(rows[:k]) if rows and k else None)

@@ -93,9 +93,7 @@ class HeadConfig:
     def for_target(cls, model_name: str, model: LlamaModel, draft_vocab: list[int],
                    intermediate: int | None = None, feature_layers: list[int] | None = None) -> HeadConfig:
         cfg = model.cfg
-        for i in feature_layers or ():
-            if not 0 <= i < cfg.n_layers:
-                raise ValueError(f"feature_layers: layer {i} is outside 0..{cfg.n_layers - 1} of the target")
+        check_feature_layers(feature_layers, cfg.n_layers)
         return cls(
             hidden=cfg.hidden, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
             intermediate=intermediate or cfg.intermediate, eps=cfg.eps, rope_theta=cfg.rope_theta,
@@ -107,6 +105,12 @@ class HeadConfig:
 def default_feature_layers(n_layers: int) -> list[int]:
     """Low, middle and high taps as in EAGLE-3 (f_t, after the last layer, comes on top)."""
     return sorted({min(2, n_layers - 1), n_layers // 2, max(0, n_layers - 3)})
+
+
+def check_feature_layers(layers: list[int] | None, n_layers: int) -> None:
+    for i in layers or ():
+        if not 0 <= i < n_layers:
+            raise ValueError(f"feature_layers: layer {i} is outside 0..{n_layers - 1} of the target")
 
 
 def fuse_input(feats: torch.Tensor, hidden: int, eps: float) -> torch.Tensor:
@@ -330,6 +334,7 @@ class EagleRuntime:
         )
         self.rotary = RotaryTable(c.head_dim, c.rope_theta, c.max_positions, torch.float32)
         self.scale = c.head_dim**-0.5
+        self.draft_step_s: float | None = None  # EMA of one `step` of one row (the drafters time it)
 
     def new_cache(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (1, n_kv, max_len, D) for one sequence. Rows are written in position

@@ -17,7 +17,12 @@ from openalice_runner.engine.eagle.data import (
     prompt_key,
     read_prompts,
 )
-from openalice_runner.engine.eagle.head import HeadConfig, default_feature_layers, target_fingerprint
+from openalice_runner.engine.eagle.head import (
+    HeadConfig,
+    check_feature_layers,
+    default_feature_layers,
+    target_fingerprint,
+)
 from openalice_runner.engine.eagle.train import TrainSettings, draft_vocabulary, train_head
 from openalice_runner.engine.model_loading import cache_root
 
@@ -78,8 +83,7 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
         layers = default_feature_layers(model.cfg.n_layers)
     elif isinstance(layers, str):
         raise ValueError(f"feature_layers: {layers!r} is not None, 'eagle3' or a list of layer indices")
-    if layers and not all(0 <= i < model.cfg.n_layers for i in layers):
-        raise ValueError(f"feature_layers: {layers} has a layer outside 0..{model.cfg.n_layers - 1}")
+    check_feature_layers(layers, model.cfg.n_layers)
     taps = tuple(layers or ())
     keys = [prompt_key(fingerprint, p, s.max_new_tokens, taps) for p in ids]
     unique = dict(zip(keys, ids, strict=True))
