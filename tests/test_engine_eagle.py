@@ -19,27 +19,26 @@ from openalice_runner.engine.eagle.pipeline import BuildSettings, build_head
 from openalice_runner.engine.eagle.train import Trainer, TrainSettings
 
 
-@pytest.fixture(scope="module")
-def tiny_head(tiny_engine, tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle")
+def build_tiny_head(engine, root: Path, feature_layers):
+    """A head trained for 30 steps on 24 built-in prompts; returns (folder, figures, root)."""
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in builtin_prompts(24, seed=3)))
     settings = BuildSettings(minutes=2.0, max_new_tokens=24, draft_vocab=2048, heldout_every=6, max_steps=30,
-                             progress=False, data_dir=root / "data", feature_layers=None)  # f_t alone
-    folder, figures = build_head(tiny_engine, [data], root / "head", settings=settings)
+                             progress=False, data_dir=root / "data", feature_layers=feature_layers)
+    folder, figures = build_head(engine, [data], root / "head", settings=settings)
     return folder, figures, root
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tiny_engine, tmp_path_factory):
+    """A head that reads f_t alone."""
+    return build_tiny_head(tiny_engine, tmp_path_factory.mktemp("eagle"), None)
 
 
 @pytest.fixture(scope="module")
 def tiny_fused_head(tiny_engine, tmp_path_factory):
     """An EAGLE-3-style head: the target's low, middle and high layers fused with f_t."""
-    root = tmp_path_factory.mktemp("eagle3")
-    data = root / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in builtin_prompts(24, seed=3)))
-    settings = BuildSettings(minutes=2.0, max_new_tokens=24, draft_vocab=2048, heldout_every=6, max_steps=30,
-                             progress=False, data_dir=root / "data", feature_layers="eagle3")
-    folder, figures = build_head(tiny_engine, [data], root / "head", settings=settings)
-    return folder, figures, root
+    return build_tiny_head(tiny_engine, tmp_path_factory.mktemp("eagle3"), "eagle3")
 
 
 def test_tapped_layers_are_the_residual_stream(tiny_engine):
