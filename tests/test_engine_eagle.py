@@ -29,6 +29,22 @@ def build_tiny_head(engine, root: Path, feature_layers):
     return folder, figures, root
 
 
+def assert_eagle_equals_off(engine, folder: Path) -> None:
+    """Greedy eagle output equals `off`: γ 1, 3 and 5 drafted every round, and drafts sized by
+    the head's confidence and the engine's pass costs (the default)."""
+    for text in ("The quick brown fox jumps over the lazy dog. The quick brown fox", "def f(x):\n    return x"):
+        prompt = engine.encode(text)
+        plain = engine.generate(prompt, SamplingParams(max_tokens=40))
+        for gamma in (1, 3, 5):
+            out = engine.generate(prompt, SamplingParams(max_tokens=40),
+                                  SpecConfig(method="eagle", gamma=gamma, eagle_head=str(folder), adaptive_length=False))
+            assert out.token_ids == plain.token_ids, gamma
+            assert out.stats.method == "eagle" and out.stats.draft_proposed > 0
+        out = engine.generate(prompt, SamplingParams(max_tokens=40),
+                              SpecConfig(method="eagle", gamma=8, eagle_head=str(folder)))
+        assert out.token_ids == plain.token_ids
+
+
 @pytest.fixture(scope="module")
 def tiny_head(tiny_engine, tmp_path_factory):
     """A head that reads f_t alone."""
@@ -68,18 +84,7 @@ def test_fused_head_trains_reloads_and_stays_exact(tiny_engine, tiny_fused_head)
     from safetensors.torch import load_file
 
     assert load_file(str(sample))["feats"].shape[1] == head.fuse.in_features  # taps, then f_t
-    for text in ("The quick brown fox jumps over the lazy dog. The quick brown fox", "def f(x):\n    return x"):
-        prompt = tiny_engine.encode(text)
-        plain = tiny_engine.generate(prompt, SamplingParams(max_tokens=40))
-        for gamma in (1, 3, 5):
-            out = tiny_engine.generate(prompt, SamplingParams(max_tokens=40),
-                                       SpecConfig(method="eagle", gamma=gamma, eagle_head=str(folder), adaptive_length=False))
-            assert out.token_ids == plain.token_ids, gamma
-            assert out.stats.draft_proposed > 0
-        # drafts sized by the head's confidence and the engine's pass costs (the default)
-        out = tiny_engine.generate(prompt, SamplingParams(max_tokens=40),
-                                   SpecConfig(method="eagle", gamma=8, eagle_head=str(folder)))
-        assert out.token_ids == plain.token_ids
+    assert_eagle_equals_off(tiny_engine, folder)
 
 
 def test_fused_and_plain_heads_share_a_batch(tiny_engine, tiny_head, tiny_fused_head):
@@ -148,15 +153,7 @@ def test_not_a_head_folder_is_an_error(tiny_engine, tmp_path):
 
 
 def test_greedy_eagle_equals_off_tiny_model(tiny_engine, tiny_head):
-    folder, _, _ = tiny_head
-    for text in ("The quick brown fox jumps over the lazy dog. The quick brown fox", "def f(x):\n    return x"):
-        prompt = tiny_engine.encode(text)
-        plain = tiny_engine.generate(prompt, SamplingParams(max_tokens=40))
-        for gamma in (1, 3, 5):
-            out = tiny_engine.generate(prompt, SamplingParams(max_tokens=40),
-                                       SpecConfig(method="eagle", gamma=gamma, eagle_head=str(folder), adaptive_length=False))
-            assert out.token_ids == plain.token_ids, gamma
-            assert out.stats.method == "eagle" and out.stats.draft_proposed > 0
+    assert_eagle_equals_off(tiny_engine, tiny_head[0])
 
 
 def test_greedy_eagle_equals_off_with_accepted_drafts(tiny_engine, tiny_head):
