@@ -54,9 +54,9 @@ def feature_layers(text: str) -> str | list[int] | None:
     try:
         layers = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--feature-layers: {text!r} is not none, eagle3 or comma-separated layer indices") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not none, eagle3 or comma-separated layer indices") from None
     if not layers or layers[0] < 0:
-        raise argparse.ArgumentTypeError(f"--feature-layers: {text!r} needs layer indices >= 0")
+        raise argparse.ArgumentTypeError(f"{text!r} needs layer indices >= 0")
     return layers
 
 
