@@ -260,3 +260,21 @@ def test_draft_length_follows_confidence_and_costs():
     from openalice_runner.engine.cost_model import PassCostModel
 
     assert not _DraftLength(PassCostModel(), None, 1, 1).active
+
+
+def test_feature_layers_option():
+    import argparse
+
+    from openalice_runner.cli.draft import feature_layers
+
+    assert feature_layers("eagle3") == "eagle3" and feature_layers("None") is None
+    assert feature_layers("27, 2,15") == [2, 15, 27]
+    for bad in ("2,a", "-1", ","):
+        with pytest.raises(argparse.ArgumentTypeError, match="layer indices"):
+            feature_layers(bad)
+    # a layer beyond the target is a ValueError naming the field, before any distilling
+    from openalice_runner.engine import Engine
+
+    tiny = Engine.tiny_random(seed=0)
+    with pytest.raises(ValueError, match="feature_layers"):
+        build_head(tiny, [], settings=BuildSettings(feature_layers=[99], progress=False))

@@ -68,6 +68,13 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
     t0 = time.monotonic()
     deadline = t0 + s.minutes * 60.0
     model = engine.model
+    layers = s.feature_layers
+    if layers == "eagle3":
+        layers = default_feature_layers(model.cfg.n_layers)
+    elif isinstance(layers, str):
+        raise ValueError(f"feature_layers: {layers!r} is not None, 'eagle3' or a list of layer indices")
+    check_feature_layers(layers, model.cfg.n_layers)
+    taps = tuple(layers or ())
     fingerprint = target_fingerprint(engine.model_name, model)
     prompts = read_prompts(data)
     n_read = len(prompts)
@@ -78,13 +85,6 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
     if not prompts:
         raise ValueError("no training prompts left (after excluding the benchmark prompts)")
     ids = [engine.render_chat(m) for m in prompts]
-    layers = s.feature_layers
-    if layers == "eagle3":
-        layers = default_feature_layers(model.cfg.n_layers)
-    elif isinstance(layers, str):
-        raise ValueError(f"feature_layers: {layers!r} is not None, 'eagle3' or a list of layer indices")
-    check_feature_layers(layers, model.cfg.n_layers)
-    taps = tuple(layers or ())
     keys = [prompt_key(fingerprint, p, s.max_new_tokens, taps) for p in ids]
     unique = dict(zip(keys, ids, strict=True))
     heldout_keys = [k for k in unique if int(k, 16) % s.heldout_every == 0][: s.max_heldout]
