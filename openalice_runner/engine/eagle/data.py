@@ -258,6 +258,14 @@ class SampleCache:
         tmp.replace(self.path(s.key))
 
 
+def _feature_rows(out, taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pass's (hidden, feature rows as stored): f_t alone, or the tapped layers then f_t."""
+    if not taps:
+        return out, out
+    hidden, tapped = out
+    return hidden, torch.cat([tapped, hidden], dim=-1)
+
+
 @torch.inference_mode()
 def distill(engine, prompts: list[list[int]], keys: list[str], max_new: int, batch: int = 8,
             deadline: float | None = None, on_sample: Callable[[Sample], None] | None = None,
@@ -281,9 +289,10 @@ def distill(engine, prompts: list[list[int]], keys: list[str], max_new: int, bat
         feats = []
         hidden = None
         for i in range(0, len(prompt), PREFILL_CHUNK):
-            out = model.forward(torch.tensor([prompt[i : i + PREFILL_CHUNK]]), cache, [slot], taps)
-            hidden, row = (out[0][0], torch.cat([out[1][0], out[0][0]], -1)) if taps else (out[0], out[0])
-            feats.append(row.to(torch.bfloat16))
+            chunk = torch.tensor([prompt[i : i + PREFILL_CHUNK]])
+            hidden, rows = _feature_rows(model.forward(chunk, cache, [slot], taps), taps)
+            hidden = hidden[0]
+            feats.append(rows[0].to(torch.bfloat16))
         first = int(model.logits(hidden[-1]).argmax())
         slots[slot] = {"key": key, "tokens": list(prompt) + [first], "feats": feats, "prompt_len": len(prompt)}
 
@@ -317,8 +326,7 @@ def distill(engine, prompts: list[list[int]], keys: list[str], max_new: int, bat
             continue
         feed = torch.tensor([slots[i]["tokens"][-1] for i in active])
         pos = [cache.lengths[i] for i in active]
-        out = model.forward_rows(feed, cache, active, pos, taps)
-        hidden, rows = (out[0], torch.cat([out[1], out[0]], -1)) if taps else (out, out)
+        hidden, rows = _feature_rows(model.forward_rows(feed, cache, active, pos, taps), taps)
         nxt = model.logits(hidden).argmax(-1).tolist()
         for r, i in enumerate(active):
             cache.lengths[i] += 1
