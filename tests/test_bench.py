@@ -78,6 +78,13 @@ def test_bench_refuses_unknown_methods(engine, cases):
         runner.bench(engine, cases, ["off", "magic"])
     with pytest.raises(ValueError, match="needs --policy"):
         runner.bench(engine, cases, ["policy"])
+    with pytest.raises(ValueError, match="needs --eagle-head"):
+        runner.bench(engine, cases, ["eagle-lookup:4"])
+
+
+def test_eagle_lookup_is_eagle_with_prompt_lookup():
+    assert runner.split_method("eagle-lookup:4", 5) == ("eagle-lookup", 4)
+    assert runner.METHOD_OPTIONS["eagle-lookup"] == ("eagle", {"eagle_lookup": True})
 
 
 def test_bench_concurrency_report(engine, cases):

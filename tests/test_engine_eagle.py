@@ -43,6 +43,11 @@ def assert_eagle_equals_off(engine, folder: Path) -> None:
         out = engine.generate(prompt, SamplingParams(max_tokens=40),
                               SpecConfig(method="eagle", gamma=8, eagle_head=str(folder)))
         assert out.token_ids == plain.token_ids
+        for adaptive in (False, True):  # prompt lookup first, the head elsewhere
+            out = engine.generate(prompt, SamplingParams(max_tokens=40),
+                                  SpecConfig(method="eagle", gamma=4, eagle_head=str(folder), eagle_lookup=True,
+                                             adaptive_length=adaptive))
+            assert out.token_ids == plain.token_ids, adaptive
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +197,52 @@ def test_greedy_eagle_equals_off_with_accepted_drafts(tiny_engine, tiny_head):
     assert out.token_ids == plain.token_ids
     assert out.stats.acceptance_rate > 0.9
     assert out.stats.target_passes < plain.stats.target_passes // 2
+
+
+def test_lookup_first_drafts_copies_by_lookup_and_the_rest_by_the_head():
+    """Rounds go to the lookup where the text has a match and to the head elsewhere; each
+    verdict teaches only the drafter that drafted; the head sees every kept row."""
+    from openalice_runner.engine.drafters.base import Drafter, Proposal
+    from openalice_runner.engine.drafters.lookup_first import LookupFirstDrafter
+    from openalice_runner.engine.drafters.ngram import NgramDrafter
+
+    class Head(Drafter):
+        wants_hidden = True
+        feature_layers = (2,)
+
+        def __init__(self):
+            self.updates, self.observed = [], 0
+
+        def propose(self, history, gamma, sampling, generator):
+            return Proposal([7] * gamma)
+
+        def observe(self, hidden):
+            self.observed += hidden.shape[0]
+
+        def update(self, history, proposed, accepted):
+            self.updates.append((proposed, accepted))
+
+    lookup, head = NgramDrafter(2, 2), Head()
+    drafter = LookupFirstDrafter(lookup, head)
+    assert drafter.wants_hidden and drafter.feature_layers == (2,)
+    greedy = SamplingParams()
+    drafter.start([1, 2, 3, 4, 1, 2])
+    assert drafter.propose([1, 2, 3, 4, 1, 2], 2, greedy, None).tokens == [3, 4]  # copies
+    before = lookup.acceptance.accepted[2], lookup.acceptance.rejected[2]
+    drafter.observe(torch.zeros(2, 4))
+    drafter.update([1, 2, 3, 4, 1, 2, 3], 2, 1)
+    assert head.updates == [] and head.observed == 2
+    # the lookup learned: one accepted token and one rejection, for a match of 2
+    assert (lookup.acceptance.accepted[2], lookup.acceptance.rejected[2]) == (before[0] + 1, before[1] + 1)
+    assert drafter.propose([1, 2, 3, 4, 1, 2, 3, 9], 3, greedy, None).tokens == [7, 7, 7]  # no match
+    drafter.update([1, 2, 3, 4, 1, 2, 3, 9, 5], 3, 0)
+    assert head.updates == [(3, 0)] and drafter.rounds == {"lookup": 1, "head": 1}
+
+
+def test_eagle_lookup_is_an_eagle_option():
+    with pytest.raises(ValueError, match="eagle_lookup"):
+        SpecConfig(method="ngram", eagle_lookup=True)
+    assert SpecConfig(method="eagle", eagle_head="h", eagle_lookup=True).eagle_lookup
 
 
 def test_prompts_exclude_the_benchmark(workload_path, tmp_path):

@@ -199,13 +199,18 @@ def random_eagle_runtime(seed: int, feature_layers: list[int] | None = None):
     return EagleRuntime(head, target)
 
 
-@pytest.mark.parametrize(("gamma", "top_p", "feature_layers", "costs"),
-                         [(3, 1.0, None, False), (5, 0.8, None, False), (4, 0.9, [0, 1], False), (6, 1.0, None, True)])
-def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_layers, costs):
+@pytest.mark.parametrize(("gamma", "top_p", "feature_layers", "costs", "lookup"),
+                         [(3, 1.0, None, False, False), (5, 0.8, None, False, False), (4, 0.9, [0, 1], False, False),
+                          (6, 1.0, None, True, False), (4, 1.0, None, False, True)])
+def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_layers, costs, lookup):
     """With `feature_layers`, an EAGLE-3-style head that fuses tapped layers with f_t. With
-    `costs`, the drafter sizes each draft from its own confidence (lengths vary round to round)."""
+    `costs`, the drafter sizes each draft from its own confidence (lengths vary round to round).
+    With `lookup`, prompt lookup drafts (one-hot q) where the text has a match and the head
+    (its own q) elsewhere, round by round."""
     from openalice_runner.engine.cost_model import PassCostModel
     from openalice_runner.engine.drafters.eagle import EagleDrafter
+    from openalice_runner.engine.drafters.lookup_first import LookupFirstDrafter
+    from openalice_runner.engine.drafters.ngram import NgramDrafter
 
     pass_costs = None
     if costs:  # every verify row costs a tenth of a pass: only confident drafts run long
@@ -213,6 +218,7 @@ def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_lay
         for rows in range(1, 8):
             pass_costs.record(rows, 0.01 * (1 + 0.1 * (rows - 1)))
     lengths: set[int] = set()
+    rounds = {"lookup": 0, "head": 0}
 
     target = random_chain(1)
     runtime = random_eagle_runtime(gamma, feature_layers)
@@ -223,7 +229,9 @@ def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_lay
     proposed = 0
     for i in range(N):
         s = SamplingParams(temperature=0.9, top_p=top_p, seed=gamma * 100_000 + i, max_tokens=LENGTH)
-        drafter = EagleDrafter(runtime, 64, VOCAB, costs=pass_costs)
+        drafter = head = EagleDrafter(runtime, 64, VOCAB, costs=pass_costs)
+        if lookup:  # a repeated last token matches (lookup drafts), a new one does not (the head does)
+            drafter = LookupFirstDrafter(NgramDrafter(1, 1), head)
         seq = new_sequence(PROMPT, s, SpecConfig(method="eagle", gamma=gamma), drafter, ToyCache(),
                            SilentTokenizer(), frozenset(), context_length=64)
         result = None
@@ -231,10 +239,15 @@ def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_lay
             result = event.result or result
         proposed += result.stats.draft_proposed
         lengths.add(result.stats.draft_proposed)
+        if lookup:
+            for source, n in drafter.rounds.items():
+                rounds[source] += n
         key = tuple(result.token_ids)
         counts[key] = counts.get(key, 0) + 1
     assert proposed >= (N // 2 if costs else N)  # fixed γ: the head drafted in every sequence
     if costs:
         assert len(lengths) > 1  # draft lengths really varied
-    assert drafter.feats.shape[1] == (len(feature_layers or ()) + 1) * FeatureMarkovModel.HIDDEN  # it read the taps
+    if lookup:  # both drafted, many times
+        assert min(rounds.values()) > N // 4, rounds
+    assert head.feats.shape[1] == (len(feature_layers or ()) + 1) * FeatureMarkovModel.HIDDEN  # it read the taps
     assert chi_square_p(joint, counts, N) > 1e-3

@@ -55,7 +55,7 @@ def test_every_rule_field_decides():
             match: {turn_type: reasoning, model: big}
             method: eagle
             gamma: 6
-            options: {eagle_head: /heads/big}
+            options: {eagle_head: /heads/big, eagle_lookup: true, ngram_min: 2}
           - name: draft-model
             match: {turn_type: reasoning, model: other}
             method: draft
@@ -75,7 +75,8 @@ def test_every_rule_field_decides():
     d = s.decide(RequestContext("chat", 1, provider="sg2"))
     assert (d.method, d.gamma, d.pool) == ("eagle", 4, "e3")
     assert s.decide(RequestContext("reasoning", 1, model="tiny")).to_spec_config().draft_layers == 2
-    assert s.decide(RequestContext("reasoning", 1, model="big")).to_spec_config().eagle_head == "/heads/big"
+    spec = s.decide(RequestContext("reasoning", 1, model="big")).to_spec_config()
+    assert (spec.eagle_head, spec.eagle_lookup, spec.ngram_min) == ("/heads/big", True, 2)
     assert (
         s.decide(RequestContext("reasoning", 1, model="other")).to_spec_config().draft_model
         == "/models/small"
@@ -134,6 +135,14 @@ def test_yaml12_booleans_keep_off_a_string():
         (
             "default: {method: ngram, gamma: 3, options: {eagle_head: x}}\n",
             "p.yaml:1:46: option eagle_head does not apply to method ngram",
+        ),
+        (
+            "default: {method: ngram, gamma: 3, options: {eagle_lookup: true}}\n",
+            "p.yaml:1:46: option eagle_lookup does not apply to method ngram",
+        ),
+        (
+            "default: {method: eagle, gamma: 3, options: {eagle_head: h, eagle_lookup: 2}}\n",
+            "p.yaml:1:75: default.options.eagle_lookup: input should be a valid boolean",
         ),
         ("default: {method: eagle, gamma: 3}\n", "p.yaml:1:10: method eagle needs options.eagle_head"),
         ("default: {method: draft, gamma: 3}\n", "p.yaml:1:10: method draft needs options.draft_model"),
@@ -301,6 +310,7 @@ decisions = st.fixed_dictionaries(
                 "ngram_min": st.integers(0, 5),
                 "ngram_max": st.integers(0, 5),
                 "eagle_head": st.just("h"),
+                "eagle_lookup": st.one_of(st.booleans(), st.just("yes")),
                 "draft_layers": st.integers(0, 3),
             },
         ),

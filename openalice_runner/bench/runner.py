@@ -2,7 +2,8 @@
 
 Methods:
 - `off`, `ngram`, `draft`, `eagle`: the embedded engine (`eagle` needs a trained head);
-- `ngram:G`, `draft:G`, `eagle:G`: the same with γ fixed at G instead of `--gamma`;
+- `eagle-lookup`: `eagle` drafting by prompt lookup where the context has a match worth it;
+- `ngram:G`, `draft:G`, `eagle:G`, `eagle-lookup:G`: the same with γ fixed at G instead of `--gamma`;
 - `policy`: method and γ from a policy file, per case's turn type;
 - `hf-plain`, `hf-prompt-lookup`: transformers' own `generate` on the same model and dtype
   (the peer to beat); `hf-prompt-lookup` is the faster of 4 and 10 lookup tokens.
@@ -23,7 +24,9 @@ import torch
 from openalice_runner.bench.workload import COPY_HEAVY, OPEN_ENDED, Case, render_case
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 
-ENGINE_METHODS = ("off", "ngram", "draft", "eagle")
+ENGINE_METHODS = ("off", "ngram", "draft", "eagle", "eagle-lookup")
+# bench names that are an engine method with options
+METHOD_OPTIONS = {"eagle-lookup": ("eagle", {"eagle_lookup": True})}
 HF_METHODS = ("hf-plain", "hf-prompt-lookup")
 ALL_METHODS = (*ENGINE_METHODS, "policy", *HF_METHODS)
 HF_LOOKUP_TOKENS = (4, 10)
@@ -109,7 +112,7 @@ def bench(
         raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
     if "policy" in methods and policy_store is None:
         raise ValueError("method 'policy' needs --policy FILE")
-    if any(split_method(m, gamma)[0] == "eagle" for m in methods) and not eagle_head:
+    if any(split_method(m, gamma)[0].startswith("eagle") for m in methods) and not eagle_head:
         raise ValueError("method 'eagle' needs --eagle-head DIR (a head trained with `openalice-runner draft train`)")
     # Warm up allocator, thread pool and caches so the first measured row is not penalised.
     warm = engine.encode("Hello there, how are you?")
@@ -166,8 +169,10 @@ def _one(engine: Engine, case: Case, prompt: list[int], method: str, gamma: int,
          eagle_head: str | None = None) -> Run:
     method, gamma = split_method(method, gamma)
     if method in ENGINE_METHODS:
-        head = eagle_head if method == "eagle" else None
-        return run_engine(engine, prompt, case.max_tokens, SpecConfig(method=method, gamma=gamma, eagle_head=head))
+        base, options = METHOD_OPTIONS.get(method, (method, {}))
+        head = eagle_head if base == "eagle" else None
+        spec = SpecConfig(method=base, gamma=gamma, eagle_head=head, **options)
+        return run_engine(engine, prompt, case.max_tokens, spec)
     if method == "policy":
         from openalice_runner.policies import RequestContext
 

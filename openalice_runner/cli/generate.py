@@ -20,6 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gamma", type=positive_int, default=5, help="draft tokens per round")
     p.add_argument("--draft-layers", type=positive_int, default=None, help="self-draft from the first N layers")
     p.add_argument("--eagle-head", default=None, help="folder of a trained EAGLE head (`draft train`)")
+    p.add_argument("--eagle-lookup", action="store_true",
+                   help="with --spec eagle: draft by prompt lookup where the context has a match worth it")
     p.add_argument("--ngram-min", type=positive_int, default=1)
     p.add_argument("--ngram-max", type=positive_int, default=4)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                   seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
         spec = SpecConfig(method=args.spec, gamma=args.gamma, draft_layers=args.draft_layers,
-                          ngram_min=args.ngram_min, ngram_max=args.ngram_max, eagle_head=args.eagle_head)
+                          ngram_min=args.ngram_min, ngram_max=args.ngram_max, eagle_head=args.eagle_head,
+                          eagle_lookup=args.eagle_lookup)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

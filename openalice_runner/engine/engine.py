@@ -244,6 +244,11 @@ class Engine:
             if runtime is None:
                 head = load_head(spec.eagle_head, self.model_name, self.model)
                 runtime = self._eagle_heads[spec.eagle_head] = EagleRuntime(head, self.model)
-            return EagleDrafter(runtime, max_len, self.model.cfg.vocab_size,
-                                costs=self.pass_costs if spec.adaptive_length else None)
+            costs = self.pass_costs if spec.adaptive_length else None
+            head_drafter = EagleDrafter(runtime, max_len, self.model.cfg.vocab_size, costs=costs)
+            if not spec.eagle_lookup:
+                return head_drafter
+            from openalice_runner.engine.drafters.lookup_first import LookupFirstDrafter
+
+            return LookupFirstDrafter(NgramDrafter(spec.ngram_min, spec.ngram_max, costs=costs), head_drafter)
         raise ValueError(f"speculation method {spec.method!r} is not available in the embedded engine yet")

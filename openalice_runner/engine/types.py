@@ -57,6 +57,9 @@ class SpecConfig:
     draft_model: str | None = None  # path of a separate draft LM sharing the vocabulary
     draft_layers: int | None = None  # self-draft from the target's first N layers
     eagle_head: str | None = None  # path of a trained EAGLE-style head
+    # eagle: draft by prompt lookup (ngram_min..ngram_max) where the context has a match worth
+    # drafting, by the head elsewhere (`drafters/lookup_first.py`)
+    eagle_lookup: bool = False
     # n-gram and eagle drafters cut a draft below γ where the engine's measured pass costs say
     # the longer one will not pay; False: every draft is γ long (fixed-γ experiments, tests)
     adaptive_length: bool = True
@@ -68,6 +71,8 @@ class SpecConfig:
             raise ValueError(f"gamma must be in [1, 64], got {self.gamma!r}")
         if not (1 <= self.ngram_min <= self.ngram_max):
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.eagle_lookup and self.method != "eagle":
+            raise ValueError(f"eagle_lookup applies to method 'eagle' only, got method {self.method!r}")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers!r}")
 

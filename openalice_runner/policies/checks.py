@@ -90,7 +90,7 @@ def _check_decision(d: DecisionSpec, path: Path, policy: Policy, loc: Located) -
                 loc.problem(at("options", f), f"option {f} does not apply to method {d.method}", key=True)
             )
     lo, hi = opts.ngram_min or 1, opts.ngram_max or 4
-    if d.method == "ngram" and lo > hi:
+    if d.method in ("ngram", "eagle") and lo > hi:
         problems.append(loc.problem(at("options", "ngram_max"), f"ngram_max {hi} < ngram_min {lo}"))
     if d.method == "eagle" and opts.eagle_head is None and d.pool is None:
         problems.append(

@@ -47,13 +47,14 @@ class MethodOptions(_Strict):
     draft_model: str | None = None
     draft_layers: int | None = Field(None, ge=1)
     eagle_head: str | None = None
+    eagle_lookup: bool | None = None  # eagle: prompt lookup drafts where it has a match worth it
 
 
 OPTIONS_BY_METHOD: dict[str, frozenset[str]] = {
     "off": frozenset(),
     "ngram": frozenset({"ngram_min", "ngram_max"}),
     "draft": frozenset({"draft_model", "draft_layers"}),
-    "eagle": frozenset({"eagle_head"}),
+    "eagle": frozenset({"eagle_head", "eagle_lookup", "ngram_min", "ngram_max"}),
 }
 
 
