@@ -11,6 +11,13 @@ and cancelled sequences leave at once and free their slot for the next step.
 Prefill is chunked: while others decode, a step feeds at most `prefill_chunk` prompt tokens,
 so a long new prompt delays the running sequences by one chunk's cost per step, not by its
 whole prefill.
+
+Prefix reuse (`prefix_reuse`): an agent loop sends its whole history again with every call, and
+on a CPU prefill is compute-bound. A finished sequence's slot keeps its keys and values until
+the slot is needed; a new request takes the free slot that holds the longest prefix of its
+prompt and prefills only the rest (the cache rows of a position depend only on the tokens up to
+it, so reusing them is exact). Drafters that read the target's hidden states (EAGLE heads) need
+those of the whole prompt and always prefill in full.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ class BatchScheduler:
         costs: PassCostModel | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         max_waiting: int = 256,
+        prefix_reuse: bool = False,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -106,7 +114,10 @@ class BatchScheduler:
         self.cache = model.new_cache(0, CACHE_GRANULE)
         self._waiting: deque[BatchRequest] = deque()
         self._running: list[BatchRequest] = []
-        self._free_slots: list[int] = []
+        self._free_slots: list[int] = []  # least recently freed first
+        self.prefix_reuse = prefix_reuse
+        # free slot -> the tokens whose keys and values it still holds, at positions 0..n-1
+        self._held: dict[int, list[int]] = {}
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -191,10 +202,31 @@ class BatchScheduler:
             else:
                 self.cache.grow(self.cache.batch, need)
             seq.cache = self.cache
-            seq.slot = self._free_slots.pop(0)
-            self.cache.lengths[seq.slot] = 0
+            seq.slot, reused = self._take_slot(seq)
+            self.cache.lengths[seq.slot] = reused
+            request.prefilled = reused
+            seq.stats.cached_prompt_tokens = reused
             request.prefill_started = time.perf_counter()
             self._running.append(request)
+
+    def _take_slot(self, seq: Sequence) -> tuple[int, int]:
+        """A free slot for `seq`, and how many of its prompt tokens the slot already holds.
+
+        The slot with the longest usable prefix wins; without one, a slot that holds nothing,
+        else the one freed longest ago, so recent histories stay for the calls that follow them."""
+        best, reused = None, 0
+        if self.prefix_reuse and not (seq.drafter is not None and seq.drafter.wants_hidden):
+            limit = len(seq.prompt) - 1  # the last prompt token is always fed: its logits start the reply
+            for slot in self._free_slots:
+                n = common_prefix(self._held.get(slot, ()), seq.prompt, limit)
+                if n > reused:
+                    best, reused = slot, n
+        if best is None:
+            empty = [slot for slot in self._free_slots if slot not in self._held]
+            best = empty[0] if empty else self._free_slots[0]
+        self._free_slots.remove(best)
+        self._held.pop(best, None)
+        return best, reused
 
     def _step(self) -> None:
         batch, waiting = len(self._running), len(self._waiting)
@@ -285,20 +317,34 @@ class BatchScheduler:
                 self._retire(request)
 
     def _retire(self, request: BatchRequest) -> None:
+        seq = request.seq
         self._running.remove(request)
-        self._free_slots.append(request.seq.slot)
-        request.events.put(final_event(request.seq))
+        self._free_slots.append(seq.slot)
+        if self.prefix_reuse:
+            # Positions below both the cache length and the token count hold these tokens'
+            # entries (the cache may also hold accepted drafts cut off by max_tokens or EOS).
+            self._held[seq.slot] = seq.tokens[: min(self.cache.lengths[seq.slot], len(seq.tokens))]
+        request.events.put(final_event(seq))
 
     def _fail_running(self, exc: BaseException) -> None:
         for request in list(self._running):
             self._running.remove(request)
-            self._free_slots.append(request.seq.slot)
+            self._free_slots.append(request.seq.slot)  # a pass failed mid-write: hold nothing
             request.events.put(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         self._fail_running(exc)
         while self._waiting:
             self._waiting.popleft().events.put(exc)
+
+
+def common_prefix(held, prompt: list[int], limit: int) -> int:
+    """How many leading tokens `held` and `prompt` share, at most `limit`."""
+    n = min(len(held), limit)
+    for i in range(n):
+        if held[i] != prompt[i]:
+            return i
+    return max(n, 0)
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:

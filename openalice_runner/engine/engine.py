@@ -43,9 +43,12 @@ class Engine:
         dtype: str,
         context_length: int | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
+        prefix_reuse: bool = False,
     ):
         """`max_batch` > 1 decodes concurrent requests together (batching.py); 1 runs them one
-        at a time on the serial decode loop (generator.run_sequence)."""
+        at a time on the serial decode loop (generator.run_sequence). `prefix_reuse`: a request
+        whose prompt starts like a finished one's tokens prefills only the rest (batching only;
+        off by default so that benchmarks that run one prompt several times stay comparable)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if max_batch < 1:
@@ -72,7 +75,7 @@ class Engine:
         self._lock = threading.Lock()  # the serial loop runs one request at a time
         self.scheduler: BatchScheduler | None = None
         if max_batch > 1 and isinstance(self.model, LlamaModel):
-            self.scheduler = BatchScheduler(self.model, max_batch, costs=self.pass_costs)
+            self.scheduler = BatchScheduler(self.model, max_batch, costs=self.pass_costs, prefix_reuse=prefix_reuse)
         self.max_batch = max_batch if self.scheduler is not None else 1
         self._cache: KVCache | None = None
         self._draft_models: dict[int, LlamaModel] = {}
@@ -87,6 +90,7 @@ class Engine:
         dtype: str = "bf16",
         threads: int | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
+        prefix_reuse: bool = False,
     ) -> Engine:
         """Load the default model (None) or a local HF folder / .gguf file."""
         if dtype not in DTYPES:
@@ -98,11 +102,12 @@ class Engine:
         folder = converted_folder(source)
         hf_model, tokenizer = load_hf_model(folder, dtype)
         name = DEFAULT_MODEL_NAME if model is None else source.name
-        return cls(hf_model, tokenizer, name, dtype, max_batch=max_batch)
+        return cls(hf_model, tokenizer, name, dtype, max_batch=max_batch, prefix_reuse=prefix_reuse)
 
     @classmethod
     def tiny_random(
-        cls, seed: int = 0, dtype: str = "fp32", layers: int = 4, max_batch: int = DEFAULT_MAX_BATCH
+        cls, seed: int = 0, dtype: str = "fp32", layers: int = 4, max_batch: int = DEFAULT_MAX_BATCH,
+        prefix_reuse: bool = False,
     ) -> Engine:
         """A tiny random Llama with the default model's tokenizer, for fast tests."""
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -123,7 +128,7 @@ class Engine:
         torch.manual_seed(seed)
         torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         hf_model = LlamaForCausalLM(config).to(torch_dtype).eval()
-        return cls(hf_model, tokenizer, "tiny-random", dtype, max_batch=max_batch)
+        return cls(hf_model, tokenizer, "tiny-random", dtype, max_batch=max_batch, prefix_reuse=prefix_reuse)
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()
@@ -212,6 +217,22 @@ class Engine:
             self._cache = self.model.new_cache(1, size)
         return self._cache
 
+    def eagle_runtime(self, folder: str | None):
+        """The head in `folder`, loaded once; ValueError (naming the field) where it is missing or
+        belongs to another target."""
+        from openalice_runner.engine.eagle.head import EagleRuntime, load_head
+
+        if not folder:
+            raise ValueError("method 'eagle' needs eagle_head (policy options.eagle_head, CLI --eagle-head): "
+                             "the folder of a head trained with `openalice-runner draft train`")
+        if not isinstance(self.model, LlamaModel):
+            raise ValueError("method 'eagle' needs a Llama-family target")
+        runtime = self._eagle_heads.get(folder)
+        if runtime is None:
+            head = load_head(folder, self.model_name, self.model)
+            runtime = self._eagle_heads[folder] = EagleRuntime(head, self.model)
+        return runtime
+
     def _make_drafter(self, spec: SpecConfig, max_len: int, own_cache: bool = False) -> Drafter:
         """`own_cache`: a fresh draft cache for this request (concurrent requests cannot share one)."""
         if spec.method == "ngram":
@@ -233,17 +254,8 @@ class Engine:
             return DraftModelDrafter(self._draft_models[n], cache)
         if spec.method == "eagle":
             from openalice_runner.engine.drafters.eagle import EagleDrafter
-            from openalice_runner.engine.eagle.head import EagleRuntime, load_head
 
-            if not spec.eagle_head:
-                raise ValueError("method 'eagle' needs eagle_head (policy options.eagle_head, CLI --eagle-head): "
-                                 "the folder of a head trained with `openalice-runner draft train`")
-            if not isinstance(self.model, LlamaModel):
-                raise ValueError("method 'eagle' needs a Llama-family target")
-            runtime = self._eagle_heads.get(spec.eagle_head)
-            if runtime is None:
-                head = load_head(spec.eagle_head, self.model_name, self.model)
-                runtime = self._eagle_heads[spec.eagle_head] = EagleRuntime(head, self.model)
+            runtime = self.eagle_runtime(spec.eagle_head)
             costs = self.pass_costs if spec.adaptive_length else None
             head_drafter = EagleDrafter(runtime, max_len, self.model.cfg.vocab_size, costs=costs)
             if not spec.eagle_lookup:

@@ -84,6 +84,7 @@ class GenerationStats:
     method: str = "off"
     gamma: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of those, found in the cache (prefix reuse) and not prefilled
     completion_tokens: int = 0
     target_passes: int = 0  # target forward passes after prefill (decode or verify)
     draft_proposed: int = 0

@@ -1,0 +1,111 @@
+"""Prefix reuse: a prompt that starts like a finished request's tokens prefills only the rest.
+
+An agent loop sends its history again with every call. The batching engine keeps a finished
+sequence's keys and values in its free slot; the next request takes the slot with the longest
+matching prefix. Reuse must be exact (greedy output equal to a full prefill, fp32 and bf16),
+must pick the right slot, and must stay out of the way of drafters that read hidden states.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from openalice_runner.engine import Engine, SamplingParams, SpecConfig
+from openalice_runner.engine.batching import common_prefix
+from openalice_runner.engine.cpu_kernels import cpu_kernels
+from openalice_runner.engine.drafters.ngram import NgramDrafter
+
+HISTORY = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+
+
+def engines(dtype: str):
+    """The same tiny model twice: with prefix reuse, and without (the reference)."""
+    return (Engine.tiny_random(seed=3, dtype=dtype, max_batch=4, prefix_reuse=True),
+            Engine.tiny_random(seed=3, dtype=dtype, max_batch=4))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_follow_up_call_reuses_the_history_and_matches_a_full_prefill(dtype):
+    if dtype == "bf16" and cpu_kernels() is None:
+        pytest.skip("bf16 row invariance needs the engine's own kernels")
+    reuse, plain = engines(dtype)
+    sampling = SamplingParams(max_tokens=24)
+    first = reuse.encode(HISTORY)
+    a = reuse.generate(first, sampling, SpecConfig(method="ngram", gamma=3))
+    assert a.stats.cached_prompt_tokens == 0
+    # the next call: the history, the reply, and a new message
+    second = first + a.token_ids + reuse.encode(" And then the dog")
+    b = reuse.generate(second, sampling, SpecConfig(method="ngram", gamma=3))
+    # all but the reply's last token, which was emitted and never fed
+    assert b.stats.cached_prompt_tokens == len(first) + len(a.token_ids) - 1
+    assert b.token_ids == plain.generate(second, sampling).token_ids
+    # the same prompt again: everything but its last token
+    c = reuse.generate(second, sampling)
+    assert c.stats.cached_prompt_tokens == len(second) - 1
+    assert c.token_ids == b.token_ids
+
+
+def test_reuse_picks_the_longest_prefix_and_keeps_recent_histories():
+    engine = Engine.tiny_random(seed=3, max_batch=4, prefix_reuse=True)
+    sampling = SamplingParams(max_tokens=8)
+    x = engine.encode("alpha beta gamma delta epsilon zeta eta theta")
+    y = engine.encode("one two three four five six seven eight nine")
+    # grow the cache to 4 slots with 4 concurrent requests, so that free slots hold nothing yet
+    start = threading.Barrier(4)
+
+    def one(prompt):
+        start.wait()
+        return engine.generate(prompt, sampling)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in (x, y, x[:3], y[:3])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rx = engine.generate(x, sampling)
+    ry = engine.generate(y, sampling)
+    assert rx.stats.cached_prompt_tokens == len(x) - 1 and ry.stats.cached_prompt_tokens == len(y) - 1
+    # unrelated prompts take slots that hold nothing or were freed longest ago
+    for text in ("lorem ipsum dolor", "sit amet consectetur"):
+        assert engine.generate(engine.encode(text), sampling).stats.cached_prompt_tokens == 0
+    # both recent histories are still there
+    assert engine.generate(x + rx.token_ids, sampling).stats.cached_prompt_tokens == len(x) + len(rx.token_ids) - 1
+    assert engine.generate(y + ry.token_ids, sampling).stats.cached_prompt_tokens >= len(y)
+
+
+def test_drafters_that_read_hidden_states_prefill_in_full():
+    class ReadsHidden(NgramDrafter):
+        wants_hidden = True
+
+        def __init__(self):
+            super().__init__()
+            self.rows = 0
+
+        def observe(self, hidden: torch.Tensor) -> None:
+            self.rows += hidden.shape[0]
+
+    engine = Engine.tiny_random(seed=3, max_batch=4, prefix_reuse=True)
+    prompt = engine.encode(HISTORY)
+    engine.generate(prompt, SamplingParams(max_tokens=4))
+    drafter = ReadsHidden()
+    out = engine.generate(prompt, SamplingParams(max_tokens=4), SpecConfig(method="ngram", gamma=2), drafter=drafter)
+    assert out.stats.cached_prompt_tokens == 0
+    assert drafter.rows >= len(prompt)  # it saw every prompt position
+
+
+def test_off_by_default_and_on_the_serial_loop():
+    for engine in (Engine.tiny_random(seed=3, max_batch=4), Engine.tiny_random(seed=3, max_batch=1)):
+        prompt = engine.encode(HISTORY)
+        engine.generate(prompt, SamplingParams(max_tokens=4))
+        assert engine.generate(prompt, SamplingParams(max_tokens=4)).stats.cached_prompt_tokens == 0
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5], 10) == 2
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4], 10) == 3
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4], 2) == 2
+    assert common_prefix([], [1], 0) == 0
+    assert common_prefix([5], [1], 1) == 0
