@@ -123,13 +123,42 @@ async def test_stream_with_the_tiny_model_matches_chat():
     assert chunks[0].delta.role == "assistant"
 
 
-async def test_unsupported_method_runs_without_speculation():
+async def test_eagle_without_a_usable_head_runs_without_speculation():
     p = local(tiny_engine())
     r = await p.chat(
         ChatRequest(messages=[{"role": "user", "content": "x"}], max_tokens=2),
         CallContext(decision=decision("eagle")),
     )
     assert r.speculation.method == "off"  # what ran, honestly
+
+
+async def test_eagle_decision_drafts_with_the_policys_head(tmp_path):
+    from test_engine_eagle import build_tiny_head
+
+    from openalice_runner.engine.types import SpecConfig
+
+    engine = tiny_engine()
+    folder, _, _ = build_tiny_head(engine, tmp_path, None)
+    chosen = decision("eagle", 3)
+    chosen.to_spec_config = lambda: SpecConfig(method="eagle", gamma=3, eagle_head=str(folder), eagle_lookup=True)
+    req = ChatRequest(messages=[{"role": "user", "content": "one two three one two three one two"}], max_tokens=12)
+    r = await local(engine).chat(req, CallContext(decision=chosen))
+    plain = await local(engine).chat(req, CallContext())
+    assert r.speculation.method == "eagle" and r.speculation.proposed
+    assert r.content == plain.content
+
+
+async def test_follow_up_call_reports_its_cached_prompt_tokens():
+    p = local(None, tiny_random=True)  # the provider's own engine: prefix reuse is on by default
+    history = [{"role": "user", "content": "Tell me about the lazy dog and the quick brown fox."}]
+    first = await p.chat(ChatRequest(messages=history, max_tokens=6), CallContext())
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    history += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "And then?"}]
+    second = await p.chat(ChatRequest(messages=history, max_tokens=6), CallContext())
+    # the first prompt at least (its last token may merge with the reply once rendered as text)
+    assert first.usage.prompt_tokens - 1 <= second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    assert second.model_dump()["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": second.usage.prompt_tokens_details.cached_tokens}
 
 
 async def test_context_too_long_is_a_bad_request():

@@ -48,7 +48,7 @@ from openalice_runner.types import (
 
 logger = logging.getLogger(__name__)
 
-ENGINE_SPEC_METHODS = frozenset({"off", "ngram", "draft"})
+ENGINE_SPEC_METHODS = frozenset({"off", "ngram", "draft", "eagle"})
 
 
 class LocalConfig(AdmissionLimits):
@@ -61,6 +61,9 @@ class LocalConfig(AdmissionLimits):
     threads: int | None = Field(default=None, ge=1)
     # requests the engine decodes together (continuous batching); 1 runs them one at a time
     max_batch: int = Field(default=8, ge=1, le=256)
+    # a prompt that starts like a finished request's tokens (an agent loop resending its
+    # history) prefills only the rest; needs max_batch > 1
+    prefix_reuse: bool = True
     max_tokens_default: int = Field(default=256, ge=1)
     # max_in_flight / max_queue (AdmissionLimits): the admission gate in front of this provider.
 
@@ -100,10 +103,11 @@ class LocalProvider(Provider):
 
                     cfg = self.config
                     if cfg.tiny_random:
-                        self._engine = Engine.tiny_random(max_batch=cfg.max_batch)
+                        self._engine = Engine.tiny_random(max_batch=cfg.max_batch, prefix_reuse=cfg.prefix_reuse)
                     else:
                         self._engine = Engine.load(
-                            cfg.model, dtype=cfg.dtype, threads=cfg.threads, max_batch=cfg.max_batch
+                            cfg.model, dtype=cfg.dtype, threads=cfg.threads, max_batch=cfg.max_batch,
+                            prefix_reuse=cfg.prefix_reuse,
                         )
         return self._engine
 
@@ -210,6 +214,8 @@ class LocalProvider(Provider):
         if decision is not None:
             if decision.method in ENGINE_SPEC_METHODS:
                 spec = decision.to_spec_config()
+                if spec.method == "eagle":
+                    spec = self._usable_head(spec, decision)
             else:
                 logger.info(
                     "%s: method %r not available in the engine; running without speculation",
@@ -217,6 +223,19 @@ class LocalProvider(Provider):
                     decision.method,
                 )
         return sampling, spec
+
+    def _usable_head(self, spec, decision):
+        """`spec` where its EAGLE head loads; otherwise no speculation, with a warning: a policy
+        naming a missing head is the operator's to fix, and must not fail every request."""
+        from openalice_runner.engine.types import SpecConfig
+
+        try:
+            self.engine.eagle_runtime(spec.eagle_head)
+        except (ValueError, OSError) as exc:
+            logger.warning("%s: rule %r: eagle head not usable (%s); running without speculation",
+                           self.name, getattr(decision, "rule", None), exc)
+            return SpecConfig()
+        return spec
 
     # ---- chat ----
 
@@ -278,7 +297,7 @@ class LocalProvider(Provider):
             content=content,
             tool_calls=tool_calls,
             finish_reason=finish,
-            usage=Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens),
+            usage=Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens, stats.cached_prompt_tokens),
             speculation=SpeculationInfo.from_stats(stats),
             provider=self.name,
         )
@@ -346,7 +365,7 @@ class LocalProvider(Provider):
             id=chunk_id,
             model=model,
             choices=[ChunkChoice(finish_reason=finish)],
-            usage=Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens),
+            usage=Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens, stats.cached_prompt_tokens),
             speculation=SpeculationInfo.from_stats(stats),
             provider=self.name,
         )
