@@ -121,3 +121,20 @@ def test_bench_concurrency_repeat_goes_round_levels_and_methods_and_keeps_the_me
         runs = sorted(row["runs_tokens_per_second"])
         assert len(runs) == 3 and row["tokens_per_second"] == runs[1]
         assert row["identical_to_off"] is True
+
+
+def test_bench_follow_up_report(engine, cases):
+    from openalice_runner.bench.follow_up import bench_follow_up, format_table
+
+    assert engine.scheduler.prefix_reuse is False
+    report = bench_follow_up(engine, cases, max_tokens=6, repeat=2)
+    assert engine.scheduler.prefix_reuse is False  # restored
+    assert [r["case"] for r in report["runs"]] == ["edit", "hello"]
+    for r in report["runs"]:
+        assert set(r["ttft_s"]) == set(r["total_s"]) == {"full", "reuse"}
+        assert r["identical"] and 0 < r["cached_tokens"] < r["prompt_tokens"]
+    s = report["summary"]
+    assert s["identical"] == "2/2" and s["cached_tokens"] == sum(r["cached_tokens"] for r in report["runs"])
+    assert len(format_table(report).splitlines()) == 6  # header, rule, two cases, blank, summary
+    with pytest.raises(ValueError, match="batching engine"):
+        bench_follow_up(Engine.tiny_random(seed=3, max_batch=1), cases)
