@@ -88,6 +88,9 @@ async def test_turn_holds_chat_and_tool_spans_with_genai_attributes(local):
     assert a["gen_ai.request.max_tokens"] == 8
     assert a["gen_ai.usage.input_tokens"] > 0
     assert 0 < a["gen_ai.usage.output_tokens"] <= 8
+    # the streamed call sends the same prompt again: all but its last token come from the cache
+    assert a["gen_ai.usage.cache_read.input_tokens"] == 0
+    assert streamed.attributes["gen_ai.usage.cache_read.input_tokens"] == a["gen_ai.usage.input_tokens"] - 1
     assert a["gen_ai.response.finish_reasons"] in (("stop",), ("length",))
     assert a["openalice.provider"] == "local"
     assert a["openalice.turn.type"] == "tool_call"

@@ -81,21 +81,24 @@ def _parent_of(ctx: Any) -> otel_context.Context | None:
     return attributes.get(OTEL_CONTEXT_KEY) if attributes else None
 
 
-def _usage_tokens(usage: Any) -> tuple[int | None, int | None]:
+def _usage_tokens(usage: Any) -> tuple[int | None, int | None, int | None]:
+    """(input, output, cached input) tokens of an OpenAI-style usage."""
     return (
         _first(usage, "prompt_tokens", "input_tokens"),
         _first(usage, "completion_tokens", "output_tokens"),
+        _get(_get(usage, "prompt_tokens_details"), "cached_tokens"),
     )
 
 
 def _result_fields(result: Any) -> dict[str, Any]:
-    input_tokens, output_tokens = _usage_tokens(_get(result, "usage"))
+    input_tokens, output_tokens, cached_tokens = _usage_tokens(_get(result, "usage"))
     return {
         "response_id": _get(result, "id"),
         "response_model": _get(result, "model"),
         "finish_reason": _get(result, "finish_reason"),
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
+        "cached_input_tokens": cached_tokens,
         "speculation": _figures(_get(result, "speculation"), _get(result, "stats")),
         "output_message": _get(result, "message"),
     }
@@ -151,4 +154,4 @@ def _merge_chunk_fields(fields: dict[str, Any], chunk: Any) -> None:
         fields["speculation"] = _figures(speculation, stats)
     usage = _get(chunk, "usage")
     if usage is not None:
-        fields["input_tokens"], fields["output_tokens"] = _usage_tokens(usage)
+        fields["input_tokens"], fields["output_tokens"], fields["cached_input_tokens"] = _usage_tokens(usage)

@@ -158,6 +158,7 @@ class ChatCall:
         output_tokens: int | None = None,
         speculation: Any = None,
         output_message: Any = None,
+        cached_input_tokens: int | None = None,
     ) -> None:
         if self.ended:
             return
@@ -173,6 +174,7 @@ class ChatCall:
                 output_tokens,
                 speculation,
                 output_message,
+                cached_input_tokens,
             )
         # The method actually used (the provider may have downgraded the decision) labels the metrics.
         labels = dict(self.metric_attrs)
@@ -198,6 +200,7 @@ class ChatCall:
         output_tokens: int | None,
         speculation: Any,
         output_message: Any,
+        cached_input_tokens: int | None = None,
     ) -> None:
         attrs: dict[str, Any] = {}
         if response_id:
@@ -210,6 +213,8 @@ class ChatCall:
             attrs[A.GEN_AI_USAGE_INPUT_TOKENS] = int(input_tokens)
         if output_tokens is not None:
             attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = int(output_tokens)
+        if cached_input_tokens is not None:
+            attrs[A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = int(cached_input_tokens)
         spec_attrs = speculation_attributes(speculation)
         attrs.update(spec_attrs)
         if self.first_chunk_s is not None and A.LATENCY_TTFT_MS not in attrs:
