@@ -86,6 +86,7 @@ class Runner:
         }
         self._chains = {route.name: self._chain(route.chain) for route in routing.routes}
         self._owns_policy_watch = False
+        self.prompt_log: Any = None  # PromptLog | None: saved traffic for `draft train`
 
     # ---- construction ----
 
@@ -102,13 +103,15 @@ class Runner:
         engine: Any = None,
         record_content: bool = False,
         admission: AdmissionLimits | None = None,
+        prompt_log: str | Path | None = None,
     ) -> Runner:
         """Build from a routing file (None: embedded default) and a policy file or PolicyStore.
 
         policy None: the repository's policies/default.yaml when present, else no policy
         (speculation off); policy False: no policy. telemetry False: no tracing; None: a
         RunnerTelemetry on the given (or the global OpenTelemetry) providers. engine: an Engine
-        for every `local` provider (tests and benchmarks pass a tiny one).
+        for every `local` provider (tests and benchmarks pass a tiny one). prompt_log: a JSON-lines
+        file that keeps every request's prompt, for `draft train --data` (off by default).
         """
         if providers is None:
             routing = RoutingConfig.default()
@@ -126,6 +129,10 @@ class Runner:
         built = {name: build_provider(name, cfg, engine) for name, cfg in routing.providers.items()}
         runner = cls(routing, built, policy=store, telemetry=telemetry, admission=admission)
         runner._owns_policy_watch = watch_policy and store is not None
+        if prompt_log is not None:
+            from openalice_runner.prompt_log import PromptLog
+
+            runner.prompt_log = PromptLog(prompt_log)
         return runner
 
     def _chain(self, names: list[str]) -> FallbackProvider:
@@ -193,11 +200,17 @@ class Runner:
 
     async def chat(self, request: ChatRequest, ctx: CallContext | None = None) -> ChatResult:
         ctx = ctx or CallContext()
-        return await self.chain_for(ctx.turn_type, request.model).chat(request, ctx)
+        chain = self.chain_for(ctx.turn_type, request.model)
+        if self.prompt_log is not None:
+            self.prompt_log.record(request, ctx.turn_type)
+        return await chain.chat(request, ctx)
 
     def stream(self, request: ChatRequest, ctx: CallContext | None = None) -> AsyncIterator[ChatChunk]:
         ctx = ctx or CallContext()
-        return self.chain_for(ctx.turn_type, request.model).stream(request, ctx)
+        chain = self.chain_for(ctx.turn_type, request.model)
+        if self.prompt_log is not None:
+            self.prompt_log.record(request, ctx.turn_type)
+        return chain.stream(request, ctx)
 
     # ---- what the loop calls ----
 

@@ -35,6 +35,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--record-content", action="store_true", help="record message content in spans (off: privacy)"
     )
     p.add_argument(
+        "--log-prompts", metavar="FILE",
+        help="keep every request's prompt in FILE (JSON lines, owner-only) to train an EAGLE head on "
+        "this traffic with `draft train --data FILE` (off: privacy)",
+    )  # fmt: skip
+    p.add_argument(
         "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body accepted"
     )
     p.add_argument(
@@ -150,5 +155,6 @@ def _build_runner(args: argparse.Namespace, telemetry):
 
     admission = AdmissionLimits(max_in_flight=args.max_in_flight, max_queue=args.max_queue)
     return Runner.from_config(
-        providers=args.providers, policy=args.policy, telemetry=telemetry, admission=admission
+        providers=args.providers, policy=args.policy, telemetry=telemetry, admission=admission,
+        prompt_log=args.log_prompts,
     )
