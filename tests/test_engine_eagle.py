@@ -260,8 +260,9 @@ def test_prompts_exclude_the_benchmark(workload_path, tmp_path):
 
 @pytest.mark.slow
 def test_greedy_eagle_equals_off_real_model_fp32(real_engine_fp32, workload_path):
-    """Every workload case, fp32: eagle output identical to off (needs a trained head; set
-    OPENALICE_EAGLE_HEAD or train the default one with `openalice-runner draft train`)."""
+    """Every workload case, fp32: eagle output identical to off, with fixed, confidence-sized and
+    lookup-first drafts (needs a trained head; set OPENALICE_EAGLE_HEAD or train the default one
+    with `openalice-runner draft train`)."""
     from openalice_runner.bench.workload import load_workload, render_case
     from openalice_runner.engine.eagle.pipeline import default_out
 
@@ -279,6 +280,9 @@ def test_greedy_eagle_equals_off_real_model_fp32(real_engine_fp32, workload_path
         assert fixed.stats.draft_proposed > 0
         sized = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=8, eagle_head=str(head)))
         assert sized.token_ids == plain.token_ids, case.id
+        lookup = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=5, eagle_head=str(head),
+                                                              eagle_lookup=True))
+        assert lookup.token_ids == plain.token_ids, case.id
 
 
 def _costs(per_row: float):
