@@ -162,6 +162,18 @@ def test_openai_client_plain_completion(stack):
     assert spec["policy_version"] == stack.runner.policy.version
 
 
+def test_follow_up_call_reports_cached_prompt_tokens_over_openai_client(stack):
+    """An agent loop's next call resends the history: the sidecar prefills only what is new and
+    says so in OpenAI's own usage field."""
+    history = [{"role": "user", "content": "Name a colour and a fruit, please."}]
+    first = stack.client.chat.completions.create(model=_model(stack), messages=history, max_tokens=6)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "Another one?"}]
+    second = stack.client.chat.completions.create(model=_model(stack), messages=history, max_tokens=6)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - 1 <= cached < second.usage.prompt_tokens
+
+
 def test_max_completion_tokens_is_honoured(stack):
     r = stack.client.chat.completions.create(
         model=_model(stack), messages=[{"role": "user", "content": "Count"}], max_completion_tokens=3
