@@ -93,7 +93,8 @@ def test_fused_head_trains_reloads_and_stays_exact(tiny_engine, tiny_fused_head)
 
 
 def test_fused_and_plain_heads_share_a_batch(tiny_engine, tiny_head, tiny_fused_head):
-    """One pass taps layers for the fused head's rows; every request still equals its `off` output."""
+    """One pass taps layers for the fused head's rows; every request (lookup-first ones too) still
+    equals its `off` output."""
     from test_engine_batching import run_concurrently
 
     sampling = SamplingParams(max_tokens=32)
@@ -101,6 +102,7 @@ def test_fused_and_plain_heads_share_a_batch(tiny_engine, tiny_head, tiny_fused_
     reference = [tiny_engine.generate(p, sampling) for p in prompts]
     specs = [SpecConfig(method="eagle", gamma=3, eagle_head=str(tiny_fused_head[0])),
              SpecConfig(method="eagle", gamma=2, eagle_head=str(tiny_head[0])),
+             SpecConfig(method="eagle", gamma=4, eagle_head=str(tiny_fused_head[0]), eagle_lookup=True),
              SpecConfig(method="ngram", gamma=4)]
     jobs = [(p, sampling, spec, None) for p in prompts for spec in specs]
     results = run_concurrently(tiny_engine, jobs)
