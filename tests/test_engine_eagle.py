@@ -201,6 +201,74 @@ def test_greedy_eagle_equals_off_with_accepted_drafts(tiny_engine, tiny_head):
     assert out.stats.target_passes < plain.stats.target_passes // 2
 
 
+def test_prefix_reuse_hands_the_head_its_features(tiny_engine, tiny_fused_head):
+    """A follow-up call reuses the finished call's cache and its drafter's features and head
+    cache: it prefills only the new tokens, still drafts, and still equals `off`."""
+    from openalice_runner.engine import Engine
+
+    engine = Engine.tiny_random(seed=0, max_batch=4, prefix_reuse=True)  # the weights of tiny_engine
+    sampling = SamplingParams(max_tokens=24)
+    first_prompt = engine.encode("one two three four one two three four one two")
+    for lookup in (False, True):
+        spec = SpecConfig(method="eagle", gamma=3, eagle_head=str(tiny_fused_head[0]), eagle_lookup=lookup,
+                          adaptive_length=False)
+        first = engine.generate(first_prompt, sampling, spec)
+        prompt = first_prompt + first.token_ids + engine.encode(" five six")
+        out = engine.generate(prompt, sampling, spec)
+        assert out.stats.cached_prompt_tokens == len(first_prompt) + len(first.token_ids) - 1, lookup
+        assert out.token_ids == tiny_engine.generate(prompt, sampling).token_ids
+        # the head drafts as it would have after a full prefill: its state carried over intact
+        full = tiny_engine.generate(prompt, sampling, spec)
+        assert (out.stats.draft_proposed, out.stats.draft_accepted) == (
+            full.stats.draft_proposed, full.stats.draft_accepted) and out.stats.draft_proposed > 0
+    # after an `off` request there are no features to take over: the prompt is prefilled in full
+    engine.generate(prompt + [5], sampling)
+    out = engine.generate(prompt + [5, 7], sampling, spec)
+    assert out.stats.cached_prompt_tokens == 0 and out.token_ids == tiny_engine.generate(prompt + [5, 7], sampling).token_ids
+
+
+def test_eagle_drafter_takes_over_a_prefix_exactly(tiny_engine, tiny_fused_head):
+    """After `reuse`, a drafter that observed only the new positions holds the same head cache
+    rows, proposes the same drafts and predicts the same features as one that observed them all."""
+    from openalice_runner.engine.drafters.eagle import EagleDrafter
+
+    rt = tiny_engine.eagle_runtime(str(tiny_fused_head[0]))
+    vocab = tiny_engine.model.cfg.vocab_size
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 500, (40,)).tolist()
+    feats = torch.randn(40, rt.cfg.feature_width)
+    greedy = SamplingParams()
+
+    # the new sequence shares 25 tokens with the old one; its 26th differs
+    new_tokens = tokens[:25] + [(tokens[25] + 1) % 500] + tokens[26:]
+
+    def drafter(max_len: int, seq: list[int] = new_tokens) -> EagleDrafter:
+        d = EagleDrafter(rt, max_len, vocab)
+        d.start(seq)
+        return d
+
+    def finished() -> EagleDrafter:
+        """A finished sequence's drafter: 30 positions fed, drafts proposed along the way."""
+        old = drafter(64, tokens)
+        old.observe(feats[:20])
+        old.propose(tokens[:21], 3, greedy, None)
+        old.observe(feats[20:30])
+        old.propose(tokens[:31], 3, greedy, None)
+        return old
+
+    for max_len in (64, 128):  # sharing the old cache, and growing into a larger one of its own
+        full = drafter(max_len)
+        full.observe(feats[:36])
+        reused = drafter(max_len)
+        assert reused.reuse(finished(), 25)
+        reused.observe(feats[25:36])
+        want = full.propose(new_tokens[:37], 4, greedy, None).tokens
+        assert reused.propose(new_tokens[:37], 4, greedy, None).tokens == want
+        for mine, theirs in zip(reused.cache, full.cache, strict=True):
+            assert torch.equal(mine[:, :, :36], theirs[:, :, :36])
+    assert not drafter(64).reuse(finished(), 31)  # more positions than it fed
+
+
 def test_lookup_first_drafts_copies_by_lookup_and_the_rest_by_the_head():
     """Rounds go to the lookup where the text has a match and to the head elsewhere; each
     verdict teaches only the drafter that drafted; the head sees every kept row."""

@@ -76,7 +76,9 @@ def test_reuse_picks_the_longest_prefix_and_keeps_recent_histories():
     assert engine.generate(y + ry.token_ids, sampling).stats.cached_prompt_tokens >= len(y)
 
 
-def test_drafters_that_read_hidden_states_prefill_in_full():
+def test_drafters_that_read_hidden_states_and_cannot_take_over_prefill_in_full():
+    """A drafter that reads hidden states but has no `reuse` of its own (the eagle drafter has
+    one: tests/test_engine_eagle.py) must observe every prompt position."""
     class ReadsHidden(NgramDrafter):
         wants_hidden = True
 

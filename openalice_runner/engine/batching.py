@@ -16,8 +16,9 @@ Prefix reuse (`prefix_reuse`): an agent loop sends its whole history again with 
 on a CPU prefill is compute-bound. A finished sequence's slot keeps its keys and values until
 the slot is needed; a new request takes the free slot that holds the longest prefix of its
 prompt and prefills only the rest (the cache rows of a position depend only on the tokens up to
-it, so reusing them is exact). Drafters that read the target's hidden states (EAGLE heads) need
-those of the whole prompt and always prefill in full.
+it, so reusing them is exact). Drafters that read the target's hidden states (EAGLE heads) take
+over the finished sequence's drafter state for the shared positions (`Drafter.reuse`); where
+they cannot, the prompt is prefilled in full.
 """
 
 from __future__ import annotations
@@ -116,8 +117,10 @@ class BatchScheduler:
         self._running: list[BatchRequest] = []
         self._free_slots: list[int] = []  # least recently freed first
         self.prefix_reuse = prefix_reuse
-        # free slot -> the tokens whose keys and values it still holds, at positions 0..n-1
+        # free slot -> the tokens whose keys and values it still holds, at positions 0..n-1,
+        # and the drafter that read their hidden states (None for the others)
         self._held: dict[int, list[int]] = {}
+        self._held_drafters: dict[int, object] = {}
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -215,7 +218,7 @@ class BatchScheduler:
         The slot with the longest usable prefix wins; without one, a slot that holds nothing,
         else the one freed longest ago, so recent histories stay for the calls that follow them."""
         best, reused = None, 0
-        if self.prefix_reuse and not (seq.drafter is not None and seq.drafter.wants_hidden):
+        if self.prefix_reuse:
             limit = len(seq.prompt) - 1  # the last prompt token is always fed: its logits start the reply
             for slot in self._free_slots:
                 n = common_prefix(self._held.get(slot, ()), seq.prompt, limit)
@@ -226,6 +229,11 @@ class BatchScheduler:
             best = empty[0] if empty else self._free_slots[0]
         self._free_slots.remove(best)
         self._held.pop(best, None)
+        previous = self._held_drafters.pop(best, None)
+        if reused and seq.drafter is not None and seq.drafter.wants_hidden:
+            # it must know the hidden states of the positions it will not observe
+            adopted = previous is not None and seq.drafter.reuse(previous, reused)
+            reused = reused if adopted else 0
         return best, reused
 
     def _step(self) -> None:
@@ -324,6 +332,8 @@ class BatchScheduler:
             # Positions below both the cache length and the token count hold these tokens'
             # entries (the cache may also hold accepted drafts cut off by max_tokens or EOS).
             self._held[seq.slot] = seq.tokens[: min(self.cache.lengths[seq.slot], len(seq.tokens))]
+            if seq.drafter is not None and seq.drafter.wants_hidden:
+                self._held_drafters[seq.slot] = seq.drafter
         request.events.put(final_event(seq))
 
     def _fail_running(self, exc: BaseException) -> None:

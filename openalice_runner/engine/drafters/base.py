@@ -52,6 +52,13 @@ class Drafter(ABC):
     def update(self, history: list[int], proposed: int, accepted: int) -> None:  # noqa: B027
         """Called after verification; `history` now holds the emitted tokens too."""
 
+    def reuse(self, previous: Drafter, tokens: int) -> bool:
+        """Prefix reuse, for drafters that read hidden states: take over what `previous` (the
+        drafter of a finished sequence whose first `tokens` tokens this one's prompt shares)
+        holds for those positions, before any `observe`. False: it cannot, and the prompt is
+        prefilled in full so that this drafter observes every position."""
+        return False
+
     def observe(self, hidden: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Only where `wants_hidden`: the target's final hidden states (rows, H), what its LM head
         reads, at the tokens it was just fed and kept: the prompt after each prefill chunk, then

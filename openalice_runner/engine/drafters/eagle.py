@@ -60,6 +60,23 @@ class EagleDrafter(Drafter):
     def step_load(self, batch: int, rows: int) -> None:
         self._batch, self._rows = max(1, batch), max(1, rows)
 
+    def reuse(self, previous: Drafter, tokens: int) -> bool:
+        """Adopt a finished drafter's features and head cache for a shared prefix. Features at
+        positions below `tokens` depend only on the shared tokens; a head cache row t also reads
+        token t+1, so rows up to `tokens` - 2 carry over."""
+        if not (isinstance(previous, EagleDrafter) and previous.runtime is self.runtime
+                and previous.n_feats >= tokens):
+            return False
+        self.feats, self.n_feats = previous.feats, tokens
+        self.seen = min(previous.seen, tokens - 1)
+        if previous.max_len >= self.max_len:
+            self.cache, self.max_len = previous.cache, previous.max_len
+        else:  # this sequence may run longer: its own cache, with the rows that carry over
+            for mine, theirs in zip(self.cache, previous.cache, strict=True):
+                mine[:, :, : self.seen] = theirs[:, :, : self.seen]
+        previous.feats, previous.n_feats, previous.seen = None, 0, 0  # handed over, not shared
+        return True
+
     def observe(self, hidden: torch.Tensor) -> None:
         rows = hidden.shape[0]
         need = self.n_feats + rows

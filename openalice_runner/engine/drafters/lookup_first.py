@@ -41,6 +41,9 @@ class LookupFirstDrafter(Drafter):
         self.lookup.step_load(batch, rows)
         self.head.step_load(batch, rows)
 
+    def reuse(self, previous: Drafter, tokens: int) -> bool:
+        return self.head.reuse(previous.head if isinstance(previous, LookupFirstDrafter) else previous, tokens)
+
     def observe(self, hidden: torch.Tensor) -> None:
         self.head.observe(hidden)
 
