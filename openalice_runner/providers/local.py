@@ -90,6 +90,7 @@ class LocalProvider(Provider):
         self._max_token_chars: int | None = None
         self._kv_tokens = 0  # KV positions held by running generations (back to 0 when they end)
         self._kv_lock = threading.Lock()  # worker threads update it
+        self._unusable_heads: set[str | None] = set()  # eagle heads already reported as not loading
 
     # ---- engine ----
 
@@ -232,8 +233,10 @@ class LocalProvider(Provider):
         try:
             self.engine.eagle_runtime(spec.eagle_head)
         except (ValueError, OSError) as exc:
-            logger.warning("%s: rule %r: eagle head not usable (%s); running without speculation",
-                           self.name, getattr(decision, "rule", None), exc)
+            if spec.eagle_head not in self._unusable_heads:  # once per head, not once per request
+                self._unusable_heads.add(spec.eagle_head)
+                logger.warning("%s: rule %r: eagle head not usable (%s); running without speculation",
+                               self.name, getattr(decision, "rule", None), exc)
             return SpecConfig()
         return spec
 
