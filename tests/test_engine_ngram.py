@@ -127,6 +127,18 @@ def test_pass_cost_grows_beyond_what_was_measured():
     assert costs.ratio(16) == 4.0  # linear beyond the largest measured
 
 
+def test_engine_times_passes_so_the_first_requests_are_sized():
+    """An engine that only ever runs speculating requests may never run a one-row pass: it times
+    passes itself at start, so drafters size their drafts from the first request on."""
+    from openalice_runner.engine import Engine
+
+    engine = Engine.tiny_random(seed=1, max_batch=2)
+    assert engine.pass_costs.seconds(1) is None
+    engine.time_passes(rows=(1, 4), context=16, repeats=2)
+    assert engine.pass_costs.seconds(1) > 0 and engine.pass_costs.measured_above(1)
+    assert engine.pass_costs.ratio(4) > 0
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     context=st.lists(st.integers(0, 5), max_size=60),

@@ -106,10 +106,12 @@ class LocalProvider(Provider):
                     if cfg.tiny_random:
                         self._engine = Engine.tiny_random(max_batch=cfg.max_batch, prefix_reuse=cfg.prefix_reuse)
                     else:
-                        self._engine = Engine.load(
+                        engine = Engine.load(
                             cfg.model, dtype=cfg.dtype, threads=cfg.threads, max_batch=cfg.max_batch,
                             prefix_reuse=cfg.prefix_reuse,
                         )
+                        engine.time_passes()  # drafts are sized from the first request on
+                        self._engine = engine
         return self._engine
 
     async def ensure_loaded(self) -> None:
