@@ -200,17 +200,18 @@ class Runner:
 
     async def chat(self, request: ChatRequest, ctx: CallContext | None = None) -> ChatResult:
         ctx = ctx or CallContext()
-        chain = self.chain_for(ctx.turn_type, request.model)
-        if self.prompt_log is not None:
-            self.prompt_log.record(request, ctx.turn_type)
-        return await chain.chat(request, ctx)
+        return await self._accept(request, ctx).chat(request, ctx)
 
     def stream(self, request: ChatRequest, ctx: CallContext | None = None) -> AsyncIterator[ChatChunk]:
         ctx = ctx or CallContext()
+        return self._accept(request, ctx).stream(request, ctx)
+
+    def _accept(self, request: ChatRequest, ctx: CallContext) -> FallbackProvider:
+        """The chain that serves `request`; its prompt is kept first where the operator asked."""
         chain = self.chain_for(ctx.turn_type, request.model)
         if self.prompt_log is not None:
             self.prompt_log.record(request, ctx.turn_type)
-        return chain.stream(request, ctx)
+        return chain
 
     # ---- what the loop calls ----
 

@@ -10,11 +10,10 @@ of the follow-up, and whether both outputs are identical (they must be: greedy, 
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Callable
 from dataclasses import replace
 
+from openalice_runner.bench.runner import geomean
 from openalice_runner.bench.workload import Case, render_case
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 
@@ -69,17 +68,13 @@ def _median(results: list):
     return ordered[len(ordered) // 2]
 
 
-def _geomean(values: list[float]) -> float:
-    return round(math.exp(statistics.fmean(math.log(v) for v in values)), 2)
-
-
 def summarize(rows: list[dict]) -> dict:
     return {
         "cases": len(rows),
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
         "cached_tokens": sum(r["cached_tokens"] for r in rows),
-        "ttft_speedup_geomean": _geomean([r["ttft_s"]["full"] / r["ttft_s"]["reuse"] for r in rows]),
-        "total_speedup_geomean": _geomean([r["total_s"]["full"] / r["total_s"]["reuse"] for r in rows]),
+        "ttft_speedup_geomean": geomean([r["ttft_s"]["full"] / r["ttft_s"]["reuse"] for r in rows]),
+        "total_speedup_geomean": geomean([r["total_s"]["full"] / r["total_s"]["reuse"] for r in rows]),
         "total_s": {m: round(sum(r["total_s"][m] for r in rows), 2) for m in MODES},
         "identical": f"{sum(r['identical'] for r in rows)}/{len(rows)}",
     }

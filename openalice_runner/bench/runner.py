@@ -189,7 +189,7 @@ def _one(engine: Engine, case: Case, prompt: list[int], method: str, gamma: int,
     return min((run_hf(engine, prompt, case.max_tokens, n) for n in HF_LOOKUP_TOKENS), key=lambda r: r.seconds)
 
 
-def _geomean(values: list[float]) -> float | None:
+def geomean(values: list[float]) -> float | None:
     values = [v for v in values if v and v > 0]
     return round(math.exp(statistics.fmean(math.log(v) for v in values)), 3) if values else None
 
@@ -208,7 +208,7 @@ def summarize(rows: list[dict], methods: list[str]) -> dict:
 
     summary: dict = {"cases": len(cases), "methods": methods}
     for m in methods:
-        summary[f"{m}_tokens_per_second_geomean"] = _geomean([tps[(c, m)] for c in cases if (c, m) in tps])
+        summary[f"{m}_tokens_per_second_geomean"] = geomean([tps[(c, m)] for c in cases if (c, m) in tps])
     pairs = [(m, "off") for m in methods if m != "off"]
     if "hf-plain" in methods:
         pairs.append(("off", "hf-plain"))
@@ -219,9 +219,9 @@ def summarize(rows: list[dict], methods: list[str]) -> dict:
             continue
         key = f"{a}_vs_{b}".replace("-", "_")
         summary[key] = {
-            "copy_heavy_geomean": _geomean(ratios(a, b, COPY_HEAVY)),
-            "open_ended_geomean": _geomean(ratios(a, b, OPEN_ENDED)),
-            "all_geomean": _geomean(ratios(a, b)),
+            "copy_heavy_geomean": geomean(ratios(a, b, COPY_HEAVY)),
+            "open_ended_geomean": geomean(ratios(a, b, OPEN_ENDED)),
+            "all_geomean": geomean(ratios(a, b)),
             "min": round(min(ratios(a, b)), 3) if ratios(a, b) else None,
             "open_ended_min": round(min(ratios(a, b, OPEN_ENDED)), 3) if ratios(a, b, OPEN_ENDED) else None,
         }
