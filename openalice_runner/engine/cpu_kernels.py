@@ -27,8 +27,12 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from openalice_runner.engine.tree import TreeMask
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("linear.c", "attention.c", "rowwise.c", "pool.c")]
@@ -88,16 +92,19 @@ class CpuKernels:
         row_slot: torch.Tensor,
         row_pos: torch.Tensor,
         scale: float,
+        tree: TreeMask | None = None,
     ) -> torch.Tensor:
         """q (R, n_heads, D) fp32; keys/values (slots, n_kv_heads, max_len, D) fp32 or bf16,
-        contiguous; row r attends keys 0..row_pos[r] of slot row_slot[r] (int64 tensors).
-        -> (R, n_heads, D)."""
+        contiguous; row r attends keys 0..row_pos[r] of slot row_slot[r] (int64 tensors), or
+        with `tree`, the keys its `TreeMask` leaves visible. -> (R, n_heads, D)."""
         q = q.contiguous()
         rows, n_heads, dim = q.shape
         out = torch.empty_like(q)
         status = self.library.attention(
             q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(),
             row_slot.data_ptr(), row_pos.data_ptr(),
+            None if tree is None else tree.visible_from.data_ptr(),
+            None if tree is None else tree.bits.data_ptr(),
             rows, n_heads, keys.shape[1], dim, keys.shape[2], scale, keys.dtype == torch.bfloat16,
         )  # fmt: skip
         if status != 0:
@@ -129,14 +136,16 @@ class CpuKernels:
     def rope_store(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, row_slot: torch.Tensor,
         row_pos: torch.Tensor, n_heads: int, n_kv_heads: int, keys: torch.Tensor, values: torch.Tensor,
+        rope_pos: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """Rotate the q and k heads of qkv (R, n_heads + 2·n_kv_heads, D) in place by each row's
-        position (cos/sin tables (positions, D) fp32), and store each row's k and v in the cache
-        (slots, n_kv_heads, max_len, D), fp32 or bf16, at (row_slot[r], row_pos[r])."""
+        position (`rope_pos` where given, else `row_pos`; cos/sin tables (positions, D) fp32), and
+        store each row's k and v in the cache (slots, n_kv_heads, max_len, D), fp32 or bf16, at
+        (row_slot[r], row_pos[r])."""
         rows, _, dim = qkv.shape
         self.library.rope_store(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), row_slot.data_ptr(), row_pos.data_ptr(),
-            rows, n_heads, n_kv_heads, dim, keys.data_ptr(), values.data_ptr(), keys.shape[2],
+            None if rope_pos is None else rope_pos.data_ptr(), rows, n_heads, n_kv_heads, dim, keys.data_ptr(), values.data_ptr(), keys.shape[2],
             keys.dtype == torch.bfloat16,
         )  # fmt: skip
 
@@ -196,14 +205,14 @@ def _load() -> tuple[CpuKernels | None, str | None]:
         fn.restype = None
     library.pack_weight.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     library.pack_weight.restype = None
-    library.attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+    library.attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     library.attention.restype = ctypes.c_int
     library.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     library.add_rms_norm.restype = None
     library.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     library.silu_mul.restype = None
     library.rope_store.argtypes = (
-        [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
+        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
     )
     library.rope_store.restype = None
     library.pool_start.argtypes = [ctypes.c_int]

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from openalice_runner.engine.cpu_kernels import CpuKernels, cpu_kernels, unavailable_reason
+from openalice_runner.engine.tree import TreeMask
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -164,6 +165,18 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
+    def keep(self, slot: int, sources: list[int], start: int) -> None:
+        """Move the entries at positions `sources` (increasing, each >= its destination) of
+        `slot` to `start`, `start` + 1, ...: a draft tree's accepted path, to where a chain
+        would have written it."""
+        if all(src == start + d for d, src in enumerate(sources)):
+            return
+        src = torch.tensor(sources)
+        dst = slice(start, start + len(sources))
+        for tensors in (self.keys, self.values):
+            for t in tensors:
+                t[slot, :, dst] = t[slot, :, src]
+
 
 class LlamaModel:
     """Tensor-in, tensor-out forward over a `KVCache`; no autograd, no module hooks."""
@@ -265,9 +278,9 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, slots: list[int] | None = None,
-                taps: tuple[int, ...] = ()):
+                taps: tuple[int, ...] = (), tree: TreeMask | None = None):
         """Run `tokens` (B, T) appended at each slot's current length; returns hidden (B, T, H)
-        (with `taps`, also the tapped residuals (B, T, len(taps) * H): see `forward_rows`).
+        (with `taps`, also the tapped residuals (B, T, len(taps) * H); `tree`: see `forward_rows`).
 
         All sequences in the call append the same number T of tokens. Cache lengths advance
         by T; the caller rolls back rejected tokens by lowering `cache.lengths`.
@@ -276,7 +289,7 @@ class LlamaModel:
         slots = list(range(batch)) if slots is None else slots
         row_slot = [s for s in slots for _ in range(steps)]
         row_pos = [cache.lengths[s] + t for s in slots for t in range(steps)]
-        out = self.forward_rows(tokens.reshape(-1), cache, row_slot, row_pos, taps)
+        out = self.forward_rows(tokens.reshape(-1), cache, row_slot, row_pos, taps, tree)
         for s in slots:
             cache.lengths[s] += steps
         if taps:
@@ -286,7 +299,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward_rows(
         self, tokens: torch.Tensor, cache: KVCache, row_slot: list[int], row_pos: list[int],
-        taps: tuple[int, ...] = (),
+        taps: tuple[int, ...] = (), tree: TreeMask | None = None,
     ):
         """One row per token: row r is a token of slot `row_slot[r]` at position `row_pos[r]`,
         attending to that slot's cache up to and including itself. Returns hidden (R, H); with
@@ -297,6 +310,9 @@ class LlamaModel:
         of γ drafts, a prefill chunk), share one pass. A slot's rows must be consecutive and in
         position order, and its cache must hold every earlier position. Each row's key and value
         are written at its position; `cache.lengths` is the caller's to move.
+
+        `tree` (draft trees, tree.py): per row, its rotary position and the keys it sees, where
+        these differ from a plain row's (a tree node's rotary position is its depth).
         """
         cfg = self.cfg
         rows = len(row_slot)
@@ -306,11 +322,12 @@ class LlamaModel:
         pos_t = torch.tensor(row_pos)
         tapped: list[torch.Tensor] = []
         if self.rowwise_kernels is not None:
-            hidden = self._forward_rows_fused(tokens, cache, slot_t, pos_t, taps, tapped)
+            hidden = self._forward_rows_fused(tokens, cache, slot_t, pos_t, taps, tapped, tree)
             return (hidden, torch.cat(tapped, dim=-1)) if taps else hidden
-        cos = self.rotary.cos[pos_t].unsqueeze(1)  # (R, 1, D), shared by every layer and head
-        sin = self.rotary.sin[pos_t].unsqueeze(1)
-        runs = None if self.attention_kernels is not None else _runs(row_slot, row_pos)
+        rope_t = pos_t if tree is None else tree.rope_pos
+        cos = self.rotary.cos[rope_t].unsqueeze(1)  # (R, 1, D), shared by every layer and head
+        sin = self.rotary.sin[rope_t].unsqueeze(1)
+        runs = None if self.attention_kernels is not None or tree is not None else _runs(row_slot, row_pos)
         n_qk = cfg.n_heads + cfg.n_kv_heads
         x = self.embed[tokens].float()
         for i, layer in enumerate(self.layers):
@@ -321,8 +338,10 @@ class LlamaModel:
             keys, values = cache.keys[i], cache.values[i]
             keys[slot_t, :, pos_t] = k.to(keys.dtype)
             values[slot_t, :, pos_t] = v.to(values.dtype)
-            if runs is None:
-                attn = self.attention_kernels.attention(q, keys, values, slot_t, pos_t, self.attention_scale)
+            if self.attention_kernels is not None:
+                attn = self.attention_kernels.attention(q, keys, values, slot_t, pos_t, self.attention_scale, tree)
+            elif runs is None:
+                attn = _attention_by_rows(q, keys, values, row_slot, row_pos, tree)
             else:
                 attn = _attention_by_runs(q, keys, values, runs)
             x = x + layer.o(attn.reshape(rows, -1))
@@ -336,7 +355,7 @@ class LlamaModel:
 
     def _forward_rows_fused(
         self, tokens: torch.Tensor, cache: KVCache, slot_t: torch.Tensor, pos_t: torch.Tensor,
-        taps: tuple[int, ...] = (), tapped: list[torch.Tensor] | None = None,
+        taps: tuple[int, ...] = (), tapped: list[torch.Tensor] | None = None, tree: TreeMask | None = None,
     ) -> torch.Tensor:
         """forward_rows on the engine's kernels throughout: the same steps, with each layer's
         norms (and residual adds), rotary embedding, cache write and SiLU gate one call each."""
@@ -347,8 +366,9 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h).view(rows, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
             keys, values = cache.keys[i], cache.values[i]
-            k.rope_store(qkv, self.rotary.cos, self.rotary.sin, slot_t, pos_t, cfg.n_heads, cfg.n_kv_heads, keys, values)
-            attn = k.attention(qkv[:, : cfg.n_heads], keys, values, slot_t, pos_t, self.attention_scale)
+            k.rope_store(qkv, self.rotary.cos, self.rotary.sin, slot_t, pos_t, cfg.n_heads, cfg.n_kv_heads, keys, values,
+                         None if tree is None else tree.rope_pos)
+            attn = k.attention(qkv[:, : cfg.n_heads], keys, values, slot_t, pos_t, self.attention_scale, tree)
             h = k.add_rms_norm(x, layer.mlp_norm, cfg.eps, delta=layer.o(attn.reshape(rows, -1)))
             down = layer.down(k.silu_mul(layer.gate_up(h)))
             after = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
@@ -390,4 +410,18 @@ def _attention_by_runs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
             enable_gqa=True,
         )
         out[first:end] = attn[0].transpose(0, 1)
+    return out
+
+
+def _attention_by_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slot: list[int],
+                       row_pos: list[int], tree: TreeMask) -> torch.Tensor:
+    """torch's SDPA one row at a time over the keys `tree` leaves visible (draft trees where the
+    engine's kernel is unavailable)."""
+    out = torch.empty_like(q)
+    for r, (slot, pos) in enumerate(zip(row_slot, row_pos, strict=True)):
+        seen = torch.tensor(tree.visible(r, pos))
+        out[r] = F.scaled_dot_product_attention(
+            q[r].unsqueeze(1).unsqueeze(0), keys[slot : slot + 1, :, seen], values[slot : slot + 1, :, seen],
+            enable_gqa=True,
+        )[0, :, 0]
     return out

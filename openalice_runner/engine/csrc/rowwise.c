@@ -103,14 +103,17 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch doe
 }
 
 /* Rotate the q and k heads of each row of qkv (rows, n_heads + 2 * n_kv, D) in place by the
-   row's position (HF rotate-half layout; cos/sin (max_positions, D)), then store its k and v
-   heads in the cache (slots, n_kv, max_len, D), bf16 or fp32, at (row_slot[r], row_pos[r]). */
+   row's rotary position (rope_pos[r], or row_pos[r] where rope_pos is NULL; HF rotate-half
+   layout; cos/sin (max_positions, D)), then store its k and v heads in the cache
+   (slots, n_kv, max_len, D), bf16 or fp32, at (row_slot[r], row_pos[r]). A tree node's rotary
+   position is its depth past the root, its cache position its index in the tree. */
 void rope_store(float *qkv, const float *cos_table, const float *sin_table, const int64_t *row_slot,
-                const int64_t *row_pos, int64_t rows, int64_t n_heads, int64_t n_kv, int64_t D,
-                void *keys, void *values, int64_t max_len, int kv_bf16) {
+                const int64_t *row_pos, const int64_t *rope_pos, int64_t rows, int64_t n_heads,
+                int64_t n_kv, int64_t D, void *keys, void *values, int64_t max_len, int kv_bf16) {
     int64_t half = D / 2, width = n_heads + 2 * n_kv;
     for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos_table + row_pos[r] * D, *s = sin_table + row_pos[r] * D;
+        int64_t angle = rope_pos ? rope_pos[r] : row_pos[r];
+        const float *c = cos_table + angle * D, *s = sin_table + angle * D;
         float *row = qkv + r * width * D;
         for (int64_t h = 0; h < n_heads + n_kv; h++) {
             float *x = row + h * D;
