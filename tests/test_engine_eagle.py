@@ -48,6 +48,14 @@ def assert_eagle_equals_off(engine, folder: Path) -> None:
                                   SpecConfig(method="eagle", gamma=4, eagle_head=str(folder), eagle_lookup=True,
                                              adaptive_length=adaptive))
             assert out.token_ids == plain.token_ids, adaptive
+        for nodes, adaptive, lookup in ((4, False, False), (12, False, False), (8, True, False), (8, True, True)):
+            # draft trees: the head's top candidates at each depth, verified in one pass
+            out = engine.generate(prompt, SamplingParams(max_tokens=40),
+                                  SpecConfig(method="eagle", gamma=4, eagle_head=str(folder), eagle_tree=nodes,
+                                             adaptive_length=adaptive, eagle_lookup=lookup))
+            assert out.token_ids == plain.token_ids, (nodes, adaptive, lookup)
+            if not adaptive:
+                assert out.stats.draft_proposed > out.stats.target_passes  # several tokens a round
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +361,9 @@ def test_greedy_eagle_equals_off_real_model_fp32(real_engine_fp32, workload_path
         lookup = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=5, eagle_head=str(head),
                                                               eagle_lookup=True))
         assert lookup.token_ids == plain.token_ids, case.id
+        tree = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=5, eagle_head=str(head),
+                                                            eagle_tree=8, adaptive_length=False))
+        assert tree.token_ids == plain.token_ids, case.id  # fixed 8-token trees, every round
 
 
 def _costs(per_row: float):

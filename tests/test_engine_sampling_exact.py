@@ -34,6 +34,9 @@ class ToyCache:
     def __post_init__(self):
         self.lengths = [0]
 
+    def keep(self, slot, sources, start):  # a draft tree's path: the toy model keeps no keys
+        pass
+
 
 class MarkovModel:
     """`forward` returns the tokens as the "hidden state"; `logits` looks up the next-token row."""
@@ -169,7 +172,8 @@ class FeatureMarkovModel(MarkovModel):
 
     HIDDEN = 16
 
-    def forward(self, tokens, cache, slots, taps=()):
+    def forward(self, tokens, cache, slots, taps=(), tree=None):
+        # a first-order chain: a tree node's next-token distribution depends on its token alone
         cache.lengths[slots[0]] += tokens.shape[1]
         hidden = torch.nn.functional.one_hot(tokens, self.HIDDEN).float()
         if not taps:
@@ -199,14 +203,17 @@ def random_eagle_runtime(seed: int, feature_layers: list[int] | None = None):
     return EagleRuntime(head, target)
 
 
-@pytest.mark.parametrize(("gamma", "top_p", "feature_layers", "costs", "lookup"),
-                         [(3, 1.0, None, False, False), (5, 0.8, None, False, False), (4, 0.9, [0, 1], False, False),
-                          (6, 1.0, None, True, False), (4, 1.0, None, False, True)])
-def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_layers, costs, lookup):
+@pytest.mark.parametrize(("gamma", "top_p", "feature_layers", "costs", "lookup", "tree"),
+                         [(3, 1.0, None, False, False, 0), (5, 0.8, None, False, False, 0),
+                          (4, 0.9, [0, 1], False, False, 0), (6, 1.0, None, True, False, 0),
+                          (4, 1.0, None, False, True, 0), (4, 1.0, None, False, False, 6),
+                          (5, 0.9, [0, 1], True, False, 8), (4, 1.0, None, False, True, 5)])
+def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_layers, costs, lookup, tree):
     """With `feature_layers`, an EAGLE-3-style head that fuses tapped layers with f_t. With
     `costs`, the drafter sizes each draft from its own confidence (lengths vary round to round).
     With `lookup`, prompt lookup drafts (one-hot q) where the text has a match and the head
-    (its own q) elsewhere, round by round."""
+    (its own q) elsewhere, round by round. With `tree`, the head drafts trees of up to that many
+    tokens (its top candidates, one-hot q), verified by the multi-candidate rule."""
     from openalice_runner.engine.cost_model import PassCostModel
     from openalice_runner.engine.drafters.eagle import EagleDrafter
     from openalice_runner.engine.drafters.lookup_first import LookupFirstDrafter
@@ -229,7 +236,7 @@ def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_lay
     proposed = 0
     for i in range(N):
         s = SamplingParams(temperature=0.9, top_p=top_p, seed=gamma * 100_000 + i, max_tokens=LENGTH)
-        drafter = head = EagleDrafter(runtime, 64, VOCAB, costs=pass_costs)
+        drafter = head = EagleDrafter(runtime, 64, VOCAB, costs=pass_costs, tree_nodes=tree)
         if lookup:  # a repeated last token matches (lookup drafts), a new one does not (the head does)
             drafter = LookupFirstDrafter(NgramDrafter(1, 1), head)
         seq = new_sequence(PROMPT, s, SpecConfig(method="eagle", gamma=gamma), drafter, ToyCache(),
@@ -245,9 +252,50 @@ def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_lay
         key = tuple(result.token_ids)
         counts[key] = counts.get(key, 0) + 1
     assert proposed >= (N // 2 if costs else N)  # fixed γ: the head drafted in every sequence
-    if costs:
+    if tree and not costs:
+        assert proposed > 2 * N  # trees: several candidates a round
+    if costs and not tree:
         assert len(lengths) > 1  # draft lengths really varied
     if lookup:  # both drafted, many times
         assert min(rounds.values()) > N // 4, rounds
     assert head.feats.shape[1] == (len(feature_layers or ()) + 1) * FeatureMarkovModel.HIDDEN  # it read the taps
     assert chi_square_p(joint, counts, N) > 1e-3
+
+
+def test_broken_tree_sampler_is_caught(monkeypatch):
+    """The same check fails where tree verification tries each sibling against the target's p
+    instead of the residual left by the siblings rejected before it."""
+    from openalice_runner.engine import generator, tree
+    from openalice_runner.engine.drafters.eagle import EagleDrafter
+
+    def broken(p, tokens, parents, gen):
+        kids = tree.children(parents)
+        path, row = [], 0
+        while True:
+            accepted = next((c for c in kids[row] if float(torch.rand((), generator=gen)) < float(p[row, tokens[c]])),
+                            None)
+            if accepted is None:
+                residual = p[row].clone()
+                residual[[tokens[c] for c in kids[row]]] = 0.0
+                residual = residual if residual.sum() > 0 else p[row]
+                return tree.TreeVerdict(path, int(torch.multinomial(residual, 1, generator=gen)))
+            path.append(accepted)
+            row = accepted + 1
+
+    monkeypatch.setattr(generator, "verify_tree_sampled", broken)
+    target = random_chain(1)
+    runtime = random_eagle_runtime(4)
+    sampling = SamplingParams(temperature=0.9, max_tokens=LENGTH)
+    joint = exact_joint(target, sampling)
+    model = FeatureMarkovModel(target)
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(N):
+        s = SamplingParams(temperature=0.9, seed=900_000 + i, max_tokens=LENGTH)
+        seq = new_sequence(PROMPT, s, SpecConfig(method="eagle", gamma=3), EagleDrafter(runtime, 64, VOCAB, tree_nodes=6),
+                           ToyCache(), SilentTokenizer(), frozenset(), context_length=64)
+        result = None
+        for event in run_sequence(model, seq):
+            result = event.result or result
+        key = tuple(result.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    assert chi_square_p(joint, counts, N) < 1e-6

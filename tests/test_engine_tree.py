@@ -161,3 +161,116 @@ def test_a_broken_tree_sampler_is_caught():
     n = 20000
     counts = _first_two(_tree_probs(), SMALL_TOKENS, SMALL_PARENTS, n, seed=2, verify=broken)
     assert _p_value(counts, n) < 1e-6
+
+
+# ---- growing and choosing a tree (drafters/eagle_tree.py) -------------------------------------
+class FakeHead:
+    """Every feature row gets the same next-token distribution; steps are recorded."""
+
+    PROBS = [0.5, 0.2, 0.12, 0.08, 0.05, 0.03, 0.02]
+
+    def __init__(self):
+        self.vocab = torch.arange(100, 100 + len(self.PROBS))
+        self.calls = []
+
+    def logits(self, feats):
+        return torch.tensor(self.PROBS).log().expand(feats.shape[0], -1)
+
+    def step(self, cache, feats, tokens, positions, tree):
+        self.calls.append((tokens, positions, tree))
+        return feats + 1.0
+
+
+def test_growing_a_tree_expands_the_best_nodes_with_ancestor_masks():
+    from openalice_runner.engine.drafters.eagle_tree import grow
+
+    head = FakeHead()
+    last = 10
+    nodes, steps = grow(head, None, torch.zeros(1, 4), last, max_depth=3, max_rows=20)
+    assert steps == 2 == len(head.calls)
+    assert [n.score for n in nodes[:4]] == pytest.approx([0.5, 0.2, 0.12, 0.08])  # depth 1: the top 4
+    # depth 2 expands the 3 best depth-1 nodes: rows 0, 1, 2 of the head cache, past `last`
+    tokens, positions, mask = head.calls[0]
+    assert tokens == [100, 101, 102] and positions == [11, 12, 13]
+    assert mask.rope_pos.tolist() == [11, 11, 11] and mask.bits.tolist() == [1, 2, 4]
+    # depth 3 expands the 3 best depth-2 nodes; each row sees its parent's row and its own
+    tokens, positions, mask = head.calls[1]
+    expanded = [n for n in nodes if n.depth == 2 and n.head_row >= 0]
+    assert [n.score for n in expanded] == pytest.approx([0.25, 0.1, 0.1])
+    assert positions == [14, 15, 16] and mask.rope_pos.tolist() == [12, 12, 12]
+    parent_rows = [nodes[n.parent].head_row for n in expanded]
+    assert mask.bits.tolist() == [(1 << p) | (1 << (3 + k)) for k, p in enumerate(parent_rows)]
+    for i, n in enumerate(nodes):  # parents first, scores multiply down the path
+        if n.parent >= 0:
+            assert n.parent < i and n.score <= nodes[n.parent].score and n.depth == nodes[n.parent].depth + 1
+    # a cap of one depth takes no head step
+    head = FakeHead()
+    nodes, steps = grow(head, None, torch.zeros(1, 4), last, max_depth=1, max_rows=20)
+    assert steps == 0 and len(nodes) == 4
+
+
+def test_choosing_nodes_keeps_a_tree_and_follows_the_value():
+    from openalice_runner.engine.drafters.eagle_tree import grow, select
+
+    nodes, _ = grow(FakeHead(), None, torch.zeros(1, 4), 10, max_depth=4, max_rows=20)
+    tokens, parents = select(nodes, 6)
+    assert len(tokens) == 6
+    check_parents(parents)  # every parent chosen, and before its children
+    # the best six: 0.5, 0.25, 0.2, 0.125, 0.12, 0.1 (a chain of top tokens, and the runners-up)
+    assert depths(parents).count(1) >= 2 and max(depths(parents)) >= 3
+
+    def per_node(cost):  # tokens per unit cost when each node costs `cost` of a pass
+        return lambda n, expected, depth: (1 + expected) / (1 + cost * n)
+
+    assert len(select(nodes, 8, per_node(0.01))[0]) == 8
+    few = select(nodes, 8, per_node(0.3))[0]
+    assert 0 < len(few) < 8
+    assert select(nodes, 8, per_node(5.0)) == ([], [])  # no tree beats decoding alone
+
+
+def test_growth_stops_where_another_depth_cannot_pay():
+    from openalice_runner.engine.drafters.eagle_tree import grow
+
+    head = FakeHead()
+    grow(head, None, torch.zeros(1, 4), 10, max_depth=5, max_rows=20, max_nodes=60,
+         value=lambda n, expected, depth: (1 + expected) / (1 + 0.001 * n + 0.001 * (depth - 1)))
+    cheap = len(head.calls)
+    head = FakeHead()
+    grow(head, None, torch.zeros(1, 4), 10, max_depth=5, max_rows=20, max_nodes=60,
+         value=lambda n, expected, depth: (1 + expected) / (1 + 0.02 * n + 0.5 * (depth - 1)))
+    assert len(head.calls) < cheap == 4
+
+
+def test_cutting_a_tree_proposal():
+    from openalice_runner.engine.drafters.base import Proposal
+
+    tree = Proposal(TOKENS, None, parents=PARENTS)
+    cut = tree.cut(max_depth=2, max_nodes=10)
+    assert cut.tokens == [X, A, Y, B, Z] and cut.parents == [-1, -1, 1, 1, 0]
+    cut = tree.cut(max_depth=3, max_nodes=3)
+    assert cut.tokens == [X, A, Y] and cut.parents == [-1, -1, 1]
+    chain = Proposal([1, 2, 3, 4])
+    assert chain.cut(2, 10).tokens == [1, 2] and chain.cut(2, 10).parents is None
+
+
+def test_serial_engine_trees_equal_off(tmp_path):
+    """The one-at-a-time decode loop verifies trees too (the batched one is in test_engine_eagle)."""
+    from openalice_runner.engine import Engine, SamplingParams, SpecConfig
+    from openalice_runner.engine.drafters.eagle import EagleDrafter
+    from openalice_runner.engine.eagle.head import EagleHead, EagleRuntime, HeadConfig
+
+    engine = Engine.tiny_random(seed=0, max_batch=1)
+    assert engine.scheduler is None
+    model = engine.model
+    cfg = HeadConfig.for_target("tiny-random", model, list(range(model.cfg.vocab_size)))
+    head = EagleHead(cfg)
+    head.init_from_target(model)  # untrained: drafts are often wrong, and so paths are short
+    runtime = EagleRuntime(head.eval(), model)
+    prompt = engine.encode("The quick brown fox jumps over the lazy dog. The quick brown fox")
+    plain = engine.generate(prompt, SamplingParams(max_tokens=40))
+    for nodes in (3, 10):
+        drafter = EagleDrafter(runtime, 256, model.cfg.vocab_size, tree_nodes=nodes)
+        out = engine.generate(prompt, SamplingParams(max_tokens=40), SpecConfig(method="eagle", gamma=4),
+                              drafter=drafter)
+        assert out.token_ids == plain.token_ids
+        assert out.stats.draft_proposed > out.stats.target_passes  # several candidates a round

@@ -55,7 +55,7 @@ def test_every_rule_field_decides():
             match: {turn_type: reasoning, model: big}
             method: eagle
             gamma: 6
-            options: {eagle_head: /heads/big, eagle_lookup: true, ngram_min: 2}
+            options: {eagle_head: /heads/big, eagle_lookup: true, eagle_tree: 8, ngram_min: 2}
           - name: draft-model
             match: {turn_type: reasoning, model: other}
             method: draft
@@ -76,7 +76,7 @@ def test_every_rule_field_decides():
     assert (d.method, d.gamma, d.pool) == ("eagle", 4, "e3")
     assert s.decide(RequestContext("reasoning", 1, model="tiny")).to_spec_config().draft_layers == 2
     spec = s.decide(RequestContext("reasoning", 1, model="big")).to_spec_config()
-    assert (spec.eagle_head, spec.eagle_lookup, spec.ngram_min) == ("/heads/big", True, 2)
+    assert (spec.eagle_head, spec.eagle_lookup, spec.eagle_tree, spec.ngram_min) == ("/heads/big", True, 8, 2)
     assert (
         s.decide(RequestContext("reasoning", 1, model="other")).to_spec_config().draft_model
         == "/models/small"
@@ -143,6 +143,18 @@ def test_yaml12_booleans_keep_off_a_string():
         (
             "default: {method: eagle, gamma: 3, options: {eagle_head: h, eagle_lookup: 2}}\n",
             "p.yaml:1:75: default.options.eagle_lookup: input should be a valid boolean",
+        ),
+        (
+            "default: {method: eagle, gamma: 3, options: {eagle_head: h, eagle_tree: 1}}\n",
+            "p.yaml:1:73: eagle_tree is 0 (chains) or a tree of 2 to 63 tokens, got 1",
+        ),
+        (
+            "default: {method: eagle, gamma: 3, options: {eagle_head: h, eagle_tree: 64}}\n",
+            "p.yaml:1:73: default.options.eagle_tree: input should be less than or equal to 63",
+        ),
+        (
+            "default: {method: ngram, gamma: 3, options: {eagle_tree: 8}}\n",
+            "p.yaml:1:46: option eagle_tree does not apply to method ngram",
         ),
         ("default: {method: eagle, gamma: 3}\n", "p.yaml:1:10: method eagle needs options.eagle_head"),
         ("default: {method: draft, gamma: 3}\n", "p.yaml:1:10: method draft needs options.draft_model"),
@@ -311,6 +323,7 @@ decisions = st.fixed_dictionaries(
                 "ngram_max": st.integers(0, 5),
                 "eagle_head": st.just("h"),
                 "eagle_lookup": st.one_of(st.booleans(), st.just("yes")),
+                "eagle_tree": st.integers(-1, 65),
                 "draft_layers": st.integers(0, 3),
             },
         ),

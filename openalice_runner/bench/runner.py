@@ -24,9 +24,14 @@ import torch
 from openalice_runner.bench.workload import COPY_HEAVY, OPEN_ENDED, Case, render_case
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 
-ENGINE_METHODS = ("off", "ngram", "draft", "eagle", "eagle-lookup")
+ENGINE_METHODS = ("off", "ngram", "draft", "eagle", "eagle-lookup", "eagle-tree", "eagle-lookup-tree")
+EAGLE_TREE_NODES = 8  # the bench's draft trees: up to this many tokens
 # bench names that are an engine method with options
-METHOD_OPTIONS = {"eagle-lookup": ("eagle", {"eagle_lookup": True})}
+METHOD_OPTIONS = {
+    "eagle-lookup": ("eagle", {"eagle_lookup": True}),
+    "eagle-tree": ("eagle", {"eagle_tree": EAGLE_TREE_NODES}),
+    "eagle-lookup-tree": ("eagle", {"eagle_lookup": True, "eagle_tree": EAGLE_TREE_NODES}),
+}
 HF_METHODS = ("hf-plain", "hf-prompt-lookup")
 ALL_METHODS = (*ENGINE_METHODS, "policy", *HF_METHODS)
 HF_LOOKUP_TOKENS = (4, 10)

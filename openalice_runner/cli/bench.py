@@ -15,8 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", required=True, help="JSON-lines workload (see shared/workloads/README.md)")
     p.add_argument("--cases", default=None, help="comma-separated case ids (default: all)")
     p.add_argument("--methods", default="off,ngram,draft,hf-plain,hf-prompt-lookup",
-                   help="comma-separated: off, ngram, draft, eagle, eagle-lookup, policy, hf-plain, hf-prompt-lookup")
-    p.add_argument("--eagle-head", default=None, help="folder of a trained EAGLE head, for the methods eagle and eagle-lookup")
+                   help="comma-separated: off, ngram, draft, eagle, eagle-lookup, eagle-tree, eagle-lookup-tree, policy, "
+                        "hf-plain, hf-prompt-lookup; NAME:G fixes γ")
+    p.add_argument("--eagle-head", default=None, help="folder of a trained EAGLE head, for the eagle methods")
     p.add_argument("--gamma", type=positive_int, default=5)
     p.add_argument("--repeat", type=positive_int, default=1, help="runs per row; the row holds the median")
     p.add_argument("--policy", default=None, help="policy file: adds the method 'policy'")

@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eagle-head", default=None, help="folder of a trained EAGLE head (`draft train`)")
     p.add_argument("--eagle-lookup", action="store_true",
                    help="with --spec eagle: draft by prompt lookup where the context has a match worth it")
+    p.add_argument("--eagle-tree", type=int, default=0, metavar="N",
+                   help="with --spec eagle: draft trees of up to N tokens (--gamma caps the depth); 0: chains")
     p.add_argument("--ngram-min", type=positive_int, default=1)
     p.add_argument("--ngram-max", type=positive_int, default=4)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                                   seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
         spec = SpecConfig(method=args.spec, gamma=args.gamma, draft_layers=args.draft_layers,
                           ngram_min=args.ngram_min, ngram_max=args.ngram_max, eagle_head=args.eagle_head,
-                          eagle_lookup=args.eagle_lookup)
+                          eagle_lookup=args.eagle_lookup, eagle_tree=args.eagle_tree)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -49,6 +49,7 @@ from openalice_runner.engine.generator import (
     settle_round,
 )
 from openalice_runner.engine.llama import LlamaModel
+from openalice_runner.engine.tree import TreeMask, plain_rows, tree_rows
 from openalice_runner.engine.types import EngineOverloaded, StreamEvent
 
 logger = logging.getLogger(__name__)
@@ -195,8 +196,8 @@ class BatchScheduler:
                 seq.finish_reason = "cancelled"
                 request.events.put(final_event(seq))
                 continue
-            need = len(seq.prompt) + seq.sampling.max_tokens + seq.spec.gamma + 2
-            need = -(-min(need, seq.context_length + seq.spec.gamma + 2) // CACHE_GRANULE) * CACHE_GRANULE
+            need = len(seq.prompt) + seq.sampling.max_tokens + seq.spec.draft_rows + 2
+            need = -(-min(need, seq.context_length + seq.spec.draft_rows + 2) // CACHE_GRANULE) * CACHE_GRANULE
             if not self._free_slots:
                 # grow by doubling: few reallocations, and no memory for slots never used
                 slots = min(self.max_batch, max(1, 2 * self.cache.batch))
@@ -241,6 +242,7 @@ class BatchScheduler:
         tokens: list[int] = []
         row_slot: list[int] = []
         row_pos: list[int] = []
+        mask_rows: list[tuple[int, int, int]] = []  # every row's TreeMask entry, where a tree is in the pass
         plans: list[_Rows] = []
         decoders = sum(not r.prefilling for r in self._running)
         budget = self.prefill_chunk if decoders else PREFILL_CHUNK
@@ -261,6 +263,7 @@ class BatchScheduler:
                 tokens += seq.prompt[request.prefilled : request.prefilled + n]
                 row_pos += range(request.prefilled, request.prefilled + n)
                 row_slot += [seq.slot] * n
+                mask_rows += plain_rows(request.prefilled, n)
                 continue
             if seq.drafter is not None:
                 # rows so far, plus one for this and each decoding sequence still to come
@@ -271,15 +274,23 @@ class BatchScheduler:
             tokens += [seq.tokens[-1], *draft]
             row_pos += range(start, start + 1 + len(draft))
             row_slot += [seq.slot] * (1 + len(draft))
+            if proposal.parents is None:
+                mask_rows += plain_rows(start, 1 + len(draft))
+            else:
+                mask_rows += tree_rows(start, proposal.parents)
         if not plans:
             return
+        has_tree = any(plan.proposal is not None and plan.proposal.parents is not None for plan in plans)
+        tree = TreeMask.from_rows(mask_rows) if has_tree else None
 
         t0 = time.perf_counter()
         taps = taps_for(plan.request.seq.drafter for plan in plans)
-        if taps:  # only eagle-3 drafters ask; other models need not know about taps
-            hidden, tapped = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos, taps)
+        # only eagle-3 drafters ask for taps, and tree drafters for a mask: other models need not know
+        extra = {} if tree is None else {"tree": tree}
+        if taps:
+            hidden, tapped = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos, taps, **extra)
         else:
-            hidden, tapped = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos), None
+            hidden, tapped = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos, **extra), None
         # logits only where a token is chosen: every decode row, the last row of a finished prefill
         wanted: list[int] = []
         for plan in plans:

@@ -174,7 +174,8 @@ class Engine:
         """
         sampling = sampling or SamplingParams()
         spec = spec or SpecConfig()
-        need = min(len(prompt_ids) + sampling.max_tokens + spec.gamma + 1, self.context_length + spec.gamma + 1)
+        rows = spec.draft_rows
+        need = min(len(prompt_ids) + sampling.max_tokens + rows + 1, self.context_length + rows + 1)
         if self.scheduler is not None:
             if drafter is None and spec.method != "off":
                 drafter = self._make_drafter(spec, need, own_cache=True)
@@ -278,7 +279,8 @@ class Engine:
 
             runtime = self.eagle_runtime(spec.eagle_head)
             costs = self.pass_costs if spec.adaptive_length else None
-            head_drafter = EagleDrafter(runtime, max_len, self.model.cfg.vocab_size, costs=costs)
+            head_drafter = EagleDrafter(runtime, max_len, self.model.cfg.vocab_size, costs=costs,
+                                        tree_nodes=spec.eagle_tree)
             if not spec.eagle_lookup:
                 return head_drafter
             from openalice_runner.engine.drafters.lookup_first import LookupFirstDrafter

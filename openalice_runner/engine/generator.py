@@ -24,6 +24,13 @@ from openalice_runner.engine.llama import KVCache, LlamaModel
 from openalice_runner.engine.rejection import Verdict, verify_greedy, verify_sampled
 from openalice_runner.engine.sampling import make_generator, processed_probs
 from openalice_runner.engine.stopping import TextStream
+from openalice_runner.engine.tree import (
+    TreeMask,
+    TreeVerdict,
+    tree_rows,
+    verify_tree_greedy,
+    verify_tree_sampled,
+)
 from openalice_runner.engine.types import (
     GenerationResult,
     GenerationStats,
@@ -95,7 +102,8 @@ def prefill(model: LlamaModel, seq: Sequence) -> list[int]:
 
 def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
     """The drafter's proposal for this round (possibly empty), cut to what the budget and the
-    context leave room for; returns it with the draft tokens to feed after the last token."""
+    context leave room for; returns it with the draft tokens to feed after the last token (a
+    tree's nodes in order)."""
     room_context = seq.context_length - len(seq.tokens)  # cache after the pass holds len + k
     room_budget = seq.sampling.max_tokens - seq.generated
     max_draft = min(gamma, room_budget - 1, room_context)
@@ -104,7 +112,13 @@ def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
         t0 = time.perf_counter()
         proposal = seq.drafter.propose(seq.tokens, max_draft, seq.sampling, seq.generator)
         seq.stats.draft_s += time.perf_counter() - t0
-    return proposal, proposal.tokens[:max_draft]
+        proposal = proposal.cut(max_draft, room_context)
+    return proposal, proposal.tokens
+
+
+def round_mask(proposal: Proposal, start: int) -> TreeMask | None:
+    """The tree mask of a round whose root is fed at `start` (None for a chain)."""
+    return None if proposal.parents is None else TreeMask.from_rows(tree_rows(start, proposal.parents))
 
 
 def settle_round(
@@ -118,9 +132,14 @@ def settle_round(
 ) -> list[int]:
     """Verify the draft against the target's (k+1, V) logits of the round, roll the cache back
     to the accepted prefix and emit 1..k+1 tokens. `hidden`: the round's (k+1, ...) rows as the
-    drafter observes them (`observed_rows`)."""
+    drafter observes them (`observed_rows`). A tree's accepted path moves down to where a chain
+    would have put it."""
     t0 = time.perf_counter()
     verdict = verify(logits, proposal, draft, seq)
+    kept = slice(0, 1 + verdict.accepted)
+    if isinstance(verdict, TreeVerdict):
+        seq.cache.keep(seq.slot, [length_before + 1 + i for i in verdict.path], length_before + 1)
+        kept = [0] + [1 + i for i in verdict.path]
     # Roll back: keep the fed last token and the accepted drafts.
     seq.cache.lengths[seq.slot] = length_before + 1 + verdict.accepted
     seq.stats.verify_s += pass_s + time.perf_counter() - t0
@@ -135,7 +154,7 @@ def settle_round(
     emitted = verdict.emitted(draft)
     if seq.drafter is not None:
         if seq.drafter.wants_hidden:
-            seq.drafter.observe(hidden[: 1 + verdict.accepted])
+            seq.drafter.observe(hidden[kept])
         seq.drafter.update(seq.tokens + emitted, len(draft), verdict.accepted)
     return accept_tokens(seq, emitted, from_pass=True)
 
@@ -147,7 +166,7 @@ def decode_round(model: LlamaModel, seq: Sequence) -> list[int]:
     length_before = seq.cache.lengths[seq.slot]
     feed = torch.tensor([[seq.tokens[-1], *draft]])
     taps = taps_for([seq.drafter])
-    hidden, tapped = _forward(model, feed, seq, taps)
+    hidden, tapped = _forward(model, feed, seq, taps, round_mask(proposal, length_before))
     logits = model.logits(hidden[0])  # (k+1, V)
     pass_s = time.perf_counter() - t0
     if seq.costs is not None:
@@ -156,15 +175,21 @@ def decode_round(model: LlamaModel, seq: Sequence) -> list[int]:
     return settle_round(seq, logits, observed, proposal, draft, length_before, pass_s)
 
 
-def _forward(model: LlamaModel, feed: torch.Tensor, seq: Sequence, taps: tuple[int, ...]):
+def _forward(model: LlamaModel, feed: torch.Tensor, seq: Sequence, taps: tuple[int, ...],
+             tree: TreeMask | None = None):
     """(hidden (1, T, H), tapped row 0 (T, len(taps) * H) or None)."""
+    extra = {} if tree is None else {"tree": tree}
     if not taps:
-        return model.forward(feed, seq.cache, [seq.slot]), None
-    hidden, tapped = model.forward(feed, seq.cache, [seq.slot], taps)
+        return model.forward(feed, seq.cache, [seq.slot], **extra), None
+    hidden, tapped = model.forward(feed, seq.cache, [seq.slot], taps, **extra)
     return hidden, tapped[0]
 
 
-def verify(logits: torch.Tensor, proposal: Proposal, draft: list[int], seq: Sequence) -> Verdict:
+def verify(logits: torch.Tensor, proposal: Proposal, draft: list[int], seq: Sequence) -> Verdict | TreeVerdict:
+    if proposal.parents is not None:
+        if seq.sampling.greedy:
+            return verify_tree_greedy(logits.argmax(dim=-1).tolist(), draft, proposal.parents)
+        return verify_tree_sampled(processed_probs(logits, seq.sampling), draft, proposal.parents, seq.generator)
     if seq.sampling.greedy:
         return verify_greedy(logits.argmax(dim=-1).tolist(), draft)
     p = processed_probs(logits, seq.sampling)

@@ -341,7 +341,7 @@ class LlamaModel:
             if self.attention_kernels is not None:
                 attn = self.attention_kernels.attention(q, keys, values, slot_t, pos_t, self.attention_scale, tree)
             elif runs is None:
-                attn = _attention_by_rows(q, keys, values, row_slot, row_pos, tree)
+                attn = attention_visible(q, keys, values, row_slot, row_pos, tree)
             else:
                 attn = _attention_by_runs(q, keys, values, runs)
             x = x + layer.o(attn.reshape(rows, -1))
@@ -413,8 +413,8 @@ def _attention_by_runs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return out
 
 
-def _attention_by_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slot: list[int],
-                       row_pos: list[int], tree: TreeMask) -> torch.Tensor:
+def attention_visible(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slot: list[int],
+                      row_pos: list[int], tree: TreeMask) -> torch.Tensor:
     """torch's SDPA one row at a time over the keys `tree` leaves visible (draft trees where the
     engine's kernel is unavailable)."""
     out = torch.empty_like(q)

@@ -60,9 +60,17 @@ class SpecConfig:
     # eagle: draft by prompt lookup (ngram_min..ngram_max) where the context has a match worth
     # drafting, by the head elsewhere (`drafters/lookup_first.py`)
     eagle_lookup: bool = False
+    # eagle: draft a tree of up to this many tokens (top-k candidates at each depth, verified in
+    # one pass, `engine/tree.py`) instead of a chain; 0 drafts a chain
+    eagle_tree: int = 0
     # n-gram and eagle drafters cut a draft below γ where the engine's measured pass costs say
     # the longer one will not pay; False: every draft is γ long (fixed-γ experiments, tests)
     adaptive_length: bool = True
+
+    @property
+    def draft_rows(self) -> int:
+        """The most draft tokens one round feeds (a tree may hold more tokens than γ, its depth)."""
+        return max(self.gamma, self.eagle_tree)
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -73,6 +81,10 @@ class SpecConfig:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.eagle_lookup and self.method != "eagle":
             raise ValueError(f"eagle_lookup applies to method 'eagle' only, got method {self.method!r}")
+        if self.eagle_tree and self.method != "eagle":
+            raise ValueError(f"eagle_tree applies to method 'eagle' only, got method {self.method!r}")
+        if self.eagle_tree != 0 and not (2 <= self.eagle_tree <= 63):
+            raise ValueError(f"eagle_tree must be 0 (a chain) or in [2, 63] tokens, got {self.eagle_tree!r}")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers!r}")
 

@@ -92,6 +92,9 @@ def _check_decision(d: DecisionSpec, path: Path, policy: Policy, loc: Located) -
     lo, hi = opts.ngram_min or 1, opts.ngram_max or 4
     if d.method in ("ngram", "eagle") and lo > hi:
         problems.append(loc.problem(at("options", "ngram_max"), f"ngram_max {hi} < ngram_min {lo}"))
+    if opts.eagle_tree == 1:
+        problems.append(loc.problem(at("options", "eagle_tree"),
+                                    "eagle_tree is 0 (chains) or a tree of 2 to 63 tokens, got 1"))
     if d.method == "eagle" and opts.eagle_head is None and d.pool is None:
         problems.append(
             loc.problem(path, "method eagle needs options.eagle_head (embedded engine) or pool (SGLang)")

@@ -48,13 +48,15 @@ class MethodOptions(_Strict):
     draft_layers: int | None = Field(None, ge=1)
     eagle_head: str | None = None
     eagle_lookup: bool | None = None  # eagle: prompt lookup drafts where it has a match worth it
+    # eagle: draft trees of up to this many tokens (γ caps their depth); absent or 0: chains
+    eagle_tree: int | None = Field(None, ge=0, le=63)
 
 
 OPTIONS_BY_METHOD: dict[str, frozenset[str]] = {
     "off": frozenset(),
     "ngram": frozenset({"ngram_min", "ngram_max"}),
     "draft": frozenset({"draft_model", "draft_layers"}),
-    "eagle": frozenset({"eagle_head", "eagle_lookup", "ngram_min", "ngram_max"}),
+    "eagle": frozenset({"eagle_head", "eagle_lookup", "eagle_tree", "ngram_min", "ngram_max"}),
 }
 
 

@@ -25,6 +25,29 @@ class Proposal:
     # notice when the text starts copying again. The adaptive policy leaves probes out of the α
     # it learns: α describes the drafts the drafter stands behind.
     probe: bool = False
+    # A draft tree (engine/tree.py): parents[i] is the index of token i's parent, -1 for a child
+    # of the root, every parent before its children; q is then None (top-k drafts are one-hot).
+    # None: the tokens are a chain.
+    parents: list[int] | None = None
+
+    def cut(self, max_depth: int, max_nodes: int) -> Proposal:
+        """The proposal within `max_depth` tokens of the root and `max_nodes` tokens in all
+        (a chain keeps its first min(max_depth, max_nodes) tokens)."""
+        if self.parents is None:
+            k = max(0, min(max_depth, max_nodes))
+            return Proposal(self.tokens[:k], None if self.q is None else self.q[:k], self.probe)
+        from openalice_runner.engine.tree import depths
+
+        index: dict[int, int] = {}
+        tokens: list[int] = []
+        parents: list[int] = []
+        for i, (parent, depth) in enumerate(zip(self.parents, depths(self.parents), strict=True)):
+            if depth > max_depth or len(tokens) >= max_nodes:
+                continue  # its children go too: their depth is larger, or they come later
+            index[i] = len(tokens)
+            tokens.append(self.tokens[i])
+            parents.append(-1 if parent < 0 else index[parent])
+        return Proposal(tokens, None, self.probe, parents)
 
 
 class Drafter(ABC):

@@ -18,6 +18,10 @@ the chance that the draft survives that far; the drafter stops where one more dr
 verify row are expected to cost more than the token they would add, and proposes the prefix
 with the most expected tokens per unit of step time (possibly none). The length depends on the
 drafter's side alone, so output and sampling stay exact.
+
+Trees (`tree_nodes` > 0): instead of one chain, the head's top candidates at each depth, of
+which the best-scored are verified in one pass (`eagle_tree.py`, `engine/tree.py`). γ caps the
+depth. Tree drafts are the head's top-k, deterministic, so q is one-hot for sampled requests too.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 import torch
 
 from openalice_runner.engine.cost_model import PassCostModel
+from openalice_runner.engine.drafters import eagle_tree
 from openalice_runner.engine.drafters.base import Drafter, Proposal
 from openalice_runner.engine.sampling import processed_probs
 from openalice_runner.engine.types import SamplingParams
@@ -39,10 +44,13 @@ class EagleDrafter(Drafter):
     name = "eagle"
     wants_hidden = True
 
-    def __init__(self, runtime, max_len: int, vocab_size: int | None = None, costs: PassCostModel | None = None):
+    def __init__(self, runtime, max_len: int, vocab_size: int | None = None, costs: PassCostModel | None = None,
+                 tree_nodes: int = 0):
         """`runtime`: an `EagleRuntime` (or anything with its `new_cache`, `step`, `logits`, `vocab`).
-        `costs`: the engine's pass costs; without them every proposal is γ long."""
+        `costs`: the engine's pass costs; without them every proposal is γ long (a tree, all
+        `tree_nodes` tokens). `tree_nodes`: draft trees of up to this many tokens; 0 drafts chains."""
         self.runtime = runtime
+        self.tree_nodes = tree_nodes
         self.feature_layers = tuple(getattr(getattr(runtime, "cfg", None), "taps", ()))
         self.vocab_size = vocab_size
         self.costs = costs
@@ -115,6 +123,8 @@ class EagleDrafter(Drafter):
         self.seen = last + 1
         feat = out[-1:]
         length = _DraftLength(self.costs, getattr(rt, "draft_step_s", None), self._batch, self._rows)
+        if self.tree_nodes:
+            return self._propose_tree(feat, last, gamma, length)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         pos = last + 1
@@ -138,6 +148,19 @@ class EagleDrafter(Drafter):
             pos += 1
         k = length.best if length.active else len(tokens)
         return Proposal(tokens[:k], torch.stack(rows[:k]) if rows and k else None)
+
+    def _propose_tree(self, feat: torch.Tensor, last: int, depth: int, length: _DraftLength) -> Proposal:
+        rt = self.runtime
+        t0 = time.perf_counter()
+        value = length.tree_value if length.active else None
+        nodes, steps = eagle_tree.grow(rt, self.cache, feat, last, depth, self.max_len - 2 - last,
+                                       max_nodes=self.tree_nodes, value=value)
+        if steps:  # what one head step costs, for this and later drafts' sizing
+            seconds = (time.perf_counter() - t0) / steps
+            old = getattr(rt, "draft_step_s", None)
+            rt.draft_step_s = seconds if old is None else old + STEP_EMA * (seconds - old)
+        tokens, parents = eagle_tree.select(nodes, self.tree_nodes, value)
+        return Proposal(tokens, None, parents=parents) if tokens else Proposal([])
 
 
 class _DraftLength:
@@ -164,6 +187,12 @@ class _DraftLength:
 
     def value(self, k: int, expected: float) -> float:
         cost = self.costs.ratio(self.rows + k) + max(0, k - 1) * self.step_cost
+        return ((self.batch + expected) / self.batch) / (cost / self.base)
+
+    def tree_value(self, nodes: int, expected: float, depth: int) -> float:
+        """Tokens per unit cost of verifying `nodes` tree nodes expected to accept `expected`
+        tokens, reaching `depth` (depth - 1 head steps past the catch-up)."""
+        cost = self.costs.ratio(self.rows + nodes) + max(0, depth - 1) * self.step_cost
         return ((self.batch + expected) / self.batch) / (cost / self.base)
 
     def worth_another(self, confidence: float) -> bool:

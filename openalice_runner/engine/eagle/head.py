@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from openalice_runner.engine.cpu_kernels import cpu_kernels
-from openalice_runner.engine.llama import Linear, LlamaModel, RotaryTable
+from openalice_runner.engine.llama import Linear, LlamaModel, RotaryTable, attention_visible
+from openalice_runner.engine.tree import TreeMask
 
 HEAD_FILE = "head.safetensors"
 CONFIG_FILE = "config.json"
@@ -347,13 +348,16 @@ class EagleRuntime:
 
     @torch.inference_mode()
     def step(self, cache: tuple[torch.Tensor, torch.Tensor], feats: torch.Tensor, next_tokens: list[int],
-             positions: list[int]) -> torch.Tensor:
+             positions: list[int], tree: TreeMask | None = None) -> torch.Tensor:
         """Rows (feature f_t, token x_{t+1}, position t), consecutive positions -> predicted f_{t+1}.
-        Features are the target's (feature_width wide) or the head's own predictions (H wide)."""
+        Features are the target's (feature_width wide) or the head's own predictions (H wide).
+        With `tree`, `positions` are cache places and the mask gives each row's rotary position
+        and the keys it sees (the nodes of a draft tree, each seeing its own ancestors)."""
         keys, values = cache
         c = self.cfg
         rows = len(positions)
         pos_t = torch.tensor(positions)
+        rope_t = pos_t if tree is None else tree.rope_pos
         feats = feats.float()
         if self.fuse is not None and feats.shape[-1] != c.hidden:
             feats = self.fuse(fuse_input(feats, c.hidden, c.eps))
@@ -361,14 +365,16 @@ class EagleRuntime:
         h = self._norm(x, self.attn_norm)
         n_qk = c.n_heads + c.n_kv_heads
         qkv = self.qkv(h).view(rows, n_qk + c.n_kv_heads, c.head_dim)
-        cos, sin = self.rotary.cos[pos_t].unsqueeze(1), self.rotary.sin[pos_t].unsqueeze(1)
+        cos, sin = self.rotary.cos[rope_t].unsqueeze(1), self.rotary.sin[rope_t].unsqueeze(1)
         qk = RotaryTable.rotate(qkv[:, :n_qk], cos, sin)
         q, k, v = qk[:, : c.n_heads], qk[:, c.n_heads :], qkv[:, n_qk:]
         keys[0, :, pos_t] = k.transpose(0, 1)
         values[0, :, pos_t] = v.transpose(0, 1)
         if self.attention_kernels is not None:
             attn = self.attention_kernels.attention(q, keys, values, torch.zeros(rows, dtype=torch.long),
-                                                    pos_t, self.scale)
+                                                    pos_t, self.scale, tree)
+        elif tree is not None:
+            attn = attention_visible(q, keys, values, [0] * rows, positions, tree)
         else:
             start, span = positions[0], positions[-1] + 1
             mask = torch.arange(span).view(1, -1) <= (start + torch.arange(rows)).view(-1, 1)
