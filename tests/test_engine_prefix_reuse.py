@@ -111,3 +111,50 @@ def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 3, 4], 2) == 2
     assert common_prefix([], [1], 0) == 0
     assert common_prefix([5], [1], 1) == 0
+
+
+def _wait_for(predicate, seconds: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_an_idle_engine_gives_back_cache_memory_and_keeps_its_histories():
+    engine, plain = engines("fp32")
+    scheduler = engine.scheduler
+    scheduler.idle_shrink_s = 0.05
+    prompt = engine.encode(HISTORY)
+    # a request that may run long grows the cache to its budget; it is cut short after one event
+    cancel = threading.Event()
+    tokens: list[int] = []
+    for event in engine.stream(prompt, SamplingParams(max_tokens=1200), cancel=cancel):
+        tokens += event.token_ids
+        cancel.set()
+    grown = scheduler.cache.max_len
+    assert grown >= 1024
+    # idle: the cache shrinks to what the kept history needs, and the history stays usable
+    assert _wait_for(lambda: scheduler.cache.max_len < grown)
+    assert scheduler.cache.max_len == 512 and scheduler.cache.batch == 1
+    follow_up = prompt + tokens + engine.encode(" and then")
+    sampling = SamplingParams(max_tokens=16)
+    out = engine.generate(follow_up, sampling)
+    assert out.stats.cached_prompt_tokens >= len(prompt)
+    assert out.token_ids == plain.generate(follow_up, sampling).token_ids
+
+
+def test_without_histories_an_idle_engine_keeps_no_slots():
+    engine = Engine.tiny_random(seed=3, max_batch=4)
+    engine.scheduler.idle_shrink_s = 0.05
+    prompt = engine.encode(HISTORY)
+    first = engine.generate(prompt, SamplingParams(max_tokens=8))
+    assert _wait_for(lambda: engine.scheduler.cache.batch == 0)
+    assert engine.scheduler.cache.nbytes() == 0
+    assert engine.generate(prompt, SamplingParams(max_tokens=8)).token_ids == first.token_ids
+    engine.scheduler.idle_shrink_s = None  # never: the cache keeps its size
+    engine.generate(prompt, SamplingParams(max_tokens=8))
+    assert not _wait_for(lambda: engine.scheduler.cache.batch == 0, seconds=0.3)

@@ -59,6 +59,7 @@ StepPolicy = Callable[[int, int], int]
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
 CACHE_GRANULE = 512  # KV caches grow in steps of this many positions
+IDLE_SHRINK_S = 30.0  # idle this long, the KV cache gives back what the held histories do not need
 
 
 @dataclass
@@ -103,7 +104,10 @@ class BatchScheduler:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         max_waiting: int = 256,
         prefix_reuse: bool = False,
+        idle_shrink_s: float | None = IDLE_SHRINK_S,
     ):
+        """`idle_shrink_s`: after this long with nothing to do, the KV cache shrinks to the slots
+        and positions that the histories kept for prefix reuse need (None: never)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
@@ -125,6 +129,7 @@ class BatchScheduler:
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self.idle_shrink_s = idle_shrink_s
         self.steps = 0
 
     # ---- the callers' side ----------------------------------------------------------------
@@ -177,7 +182,9 @@ class BatchScheduler:
         while True:
             with self._cond:
                 while not self._closed and not self._waiting and not self._running:
-                    self._cond.wait()
+                    timeout = self.idle_shrink_s if self._shrinkable() else None
+                    if not self._cond.wait(timeout) and not (self._closed or self._waiting):
+                        self._shrink()
                 if self._closed:
                     self._fail_all(RuntimeError("the engine's scheduler closed"))
                     return
@@ -212,6 +219,27 @@ class BatchScheduler:
             seq.stats.cached_prompt_tokens = reused
             request.prefill_started = time.perf_counter()
             self._running.append(request)
+
+    def _kept_shape(self) -> tuple[int, int]:
+        """(slots, positions) the held histories need."""
+        slots = 1 + max(self._held, default=-1)
+        longest = max((len(tokens) for tokens in self._held.values()), default=0)
+        return slots, max(CACHE_GRANULE, -(-longest // CACHE_GRANULE) * CACHE_GRANULE)
+
+    def _shrinkable(self) -> bool:
+        if self.idle_shrink_s is None:
+            return False
+        slots, positions = self._kept_shape()
+        return self.cache.batch > slots or self.cache.max_len > positions
+
+    def _shrink(self) -> None:
+        """Give back the cache memory of an idle engine, keeping the held histories (called by
+        the scheduler thread, with nothing running)."""
+        slots, positions = self._kept_shape()
+        before = self.cache.nbytes()
+        self.cache.shrink(slots, positions)
+        self._free_slots = [slot for slot in self._free_slots if slot < slots]
+        logger.debug("idle: KV cache %d -> %d bytes", before, self.cache.nbytes())
 
     def _take_slot(self, seq: Sequence) -> tuple[int, int]:
         """A free slot for `seq`, and how many of its prompt tokens the slot already holds.

@@ -162,6 +162,18 @@ class KVCache:
         self.lengths += [0] * (batch - self.batch)
         self.max_len = max_len
 
+    def shrink(self, batch: int, max_len: int) -> None:
+        """At most `batch` slots of `max_len` positions, keeping what the first slots hold up to
+        `max_len` (a server's cache after a load peak: the memory goes back)."""
+        batch, max_len = min(batch, self.batch), min(max_len, self.max_len)
+        if (batch, max_len) == (self.batch, self.max_len):
+            return
+        for tensors in (self.keys, self.values):
+            for i, old in enumerate(tensors):
+                tensors[i] = old[:batch, :, :max_len].clone()
+        self.lengths = [min(n, max_len) for n in self.lengths[:batch]]
+        self.max_len = max_len
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
