@@ -153,6 +153,10 @@ def test_yaml12_booleans_keep_off_a_string():
             "p.yaml:1:73: default.options.eagle_tree: input should be less than or equal to 63",
         ),
         (
+            "default: {method: eagle, gamma: auto, options: {eagle_head: h, eagle_tree: 8}}\n",
+            "p.yaml:1:76: eagle_tree needs a fixed gamma (its depth cap), not gamma: auto",
+        ),
+        (
             "default: {method: ngram, gamma: 3, options: {eagle_tree: 8}}\n",
             "p.yaml:1:46: option eagle_tree does not apply to method ngram",
         ),

@@ -95,6 +95,10 @@ def _check_decision(d: DecisionSpec, path: Path, policy: Policy, loc: Located) -
     if opts.eagle_tree == 1:
         problems.append(loc.problem(at("options", "eagle_tree"),
                                     "eagle_tree is 0 (chains) or a tree of 2 to 63 tokens, got 1"))
+    if opts.eagle_tree and d.auto:
+        # auto learns α per drafted token of a chain; a tree's acceptance counts every node
+        problems.append(loc.problem(at("options", "eagle_tree"),
+                                    "eagle_tree needs a fixed gamma (its depth cap), not gamma: auto"))
     if d.method == "eagle" and opts.eagle_head is None and d.pool is None:
         problems.append(
             loc.problem(path, "method eagle needs options.eagle_head (embedded engine) or pool (SGLang)")
