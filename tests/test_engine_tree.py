@@ -274,3 +274,27 @@ def test_serial_engine_trees_equal_off(tmp_path):
                               drafter=drafter)
         assert out.token_ids == plain.token_ids
         assert out.stats.draft_proposed > out.stats.target_passes  # several candidates a round
+
+
+def test_a_tree_is_cut_to_the_room_in_the_cache():
+    from types import SimpleNamespace
+
+    from openalice_runner.engine import SamplingParams, SpecConfig
+    from openalice_runner.engine.drafters.base import Drafter, Proposal
+    from openalice_runner.engine.generator import begin, new_sequence, plan_round
+
+    class Wide(Drafter):
+        def propose(self, history, gamma, sampling, generator):
+            return Proposal(list(range(10, 30)), None, parents=[-1] * 20)
+
+    class Quiet:
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    cache = SimpleNamespace(max_len=12, lengths=[0])
+    seq = new_sequence([1, 2, 3, 4, 5], SamplingParams(max_tokens=50), SpecConfig(method="eagle", gamma=4), Wide(),
+                       cache, Quiet(), frozenset(), context_length=64)
+    begin(seq)
+    proposal, draft = plan_round(seq, 4)
+    assert len(draft) == 12 - 5  # positions 5..11: the root's successors that the cache holds
+    assert proposal.parents == [-1] * 7

@@ -112,7 +112,8 @@ def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
         t0 = time.perf_counter()
         proposal = seq.drafter.propose(seq.tokens, max_draft, seq.sampling, seq.generator)
         seq.stats.draft_s += time.perf_counter() - t0
-        proposal = proposal.cut(max_draft, room_context)
+        # a tree may hold more tokens than γ: they must fit the context and the cache
+        proposal = proposal.cut(max_draft, min(room_context, seq.cache.max_len - len(seq.tokens)))
     return proposal, proposal.tokens
 
 
