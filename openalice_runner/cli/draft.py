@@ -30,7 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--max-new-tokens", type=positive_int, default=192, help="reply length distilled per prompt")
     t.add_argument("--batch", type=positive_int, default=24, help="prompts decoded together while distilling")
     t.add_argument("--draft-vocab", type=positive_int, default=4096, help="draft vocabulary size (top-N tokens)")
-    t.add_argument("--unroll", type=positive_int, default=3, help="draft steps trained per position")
+    t.add_argument("--unroll", type=positive_int, default=1,
+                   help="draft steps trained per position (default 1: more steps in a CPU budget; "
+                        "more than 1 trains later chain steps on the head's own features, as EAGLE-3)")
     t.add_argument("--feature-layers", type=feature_layers, default="eagle3", metavar="eagle3|none|I,J,K",
                    help="target layers whose residual stream the head fuses with the final hidden state: "
                         "eagle3 (low, middle and high layers; the default), none (final state alone) or indices")
