@@ -270,7 +270,6 @@ class BatchScheduler:
         tokens: list[int] = []
         row_slot: list[int] = []
         row_pos: list[int] = []
-        mask_rows: list[tuple[int, int, int]] = []  # every row's TreeMask entry, where a tree is in the pass
         plans: list[_Rows] = []
         decoders = sum(not r.prefilling for r in self._running)
         budget = self.prefill_chunk if decoders else PREFILL_CHUNK
@@ -291,7 +290,6 @@ class BatchScheduler:
                 tokens += seq.prompt[request.prefilled : request.prefilled + n]
                 row_pos += range(request.prefilled, request.prefilled + n)
                 row_slot += [seq.slot] * n
-                mask_rows += plain_rows(request.prefilled, n)
                 continue
             if seq.drafter is not None:
                 # rows so far, plus one for this and each decoding sequence still to come
@@ -302,14 +300,9 @@ class BatchScheduler:
             tokens += [seq.tokens[-1], *draft]
             row_pos += range(start, start + 1 + len(draft))
             row_slot += [seq.slot] * (1 + len(draft))
-            if proposal.parents is None:
-                mask_rows += plain_rows(start, 1 + len(draft))
-            else:
-                mask_rows += tree_rows(start, proposal.parents)
         if not plans:
             return
-        has_tree = any(plan.proposal is not None and plan.proposal.parents is not None for plan in plans)
-        tree = TreeMask.from_rows(mask_rows) if has_tree else None
+        tree = _tree_mask(plans)
 
         t0 = time.perf_counter()
         taps = taps_for(plan.request.seq.drafter for plan in plans)
@@ -385,6 +378,21 @@ class BatchScheduler:
         self._fail_running(exc)
         while self._waiting:
             self._waiting.popleft().events.put(exc)
+
+
+def _tree_mask(plans: list[_Rows]) -> TreeMask | None:
+    """The pass's mask where a draft tree is in it (every row gets an entry), else None."""
+    if all(plan.proposal is None or plan.proposal.parents is None for plan in plans):
+        return None
+    rows: list[tuple[int, int, int]] = []
+    for plan in plans:
+        if plan.proposal is None:  # a prefill chunk, fed from what the slot holds
+            rows += plain_rows(plan.request.prefilled, plan.count)
+        elif plan.proposal.parents is None:
+            rows += plain_rows(plan.length_before, plan.count)
+        else:
+            rows += tree_rows(plan.length_before, plan.proposal.parents)
+    return TreeMask.from_rows(rows)
 
 
 def common_prefix(held, prompt: list[int], limit: int) -> int:

@@ -102,10 +102,7 @@ class EagleDrafter(Drafter):
         (catch-up steps over many rows would overstate it)."""
         t0 = time.perf_counter()
         out = self.runtime.step(self.cache, feat, [token], [pos])
-        seconds = time.perf_counter() - t0
-        rt = self.runtime
-        old = getattr(rt, "draft_step_s", None)  # shared by the head's requests
-        rt.draft_step_s = seconds if old is None else old + STEP_EMA * (seconds - old)
+        _record_step(self.runtime, time.perf_counter() - t0)
         return out
 
     def propose(self, history: list[int], gamma: int, sampling: SamplingParams,
@@ -156,11 +153,15 @@ class EagleDrafter(Drafter):
         nodes, steps = eagle_tree.grow(rt, self.cache, feat, last, depth, self.max_len - 2 - last,
                                        max_nodes=self.tree_nodes, value=value)
         if steps:  # what one head step costs, for this and later drafts' sizing
-            seconds = (time.perf_counter() - t0) / steps
-            old = getattr(rt, "draft_step_s", None)
-            rt.draft_step_s = seconds if old is None else old + STEP_EMA * (seconds - old)
+            _record_step(rt, (time.perf_counter() - t0) / steps)
         tokens, parents = eagle_tree.select(nodes, self.tree_nodes, value)
         return Proposal(tokens, None, parents=parents) if tokens else Proposal([])
+
+
+def _record_step(runtime, seconds: float) -> None:
+    """Fold one head step's time into the runtime's average (shared by the head's requests)."""
+    old = getattr(runtime, "draft_step_s", None)
+    runtime.draft_step_s = seconds if old is None else old + STEP_EMA * (seconds - old)
 
 
 class _DraftLength:

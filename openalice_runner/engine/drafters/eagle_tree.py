@@ -83,9 +83,14 @@ def grow(runtime, cache, root_feat: torch.Tensor, last: int, max_depth: int, max
     return nodes, steps
 
 
+def _ranked(nodes: list[Candidate], max_nodes: int) -> list[int]:
+    """The best-scored nodes, best first; a parent ranks before its children (ties by creation)."""
+    return sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, i))[: min(max_nodes, MAX_NODES)]
+
+
 def _best(nodes: list[Candidate], max_nodes: int, value) -> tuple[int, float, float, int]:
     """(n, its value, expected tokens, depth) of the best number of top-scored nodes to verify."""
-    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, i))[: min(max_nodes, MAX_NODES)]
+    order = _ranked(nodes, max_nodes)
     best = (0, 1.0, 0.0, 0)
     expected, depth = 0.0, 0
     for k, i in enumerate(order, start=1):
@@ -112,7 +117,7 @@ def _worth_growing(nodes: list[Candidate], frontier_best: int, max_nodes: int, v
 def select(nodes: list[Candidate], max_nodes: int, value=None) -> tuple[list[int], list[int]]:
     """The best-scored nodes as a tree: (tokens, parents) in topological order. `value(n,
     expected, depth)` -> tokens per unit cost of verifying the best n (None: take max_nodes)."""
-    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, i))[: min(max_nodes, MAX_NODES)]
+    order = _ranked(nodes, max_nodes)
     n = len(order) if value is None else _best(nodes, max_nodes, value)[0]
     chosen = sorted(order[:n])  # creation order: parents first
     index = {i: j for j, i in enumerate(chosen)}
