@@ -414,3 +414,22 @@ def test_feature_layers_option():
     tiny = Engine.tiny_random(seed=0)
     with pytest.raises(ValueError, match="feature_layers"):
         build_head(tiny, [], settings=BuildSettings(feature_layers=[99], progress=False))
+
+
+def test_train_step_options(capsys):
+    from openalice_runner.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["draft", "train", "--data", "p.jsonl"])
+    assert (args.tokens_per_step, args.lr) == (256, 1e-3)  # the defaults BuildSettings has
+    assert (BuildSettings().tokens_per_step, BuildSettings().lr) == (256, 1e-3)
+    args = parser.parse_args(["draft", "train", "--data", "p.jsonl", "--tokens-per-step", "1024", "--lr", "3e-3"])
+    assert (args.tokens_per_step, args.lr) == (1024, 3e-3)
+    for flag, bad, said in [("--tokens-per-step", "0", "must be >= 1"), ("--lr", "0", "must be a finite number > 0"),
+                            ("--lr", "nan", "must be a finite number > 0"), ("--lr", "inf", "must be a finite number > 0"),
+                            ("--lr", "fast", "is not a number")]:
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(["draft", "train", "--data", "p.jsonl", flag, bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert flag in err and said in err, err

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from openalice_runner.cli.common import add_engine_args, positive_int
+from openalice_runner.cli.common import add_engine_args, positive_float, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--unroll", type=positive_int, default=1,
                    help="draft steps trained per position (default 1: more steps in a CPU budget; "
                         "more than 1 trains later chain steps on the head's own features, as EAGLE-3)")
+    t.add_argument("--tokens-per-step", type=positive_int, default=256,
+                   help="training tokens per optimizer step (default 256, about one reply: more steps per CPU second)")
+    t.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (default 0.001)")
     t.add_argument("--feature-layers", type=feature_layers, default="eagle3", metavar="eagle3|none|I,J,K",
                    help="target layers whose residual stream the head fuses with the final hidden state: "
                         "eagle3 (low, middle and high layers; the default), none (final state alone) or indices")
@@ -77,7 +80,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     settings = BuildSettings(
         minutes=args.minutes, gen_minutes=args.gen_minutes, max_new_tokens=args.max_new_tokens, batch=args.batch,
-        draft_vocab=args.draft_vocab, unroll=args.unroll, max_prompts=args.max_prompts, max_steps=args.max_steps,
+        draft_vocab=args.draft_vocab, unroll=args.unroll, tokens_per_step=args.tokens_per_step, lr=args.lr,
+        max_prompts=args.max_prompts, max_steps=args.max_steps,
         seed=args.seed, feature_layers=args.feature_layers,
     )
     engine = load_engine(args)

@@ -38,6 +38,8 @@ class BuildSettings:
     # unroll 3 in the same minutes (1,247 against 473 in 20 minutes), held-out acc@1 0.67 against
     # 0.56, and more tokens per pass in `bench` even on chained drafts (README, EAGLE draft head)
     unroll: int = 1
+    tokens_per_step: int = 256  # per optimizer step (TrainSettings.tokens_per_step says why)
+    lr: float = 1e-3
     # target layers fused with f_t: None (f_t alone), "eagle3" (low, middle, high) or indices
     feature_layers: list[int] | str | None = "eagle3"
     heldout_every: int = 20  # one prompt in this many (by hash) is held out
@@ -127,7 +129,8 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
     vocab = draft_vocabulary(train, min(s.draft_vocab, model.cfg.vocab_size), always=set(engine.eos_token_ids))
     cfg = HeadConfig.for_target(engine.model_name, model, vocab, feature_layers=list(taps) or None)
     seconds = max(1.0, deadline - time.monotonic() - 5.0)  # leave time to save
-    tset = TrainSettings(seconds=seconds, unroll=s.unroll, seed=s.seed, max_steps=s.max_steps,
+    tset = TrainSettings(seconds=seconds, unroll=s.unroll, tokens_per_step=s.tokens_per_step, lr=s.lr,
+                         seed=s.seed, max_steps=s.max_steps,
                          eval_every_s=max(10.0, seconds / 10))
     bar = _bar(round(seconds), "training", "s", s.progress)
 
@@ -145,6 +148,7 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
         minutes_total=round((time.monotonic() - t0) / 60.0, 2),
         prompts_read=n_read, prompts_used=len(unique), train_samples=len(train), heldout_samples=len(heldout),
         train_tokens=n_tokens, reply_tokens=reply_tokens, draft_vocab=len(vocab), unroll=s.unroll,
+        tokens_per_step=s.tokens_per_step, lr=s.lr,
         max_new_tokens=s.max_new_tokens, dtype=engine.dtype, feature_layers=list(taps) or None,
     )
     head.cfg.trained = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}
