@@ -38,8 +38,8 @@ class BuildSettings:
     # unroll 3 in the same minutes (1,247 against 473 in 20 minutes), held-out acc@1 0.67 against
     # 0.56, and more tokens per pass in `bench` even on chained drafts (README, EAGLE draft head)
     unroll: int = 1
-    tokens_per_step: int = 256  # per optimizer step (TrainSettings.tokens_per_step says why)
-    lr: float = 1e-3
+    tokens_per_step: int = TrainSettings.tokens_per_step  # per optimizer step (that field says why)
+    lr: float = TrainSettings.lr
     # target layers fused with f_t: None (f_t alone), "eagle3" (low, middle, high) or indices
     feature_layers: list[int] | str | None = "eagle3"
     heldout_every: int = 20  # one prompt in this many (by hash) is held out
