@@ -35,8 +35,8 @@ class TrainSettings:
     unroll: int = 3  # draft steps trained per position
     window: int = 512  # tokens per sequence window
     # windows are accumulated up to this many tokens per optimizer step. Small steps learn more per
-    # CPU second: in 300 s on cached samples, 256 tokens (about one reply) took 898 steps to
-    # held-out acc@1 0.674, where 1024 took 247 steps in 240 s to 0.608 and 0.666 in 20 minutes
+    # CPU second: on the same cached samples and held-out set, 256 tokens (about one reply) took
+    # 898 steps in 300 s to acc@1 0.674, 512 took 567 steps to 0.665, 1024 took 247 in 240 s to 0.608
     tokens_per_step: int = 256
     lr: float = 1e-3
     warmup_steps: int = 20
