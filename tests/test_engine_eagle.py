@@ -433,3 +433,37 @@ def test_train_step_options(capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert flag in err and said in err, err
+
+
+def test_training_windows_hold_the_reply_and_acceptance_counts_reply_rows(tiny_engine, tiny_head):
+    from openalice_runner.engine.eagle.data import Sample
+    from openalice_runner.engine.eagle.train import target_top1
+
+    folder, _, _ = tiny_head
+    head = load_head(folder, tiny_engine.model_name, tiny_engine.model)
+    width = head.cfg.feature_width
+    torch.manual_seed(0)
+    length, prompt_len = 300, 200
+    sample = Sample("s", torch.randint(0, tiny_engine.model.cfg.vocab_size, (length + 1,)),
+                    torch.randn(length, width).to(torch.bfloat16), prompt_len)
+    trainer = Trainer(tiny_engine.model, head, TrainSettings())
+    # a window shorter than the sequence ends at its end: the whole reply, then prompt context
+    feats, nxt, start, first = trainer._window(sample, 128)
+    assert (start, feats.shape[0], nxt.shape[0]) == (length - 128, 128, 128)
+    assert first == prompt_len - 1 - start
+    # a reply longer than the window: a random window inside it, a quarter of it kept for context
+    starts = {trainer._window(Sample("l", sample.tokens, sample.feats, 40), 64)[2] for _ in range(50)}
+    assert len(starts) > 1 and min(starts) >= 40 - 1 - 64 // 4 and max(starts) <= length - 64
+    # loss weights: 1 from the row before the reply's first token, prompt_weight before it
+    weights = Trainer(tiny_engine.model, head, TrainSettings(prompt_weight=0.25)).row_weights(10, 4)
+    assert weights.tolist() == [0.25] * 4 + [1.0] * 5
+    loss, weight = Trainer(tiny_engine.model, head, TrainSettings(prompt_weight=0.0)).losses(feats, nxt, start, first)
+    assert weight == feats.shape[0] - 1 - first and torch.isfinite(loss)
+    # held-out acceptance counts reply rows only: changing the truth inside the prompt changes nothing
+    truth = target_top1(tiny_engine.model, [sample])[0]
+    scrambled = truth.clone()
+    scrambled[:prompt_len] = (scrambled[:prompt_len] + 1) % tiny_engine.model.cfg.vocab_size
+    assert trainer.evaluate([sample], [truth]) == trainer.evaluate([sample], [scrambled])
+    wrong = truth.clone()
+    wrong[prompt_len:] = -1  # no draft can equal it
+    assert trainer.evaluate([sample], [wrong])["acc1"] == 0.0

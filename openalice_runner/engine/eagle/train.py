@@ -1,13 +1,14 @@
 """Training an EAGLE head by self-distillation, within a wall-clock budget.
 
-Each step takes a window of a distilled sequence (target features f_t and tokens), runs the
-head unrolled for `unroll` draft steps (step s > 1 reads step s-1's predicted feature, as the
-drafter does) and minimises, per step, the cross-entropy between the head's draft-vocabulary
-distribution and the target's (soft targets from the true next feature), plus a small smooth-L1
-term on the predicted feature. The learning rate warms up and then decays linearly with the
-time left, so a run of any length ends annealed. Held-out acceptance is the share of positions
-where the head's first draft equals the target's greedy token, and `tokens/pass` estimates the
-mean tokens per target pass of a chain of `EVAL_DRAFTS` drafts (or `unroll`, if more) on
+Each step takes a window of a distilled sequence (target features f_t and tokens) that holds
+its whole reply after as much of the prompt as fits, runs the head unrolled for `unroll` draft
+steps (step s > 1 reads step s-1's predicted feature, as the drafter does) and minimises, per
+step, the cross-entropy between the head's draft-vocabulary distribution and the target's
+(soft targets from the true next feature), plus a small smooth-L1 term on the predicted
+feature. The learning rate warms up and then decays linearly with the time left, so a run of
+any length ends annealed. Held-out acceptance is the share of reply positions (where the head
+drafts) at which its first draft equals the target's greedy token, and `tokens/pass` estimates
+the mean tokens per target pass of a chain of `EVAL_DRAFTS` drafts (or `unroll`, if more) on
 held-out text: the same figure whatever the head was trained with.
 """
 
@@ -41,6 +42,7 @@ class TrainSettings:
     lr: float = 1e-3
     warmup_steps: int = 20
     feature_weight: float = 0.2
+    prompt_weight: float = 1.0  # loss weight of prompt rows (the head only drafts replies, but 0 or 0.2 trained worse)
     eval_every_s: float = 60.0
     seed: int = 0
     max_steps: int | None = None
@@ -74,37 +76,52 @@ class Trainer:
         self.rng = random.Random(settings.seed)
         self.step = 0
 
-    def _window(self, s: Sample, window: int, start: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _window(self, s: Sample, window: int, start: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(features, next-token embeddings, start, first reply row) of a window of `s`. By
+        default the window ends at the sequence's end, so it holds the whole reply (replies are
+        shorter than a window) after as much of the prompt as fits; a longer reply gets a
+        random window inside it."""
         length = s.feats.shape[0]
         if start is None:
-            # favour the reply: windows end inside it where the sequence is longer than a window
-            start = 0 if length <= window else self.rng.randint(max(0, min(s.prompt_len, length - window) - window // 2),
-                                                                 length - window)
+            start = max(0, length - window)
+            reply = s.prompt_len - 1  # the first row the head drafts from
+            if length - reply > window:  # keep a quarter of the window for context
+                start = self.rng.randint(min(start, max(0, reply - window // 4)), start)
         end = min(length, start + window)
         feats = s.feats[start:end].float()
         nxt = self.embed[s.tokens[start + 1 : end + 1]].float()
-        return feats, nxt, start
+        return feats, nxt, start, max(0, s.prompt_len - 1 - start)
 
-    def losses(self, feats: torch.Tensor, nxt: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
+    def row_weights(self, length: int, first_reply: int) -> torch.Tensor:
+        """Loss weight of rows 0..length-2: 1 where the head drafts (the row before the reply's
+        first token onwards), `prompt_weight` inside the prompt."""
+        w = torch.ones(max(0, length - 1))
+        w[: min(first_reply, w.shape[0])] = self.s.prompt_weight
+        return w
+
+    def losses(self, feats: torch.Tensor, nxt: torch.Tensor, start: int, first_reply: int = 0) -> tuple[torch.Tensor, float]:
+        """The window's loss (weighted mean over rows, summed over unrolled steps) and its
+        weight (rows that count)."""
         outs = self.head.forward_unrolled(feats, nxt, self.s.unroll, start)
         length = feats.shape[0]
+        weights = self.row_weights(length, first_reply)
         final = feats[:, -self.head.cfg.hidden :]  # f_t; taps (if any) come before it
         with torch.no_grad():
             target_logp = torch.log_softmax(final[1:] @ self.lm_sub.t(), dim=-1)  # rows t+1 = 1..L-1
             target_p = target_logp.exp()
         total = feats.new_zeros(())
-        count = 0
         for s, pred in enumerate(outs, start=1):
             lo = s - 1
-            if lo >= length - 1:
+            w = weights[lo:]
+            if lo >= length - 1 or float(w.sum()) <= 0:
                 break
             p = pred[lo : length - 1]
             logq = torch.log_softmax(p @ self.lm_sub.t(), dim=-1)
-            ce = -(target_p[lo:] * logq).sum(-1).mean()
-            reg = F.smooth_l1_loss(p, final[lo + 1 :])
-            total = total + (0.8 ** (s - 1)) * (ce + self.s.feature_weight * reg)
-            count = length - 1 - lo
-        return total, count
+            ce = -(target_p[lo:] * logq).sum(-1)
+            reg = F.smooth_l1_loss(p, final[lo + 1 :], reduction="none").mean(-1)
+            per_row = ce + self.s.feature_weight * reg
+            total = total + (0.8 ** (s - 1)) * (w * per_row).sum() / w.sum()
+        return total, float(weights.sum())
 
     def lr_at(self, frac_time: float) -> float:
         warm = min(1.0, (self.step + 1) / self.s.warmup_steps)
@@ -119,14 +136,16 @@ class Trainer:
         loss_sum = 0.0
         while tokens < self.s.tokens_per_step:
             sample = self.rng.choice(samples)
-            feats, nxt, start = self._window(sample, self.s.window)
-            if feats.shape[0] < 2:
+            window = self._window(sample, self.s.window)
+            if window[0].shape[0] < 2:
                 continue
-            loss, _ = self.losses(feats, nxt, start)
-            share = feats.shape[0] / self.s.tokens_per_step
+            loss, weight = self.losses(*window)
+            if weight <= 0:
+                continue
+            share = weight / self.s.tokens_per_step
             (loss * share).backward()
             loss_sum += float(loss.detach()) * share
-            tokens += feats.shape[0]
+            tokens += weight
         torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
         self.opt.step()
         self.step += 1
@@ -139,7 +158,7 @@ class Trainer:
         hits = total = 0
         chain_sum = chains = 0
         for s, top1 in zip(heldout, truth, strict=True):
-            feats, nxt, start = self._window(s, 1024, start=max(0, s.feats.shape[0] - 1024))
+            feats, nxt, start, first = self._window(s, 1024, start=max(0, s.feats.shape[0] - 1024))
             outs = self.head.forward_unrolled(feats, nxt, max(self.s.unroll, EVAL_DRAFTS), start)
             length = feats.shape[0]
             want = top1[start + 1 : start + length]  # target's greedy token after f_{t+1}, rows t = 0..L-2
@@ -147,10 +166,10 @@ class Trainer:
             for pred in outs:
                 ids = self.vocab[(pred[: length - 1] @ self.lm_sub.t()).argmax(-1)]
                 correct.append(ids == want)
-            hits += int(correct[0].sum())
-            total += length - 1
+            # rows where the head drafts: the reply (a prompt's rows are the user's text, not the model's)
+            hits += int(correct[0][first:].sum())
+            total += max(0, length - 1 - first)
             # a chain started at row u drafts rows u, u+1, ... with steps 1, 2, ...
-            first = max(0, s.prompt_len - start)
             for u in range(first, length - 1):
                 n = 0
                 while n < len(correct) and u + n < length - 1 and bool(correct[n][u + n]):
