@@ -100,6 +100,15 @@ _TOPICS = [
     "studying for exams", "starting a small business", "composting", "cycling to work", "baking bread",
     "caring for a dog", "negotiating a salary", "writing clear emails", "managing stress", "home workouts",
     "decluttering", "learning chess", "camping", "birdwatching", "volunteering", "drinking enough water",
+    "eating well on a budget", "keeping a journal", "learning to swim", "raising teenagers", "planning a wedding",
+    "buying a used car", "fixing a leaky tap", "packing for a trip", "writing a cover letter", "learning to draw",
+    "caring for a cat", "recycling at home", "preparing for a career change", "keeping a tidy kitchen",
+    "planning a birthday party", "growing tomatoes", "choosing a laptop", "protecting your privacy online",
+    "making good coffee at home", "teaching a child to read", "dealing with jet lag", "getting up early",
+    "listening well", "giving feedback at work", "running a team meeting", "first aid basics", "stretching",
+    "cooking vegetables", "saving energy at home", "learning to dance", "caring for elderly parents",
+    "moving house", "writing a speech", "learning to knit", "staying focused", "building a habit of exercise",
+    "preparing for a long flight", "looking after your eyes", "making a family budget", "learning to cook rice",
 ]
 _CONCEPTS = [
     "a hash table", "recursion", "a database index", "TCP vs UDP", "garbage collection", "a mutex", "caching",
@@ -109,6 +118,11 @@ _CONCEPTS = [
     "photosynthesis", "inflation", "compound interest", "the water cycle", "plate tectonics", "vaccines",
     "supply and demand", "black holes", "the greenhouse effect", "electric circuits", "DNA replication",
     "the scientific method", "a budget deficit", "entropy", "natural selection", "the internet",
+    "a CPU cache", "a database transaction", "a memory leak", "a hash function", "latency and throughput",
+    "a message queue", "encryption", "a web browser", "a search engine", "an interpreter", "a container image",
+    "a firewall", "a spreadsheet formula", "the immune system", "the moon's phases", "tides", "rainbows",
+    "interest rates", "the stock market", "electric cars", "solar panels", "recycling", "the printing press",
+    "democracy", "the Roman Empire", "volcanoes", "earthquakes", "the human heart", "sound waves", "magnets",
 ]
 _AUDIENCES = ["a child", "a beginner", "a new engineer", "a manager", "a high-school student", "my grandmother"]
 _CHAT_TEMPLATES = [
@@ -127,6 +141,16 @@ _CHAT_TEMPLATES = [
     "Write a short friendly email inviting a colleague to talk about {topic}.",
     "Tell me a short story about a robot who learns about {topic}.",
     "List {n} questions I could ask an expert on {concept}.",
+    "How do I get started with {topic}?",
+    "What should a beginner know about {topic}?",
+    "Why is {topic} worth the effort? Keep it brief.",
+    "What are {n} simple ways to get better at {topic}?",
+    "My friend finds {topic} hard. What advice would you give them?",
+    "Write a short blog introduction about {topic}.",
+    "What is a common myth about {concept}?",
+    "Why is {concept} important? Keep it short.",
+    "How would you teach {concept} to {audience}?",
+    "Write {n} bullet points summarizing {concept}.",
 ]
 _NAMES = ["Alice", "Bob", "Maria", "Kenji", "Fatima", "Tom", "Priya", "Lucas"]
 _ITEMS = ["apples", "pencils", "books", "marbles", "stickers", "cookies", "coins", "cards"]
@@ -199,13 +223,14 @@ def _docstring_prompts(rng: random.Random, skip_modules: set[str], limit: int) -
 
 
 def builtin_prompts(n: int = 1500, seed: int = 0, skip_modules: Iterable[str] = ("textwrap", "shlex", "fnmatch")) -> list[dict]:
-    """A varied prompt set: ~45% chat/explanations, ~35% arithmetic reasoning, ~20% code and docs."""
+    """A varied prompt set: ~50% chat/explanations, ~30% arithmetic reasoning, ~20% code and docs.
+    Chat has the larger share: its replies vary most, and they are the cheapest to distill."""
     rng = random.Random(seed)
     out: list[dict] = []
     docs = _docstring_prompts(rng, set(skip_modules), limit=n // 5)
     seen: set[str] = set()
     while len(out) < n - len(docs):
-        if rng.random() < 0.56:
+        if rng.random() < 0.63:
             concept, concept2 = rng.sample(_CONCEPTS, 2)
             text = rng.choice(_CHAT_TEMPLATES).format(
                 n=rng.choice(["three", "four", "five", "two"]), topic=rng.choice(_TOPICS), concept=concept,
