@@ -437,7 +437,6 @@ def test_train_step_options(capsys):
 
 def test_training_windows_hold_the_reply_and_acceptance_counts_reply_rows(tiny_engine, tiny_head):
     from openalice_runner.engine.eagle.data import Sample
-    from openalice_runner.engine.eagle.train import target_top1
 
     folder, _, _ = tiny_head
     head = load_head(folder, tiny_engine.model_name, tiny_engine.model)
@@ -459,11 +458,16 @@ def test_training_windows_hold_the_reply_and_acceptance_counts_reply_rows(tiny_e
     assert weights.tolist() == [0.25] * 4 + [1.0] * 5
     loss, weight = Trainer(tiny_engine.model, head, TrainSettings(prompt_weight=0.0)).losses(feats, nxt, start, first)
     assert weight == feats.shape[0] - 1 - first and torch.isfinite(loss)
-    # held-out acceptance counts reply rows only: changing the truth inside the prompt changes nothing
-    truth = target_top1(tiny_engine.model, [sample])[0]
+    # held-out acceptance counts reply rows only. Truth = the head's own first drafts: acc@1 1.0,
+    # and still 1.0 with every prompt row's truth made wrong
+    with torch.no_grad():
+        out = head.forward_unrolled(sample.feats.float(), tiny_engine.model.embed[sample.tokens[1:]].float(), 1)[0]
+    truth = torch.zeros(length, dtype=torch.long)
+    truth[1:] = trainer.vocab[(out[:-1] @ trainer.lm_sub.t()).argmax(-1)]
+    assert trainer.evaluate([sample], [truth])["acc1"] == 1.0
     scrambled = truth.clone()
-    scrambled[:prompt_len] = (scrambled[:prompt_len] + 1) % tiny_engine.model.cfg.vocab_size
-    assert trainer.evaluate([sample], [truth]) == trainer.evaluate([sample], [scrambled])
+    scrambled[:prompt_len] = -1
+    assert trainer.evaluate([sample], [scrambled])["acc1"] == 1.0
     wrong = truth.clone()
     wrong[prompt_len:] = -1  # no draft can equal it
     assert trainer.evaluate([sample], [wrong])["acc1"] == 0.0
