@@ -3,7 +3,10 @@ same bits for any row count, and a clean fallback to torch where they are turned
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -48,6 +51,38 @@ def test_row_results_do_not_depend_on_row_count(kernels, dtype):
         together = kernels.linear(x[first:end], weight)
         for r in range(first, end):
             assert torch.equal(alone[r], together[r - first]), (first, end, r)
+
+
+_LINEAR_BITS = """
+import sys, torch
+from openalice_runner.engine.cpu_kernels import cpu_kernels
+k = cpu_kernels()
+g = torch.Generator().manual_seed(0)
+out = {"wide": k.wide, "y": []}
+for n, depth in [(104, 520), (40, 600), (64, 64), (8, 16)]:
+    weight = k.pack(torch.randn(n, depth, generator=g).to(torch.bfloat16))
+    for rows in (1, 2, 6, 7, 12, 13, 25):
+        out["y"].append(k.linear(torch.randn(rows, depth, generator=g), weight))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_avx512_tile_gives_the_avx2_tiles_bits(kernels, tmp_path):
+    """Where the CPU has AVX-512, bf16 linears run a wider register tile; every output must
+    still be the AVX2 kernel's sum in the same order, so a machine's choice never changes a
+    token. The choice is made once per process, so each side runs in its own."""
+    if not kernels.wide:
+        pytest.skip("this CPU has no AVX-512 (or OPENALICE_NATIVE_AVX512=0): only the AVX2 tile runs")
+    got = {}
+    for flag in ("1", "0"):
+        path = tmp_path / f"linear-{flag}.pt"
+        env = dict(os.environ, OPENALICE_NATIVE_AVX512=flag)
+        subprocess.run([sys.executable, "-c", _LINEAR_BITS, str(path)], env=env, check=True, timeout=300)
+        got[flag] = torch.load(path)
+    assert got["1"]["wide"] and not got["0"]["wide"]
+    assert len(got["1"]["y"]) == len(got["0"]["y"]) == 28
+    for wide, narrow in zip(got["1"]["y"], got["0"]["y"], strict=True):
+        assert torch.equal(wide, narrow)
 
 
 def test_chunked_and_batched_prefill_equal_one_prefill(kernels):

@@ -2,7 +2,9 @@
 
 - `linear`: matmuls for any number of rows on weights packed once at load: a verify pass over
   γ+1 rows costs about what a one-row decode costs (the premise of speculative decoding) on
-  CPUs without bf16 arithmetic, and a prefill runs at arithmetic speed.
+  CPUs without bf16 arithmetic, and a prefill runs at arithmetic speed. Where the CPU has
+  AVX-512, bf16 weights run a register tile twice as wide, with the same bits
+  (`CpuKernels.wide`; `OPENALICE_NATIVE_AVX512=0` keeps the AVX2 tile).
 - `attention`: causal attention for ragged rows read straight from the KV cache, so one pass
   serves sequences of different lengths, each feeding its own number of tokens.
 - `add_rms_norm`, `silu_mul`, `rope_store`: a layer's small per-row steps, one call each
@@ -60,6 +62,12 @@ class PackedWeight:
 class CpuKernels:
     library: ctypes.CDLL
     path: Path
+
+    @property
+    def wide(self) -> bool:
+        """Whether bf16 linears run the AVX-512 tile (same bits, twice the arithmetic); off
+        with OPENALICE_NATIVE_AVX512=0, for side-by-side benchmarks."""
+        return bool(self.library.linear_wide())
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         """The weight (N, K), bf16 or fp32, in the layout `linear` reads (a copy; packed once
@@ -205,6 +213,8 @@ def _load() -> tuple[CpuKernels | None, str | None]:
         fn.restype = None
     library.pack_weight.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     library.pack_weight.restype = None
+    library.linear_wide.argtypes = []
+    library.linear_wide.restype = ctypes.c_int
     library.attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     library.attention.restype = ctypes.c_int
     library.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]

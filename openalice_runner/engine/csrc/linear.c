@@ -1,4 +1,4 @@
-/* Linear layers for AVX2 CPUs: y (M x N, fp32) = x (M x K, fp32) @ w (N x K).T, any M.
+/* Linear layers for AVX2 (and AVX-512) CPUs: y (M x N, fp32) = x (M x K, fp32) @ w (N x K).T, any M.
 
    One kernel serves a one-row decode, a verify of a few draft rows, a batch of sequences and
    a prefill of hundreds of prompt rows, and gives every row the same bits whatever the other
@@ -19,6 +19,7 @@
    an FMA chain over each block of KB k's from zero, the blocks' sums added in order. */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "pool.h"
 
@@ -125,16 +126,123 @@ typedef struct {
         pool_run(NAME##_share, &job);                                                            \
     }
 
-DEFINE_LINEAR(linear_bf16, uint16_t, tile_bf16_16, tile_bf16_8)
+DEFINE_LINEAR(linear_bf16_avx2, uint16_t, tile_bf16_16, tile_bf16_8)
 DEFINE_LINEAR(linear_f32, float, tile_f32_16, tile_f32_8)
 
-/* w (N x K) row-major -> panels (see above). N % 8 == 0. `bf16`: 2-byte weights, else 4. */
+/* AVX-512 (where the CPU has it): the same sums in the same order, twice the arithmetic.
+
+   A zmm register holds a whole panel step (16 outputs), so a register tile is up to WROWS
+   input rows x 2 panels: 24 accumulators, one FMA per row and panel per k. On two cores the
+   AVX2 tile above is arithmetic-bound past about six rows; this one keeps verify passes of a
+   draft tree near the price of a one-row pass for twice as many rows. Each output is still an
+   FMA chain over each block of KB k's from zero, the blocks' sums added in order, so it gets
+   the same bits as the AVX2 kernel. Full bf16 panels are stored in natural column order for
+   it (`pack_weight`); half panels (N % 16 == 8) keep the AVX2 tile. */
+#define WROWS 12 /* input rows per AVX-512 register tile */
+#define AVX512 __attribute__((target("avx512f,avx512bw")))
+
+static inline AVX512 __m512 load_bf16_zmm(const uint16_t *p) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* MM rows against NP (1 or 2) consecutive full panels; w0 and w1 are the panels' block starts. */
+static inline __attribute__((always_inline)) AVX512 void tile_bf16_zmm(
+    const uint16_t *w0, const uint16_t *w1, const float *x, float *y, int64_t K, int64_t N, int64_t kn,
+    int first, const int MM, const int NP) {
+    __m512 acc[WROWS][2];
+    for (int i = 0; i < MM; i++)
+        for (int v = 0; v < NP; v++) acc[i][v] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kn; k++) {
+        _mm_prefetch((const char *)(w0 + k * PANEL) + PREFETCH_AHEAD, _MM_HINT_T0);
+        __m512 b[2];
+        b[0] = load_bf16_zmm(w0 + k * PANEL);
+        if (NP == 2) {
+            _mm_prefetch((const char *)(w1 + k * PANEL) + PREFETCH_AHEAD, _MM_HINT_T0);
+            b[1] = load_bf16_zmm(w1 + k * PANEL);
+        }
+        for (int i = 0; i < MM; i++) {
+            const __m512 a = _mm512_set1_ps(x[i * K + k]);
+            for (int v = 0; v < NP; v++) acc[i][v] = _mm512_fmadd_ps(a, b[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < MM; i++)
+        for (int v = 0; v < NP; v++) {
+            float *out = y + i * N + PANEL * v;
+            _mm512_storeu_ps(out, first ? acc[i][v] : _mm512_add_ps(_mm512_loadu_ps(out), acc[i][v]));
+        }
+}
+
+#define ZMM_CASE(MM) case MM: tile_bf16_zmm(w0, w1, xm, ym, K, N, kn, first, MM, NP); break;
+#define DEFINE_ZMM_ROWS(NAME, NP_)                                                               \
+    static AVX512 void NAME(const uint16_t *w0, const uint16_t *w1, const float *x, float *y,     \
+                            int64_t M, int64_t K, int64_t N, int64_t kn, int first) {             \
+        const int NP = NP_;                                                                      \
+        for (int64_t m0 = 0; m0 < M; m0 += WROWS) {                                              \
+            const float *xm = x + m0 * K;                                                        \
+            float *ym = y + m0 * N;                                                              \
+            switch (M - m0 < WROWS ? M - m0 : WROWS) {                                           \
+            ZMM_CASE(12) ZMM_CASE(11) ZMM_CASE(10) ZMM_CASE(9) ZMM_CASE(8) ZMM_CASE(7)           \
+            ZMM_CASE(6) ZMM_CASE(5) ZMM_CASE(4) ZMM_CASE(3) ZMM_CASE(2)                          \
+            default: tile_bf16_zmm(w0, w1, xm, ym, K, N, kn, first, 1, NP); break;               \
+            }                                                                                    \
+        }                                                                                        \
+    }
+DEFINE_ZMM_ROWS(zmm_rows_1, 1)
+DEFINE_ZMM_ROWS(zmm_rows_2, 2)
+
+static AVX512 void linear_bf16_zmm_share(void *ctx, int share, int shares) {
+    const linear_job *job = (const linear_job *)ctx;
+    const float *x = job->x;
+    float *y = job->y;
+    const int64_t M = job->M, N = job->N, K = job->K;
+    const int64_t panels = (N + PANEL - 1) / PANEL, end = panels * (share + 1) / shares;
+    for (int64_t p = panels * share / shares; p < end;) {
+        const int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
+        const uint16_t *panel = (const uint16_t *)job->w + n0 * K;
+        const int pair = width == PANEL && p + 1 < end && N - n0 >= 2 * PANEL;
+        for (int64_t k0 = 0; k0 < K; k0 += KB) {
+            const int64_t kn = K - k0 < KB ? K - k0 : KB;
+            const int first = k0 == 0;
+            const uint16_t *wp = panel + k0 * width;
+            if (pair)
+                zmm_rows_2(wp, panel + PANEL * K + k0 * PANEL, x + k0, y + n0, M, K, N, kn, first);
+            else if (width == PANEL)
+                zmm_rows_1(wp, wp, x + k0, y + n0, M, K, N, kn, first);
+            else
+                ROW_TILES(tile_bf16_8)
+        }
+        p += pair ? 2 : 1;
+    }
+}
+
+/* 1 where the AVX-512 tile runs (the CPU has AVX-512 F and BW and OPENALICE_NATIVE_AVX512 is
+   not 0), decided once per process: `pack_weight` lays bf16 panels out for it. */
+int linear_wide(void) {
+    static int wide = -1;
+    if (wide < 0) {
+        const char *env = getenv("OPENALICE_NATIVE_AVX512");
+        __builtin_cpu_init();
+        wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               !(env && (env[0] == '0' || env[0] == 'n' || env[0] == 'o' || env[0] == 'f'));
+    }
+    return wide;
+}
+
+void linear_bf16(const uint16_t *w, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
+    linear_job job = {w, x, y, M, N, K};
+    pool_run(linear_wide() ? linear_bf16_zmm_share : linear_bf16_avx2_share, &job);
+}
+
+/* w (N x K) row-major -> panels (see above). N % 8 == 0. `bf16`: 2-byte weights, else 4;
+   full bf16 panels in natural column order where the AVX-512 tile reads them. */
 void pack_weight(const void *w, void *out, int64_t N, int64_t K, int bf16) {
+    const int wide = linear_wide();
     for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
         const int64_t width = N - n0 < PANEL ? N - n0 : PANEL;
         for (int64_t k = 0; k < K; k++)
             for (int64_t j = 0; j < width; j++) {
-                const int64_t col = bf16 && width == PANEL ? BF16_ORDER[j] : j;
+                const int64_t col = bf16 && width == PANEL && !wide ? BF16_ORDER[j] : j;
                 const int64_t from = (n0 + col) * K + k, to = n0 * K + k * width + j;
                 if (bf16)
                     ((uint16_t *)out)[to] = ((const uint16_t *)w)[from];
