@@ -87,6 +87,20 @@ def test_eagle_lookup_is_eagle_with_prompt_lookup():
     assert runner.METHOD_OPTIONS["eagle-lookup"] == ("eagle", {"eagle_lookup": True})
 
 
+def test_tree_nodes_reach_the_tree_methods_and_bad_values_exit_2(engine, cases, monkeypatch, capsys):
+    specs = []
+    monkeypatch.setattr(runner, "run_engine", lambda engine, prompt, max_tokens, spec: specs.append(spec)
+                        or runner.Run(tokens=[1], seconds=1.0, gamma=spec.gamma))
+    runner.bench(engine, cases[:1], ["eagle-lookup-tree:4", "eagle-tree:3", "eagle:4"], eagle_head="unused",
+                 tree_nodes=16)
+    assert [(s.eagle_tree, s.eagle_lookup, s.gamma) for s in specs] == [(16, True, 4), (16, False, 3), (0, False, 4)]
+    from openalice_runner.cli import main
+
+    for bad in ("1", "64"):
+        assert main(["bench", "--workload", "unused.jsonl", "--tree-nodes", bad]) == 2
+        assert "--tree-nodes" in capsys.readouterr().err
+
+
 def test_bench_concurrency_report(engine, cases):
     serial = Engine(engine.hf_model, engine.tokenizer, engine.model_name, engine.dtype, max_batch=1)
     report = bench_concurrency(engine, cases, [1, 2], ["off", "ngram:3", "serial-off"], serial=serial)

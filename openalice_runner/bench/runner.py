@@ -25,7 +25,7 @@ from openalice_runner.bench.workload import COPY_HEAVY, OPEN_ENDED, Case, render
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 
 ENGINE_METHODS = ("off", "ngram", "draft", "eagle", "eagle-lookup", "eagle-tree", "eagle-lookup-tree")
-EAGLE_TREE_NODES = 8  # the bench's draft trees: up to this many tokens
+EAGLE_TREE_NODES = 8  # the bench's draft trees: up to this many tokens (--tree-nodes)
 # bench names that are an engine method with options
 METHOD_OPTIONS = {
     "eagle-lookup": ("eagle", {"eagle_lookup": True}),
@@ -111,7 +111,9 @@ def bench(
     policy_store=None,
     progress: Callable[[str], None] | None = None,
     eagle_head: str | None = None,
+    tree_nodes: int = EAGLE_TREE_NODES,
 ) -> dict:
+    """`tree_nodes`: the most tokens of a draft tree in the tree methods."""
     unknown = [m for m in methods if split_method(m, gamma)[0] not in ALL_METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
@@ -133,7 +135,7 @@ def bench(
         runs: dict[str, list[Run]] = {m: [] for m in methods}
         for _ in range(repeat):
             for method in methods:
-                runs[method].append(_one(engine, case, prompt, method, gamma, policy_store, eagle_head))
+                runs[method].append(_one(engine, case, prompt, method, gamma, policy_store, eagle_head, tree_nodes))
         for method in methods:
             run = median_run(runs[method])
             if method == "off":
@@ -171,10 +173,12 @@ def split_method(method: str, gamma: int) -> tuple[str, int]:
 
 
 def _one(engine: Engine, case: Case, prompt: list[int], method: str, gamma: int, policy_store,
-         eagle_head: str | None = None) -> Run:
+         eagle_head: str | None = None, tree_nodes: int = EAGLE_TREE_NODES) -> Run:
     method, gamma = split_method(method, gamma)
     if method in ENGINE_METHODS:
         base, options = METHOD_OPTIONS.get(method, (method, {}))
+        if "eagle_tree" in options:
+            options = dict(options, eagle_tree=tree_nodes)
         head = eagle_head if base == "eagle" else None
         spec = SpecConfig(method=base, gamma=gamma, eagle_head=head, **options)
         return run_engine(engine, prompt, case.max_tokens, spec)

@@ -19,6 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "hf-plain, hf-prompt-lookup; NAME:G fixes γ")
     p.add_argument("--eagle-head", default=None, help="folder of a trained EAGLE head, for the eagle methods")
     p.add_argument("--gamma", type=positive_int, default=5)
+    p.add_argument("--tree-nodes", type=positive_int, default=None,
+                   help="most tokens of a draft tree in eagle-tree and eagle-lookup-tree (default 8, 2 to 63)")
     p.add_argument("--repeat", type=positive_int, default=1, help="runs per row; the row holds the median")
     p.add_argument("--policy", default=None, help="policy file: adds the method 'policy'")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
@@ -27,10 +29,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from openalice_runner.bench.runner import bench, format_table
+    from openalice_runner.bench.runner import EAGLE_TREE_NODES, bench, format_table
     from openalice_runner.bench.workload import load_workload
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    tree_nodes = EAGLE_TREE_NODES if args.tree_nodes is None else args.tree_nodes
+    if not 2 <= tree_nodes <= 63:
+        print(f"error: --tree-nodes: must be in [2, 63], got {tree_nodes}", file=sys.stderr)
+        return 2
     store = load_policy(args.policy)
     if store is not None and "policy" not in methods:
         methods.append("policy")
@@ -42,13 +48,13 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     try:
         report = bench(engine, cases, methods, gamma=args.gamma, repeat=args.repeat, policy_store=store,
-                       progress=lambda line: print(line, file=sys.stderr, flush=True), eagle_head=args.eagle_head)
+                       progress=lambda line: print(line, file=sys.stderr, flush=True), eagle_head=args.eagle_head, tree_nodes=tree_nodes)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report["settings"] = {"dtype": args.dtype, "gamma": args.gamma, "repeat": args.repeat,
                           "model": engine.model_name, "policy": args.policy,
-                          "eagle_head": args.eagle_head}
+                          "eagle_head": args.eagle_head, "tree_nodes": tree_nodes}
     print(format_table(report))
     print(json.dumps(report["summary"], indent=2))
     if args.json_out:
