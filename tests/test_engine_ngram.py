@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -125,6 +126,49 @@ def test_pass_cost_grows_beyond_what_was_measured():
     assert costs.ratio(8) == 2.0
     assert costs.ratio(4) == 2.0  # the nearest measured count above
     assert costs.ratio(16) == 4.0  # linear beyond the largest measured
+
+
+def test_pass_costs_are_kept_per_context():
+    """A long context makes extra rows dearer (each reads the whole context): a question about
+    a short context is answered from short-context passes, where they cover it, and from all
+    passes where they do not."""
+    from openalice_runner.engine.cost_model import context_bucket
+
+    assert [context_bucket(n) for n in (0, 127, 128, 255, 256, 900, 1024)] == [0, 0, 1, 1, 2, 3, 4]
+    costs = PassCostModel()
+    costs.record(1, 0.010, context=150)
+    costs.record(9, 0.012, context=160)  # short context: 9 rows cost 1.2 plain steps
+    costs.record(1, 0.015, context=900)
+    costs.record(9, 0.030, context=910)  # long context: 2.0
+    assert costs.ratio(9, context=170) == pytest.approx(1.2)
+    assert costs.ratio(9, context=905) == pytest.approx(2.0)
+    assert costs.ratio(5, context=200) == pytest.approx(1.2)  # nearest measured count above
+    # over all passes (no context, or a bucket that has not timed enough): EMAs of both
+    everywhere = costs.ratio(9)
+    assert 1.2 < everywhere < 2.0 and costs.ratio(9, context=3000) == everywhere
+    assert costs.ratio(16, context=150) == costs.ratio(16)  # beyond the bucket's rows
+    costs.record(2, 0.02)  # a pass without a context counts over all passes only
+    assert costs.ratio(2, context=150) == pytest.approx(1.2)
+
+
+def test_drafters_ask_for_the_cost_at_their_context():
+    """The same 4-token match pays where verify rows are cheap at this context and is declined
+    where they are dear, whatever the other contexts cost."""
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]  # 12 tokens: bucket 0
+    costs = PassCostModel()
+    costs.record(1, 0.010, context=12)
+    costs.record(5, 0.040, context=16)  # 4 plain steps: no 4-token draft can pay
+    costs.record(1, 0.010, context=1000)
+    for _ in range(20):
+        costs.record(5, 0.0105, context=1004)  # all passes: cheap on average
+    assert costs.ratio(5) < 1.5
+    drafter = NgramDrafter(1, 4, costs=costs, probe_every=1000)
+    drafter.start(history)
+    assert drafter.propose(history, 4, SamplingParams(), None).tokens == []
+    far = history + list(range(100, 1100)) + [1, 2, 3, 4]  # the same match at a 1016-token context
+    drafter = NgramDrafter(1, 4, costs=costs, probe_every=1000)
+    drafter.start(far)
+    assert drafter.propose(far, 4, SamplingParams(), None).tokens == [100, 101, 102, 103]
 
 
 def test_engine_times_passes_so_the_first_requests_are_sized():

@@ -325,7 +325,7 @@ class BatchScheduler:
         if self.costs is not None and all(plan.proposal is not None for plan in plans):
             # decode-only steps: what drafters weigh a longer draft against (prefill rows would
             # make a step of few decode rows look dear)
-            self.costs.record(len(tokens), pass_s)
+            self.costs.record(len(tokens), pass_s, context=max(row_pos) + 1)
 
         at = 0  # next row of `logits`
         for plan in plans:

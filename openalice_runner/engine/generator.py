@@ -171,7 +171,7 @@ def decode_round(model: LlamaModel, seq: Sequence) -> list[int]:
     logits = model.logits(hidden[0])  # (k+1, V)
     pass_s = time.perf_counter() - t0
     if seq.costs is not None:
-        seq.costs.record(len(draft) + 1, pass_s)
+        seq.costs.record(len(draft) + 1, pass_s, context=length_before + len(draft) + 1)
     observed = hidden[0] if seq.drafter is None else observed_rows(seq.drafter, hidden[0], tapped, taps)
     return settle_round(seq, logits, observed, proposal, draft, length_before, pass_s)
 

@@ -119,7 +119,7 @@ class EagleDrafter(Drafter):
         out = rt.step(self.cache, self.feats[start : last + 1], history[start + 1 : last + 2], positions)
         self.seen = last + 1
         feat = out[-1:]
-        length = _DraftLength(self.costs, getattr(rt, "draft_step_s", None), self._batch, self._rows)
+        length = _DraftLength(self.costs, getattr(rt, "draft_step_s", None), self._batch, self._rows, len(history))
         if self.tree_nodes:
             return self._propose_tree(feat, last, gamma, length)
         tokens: list[int] = []
@@ -171,7 +171,8 @@ class _DraftLength:
     cost(R); k drafts surviving with probability c_1 >= c_2 >= ... add sum(c_i) tokens and cost
     k verify rows and k - 1 more head steps (the first draft comes with the catch-up step)."""
 
-    def __init__(self, costs: PassCostModel | None, step_s: float | None, batch: int, rows: int):
+    def __init__(self, costs: PassCostModel | None, step_s: float | None, batch: int, rows: int,
+                 context: int | None = None):
         single = costs.seconds(1) if costs is not None else None
         # until a plain and a verify pass were timed, draft γ (the verify passes get measured)
         self.active = single is not None and costs.measured_above(1)
@@ -179,22 +180,26 @@ class _DraftLength:
             return
         self.costs = costs
         self.step_cost = PRIOR_STEP_COST if step_s is None else step_s / single
-        self.batch, self.rows = batch, rows
-        self.base = costs.ratio(rows)
+        self.batch, self.rows, self.context = batch, rows, context
+        self.base = costs.ratio(rows, context)
         self.survive = 1.0
         self.expected = 0.0
         self.k = 0
         self.best, self.best_value = 0, 1.0
 
     def value(self, k: int, expected: float) -> float:
-        cost = self.costs.ratio(self.rows + k) + max(0, k - 1) * self.step_cost
+        cost = self.costs.ratio(self.rows + k, self._at(k)) + max(0, k - 1) * self.step_cost
         return ((self.batch + expected) / self.batch) / (cost / self.base)
 
     def tree_value(self, nodes: int, expected: float, depth: int) -> float:
         """Tokens per unit cost of verifying `nodes` tree nodes expected to accept `expected`
         tokens, reaching `depth` (depth - 1 head steps past the catch-up)."""
-        cost = self.costs.ratio(self.rows + nodes) + max(0, depth - 1) * self.step_cost
+        cost = self.costs.ratio(self.rows + nodes, self._at(nodes)) + max(0, depth - 1) * self.step_cost
         return ((self.batch + expected) / self.batch) / (cost / self.base)
+
+    def _at(self, drafts: int) -> int | None:
+        """The context of a verify pass with `drafts` more rows (None: any context)."""
+        return None if self.context is None else self.context + drafts
 
     def worth_another(self, confidence: float) -> bool:
         """Record the k-th draft's confidence; True if a (k+1)-th is expected to pay."""

@@ -121,6 +121,7 @@ class NgramDrafter(Drafter):
         self._probing = False
         self._last_match = 0
         self._batch, self._rows = 1, 1
+        self._context = 0  # tokens before the draft: what each verify row attends to
 
     def step_load(self, batch: int, rows: int) -> None:
         self._batch, self._rows = max(1, batch), max(1, rows)
@@ -137,6 +138,7 @@ class NgramDrafter(Drafter):
         if len(history) > len(self.index.tokens):
             self.index.extend(history[len(self.index.tokens) :])
         tokens, n = self.index.match(gamma)
+        self._context = len(history)
         self._last_match = n
         if not tokens or self.costs is None:
             return Proposal(tokens)
@@ -154,10 +156,10 @@ class NgramDrafter(Drafter):
         (relative to drafting nothing, 1.0)."""
         best_k, best = 0, 1.0
         batch, rows = self._batch, self._rows
-        base = self.costs.ratio(rows)
+        base = self.costs.ratio(rows, self._context)
         for k in range(1, k_max + 1):
             gain = (batch + self.acceptance.expected_accepted(n, k)) / batch
-            value = gain / (self.costs.ratio(rows + k) / base)
+            value = gain / (self.costs.ratio(rows + k, self._context + k) / base)
             if value > best:
                 best_k, best = k, value
         return best_k, best
