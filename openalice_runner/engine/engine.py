@@ -219,12 +219,13 @@ class Engine:
             self._cache = self.model.new_cache(1, size)
         return self._cache
 
-    def time_passes(self, rows: tuple[int, ...] = (1, 2, 3, 4, 6, 8), context: int = 128,
+    def time_passes(self, rows: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 17), context: int = 128,
                     repeats: int = 3) -> None:
         """Seed the pass-cost model with timed passes of `rows` rows at a short context.
 
         Drafters size their drafts against these costs, and until a one-row pass and a longer
-        one were timed they draft γ every round. A server whose requests all speculate may never
+        one were timed they draft γ every round. The rows reach 17: a 16-token draft tree and
+        the token before it; a row count never timed is extrapolated, dearly, from below. A server whose requests all speculate may never
         run a one-row pass, so it times them once at start (later passes refine the figures)."""
         if not isinstance(self.model, LlamaModel):
             return
@@ -237,7 +238,7 @@ class Engine:
                     hidden = self.model.forward_rows(torch.zeros(n, dtype=torch.long), cache, [0] * n,
                                                      list(range(context, context + n)))
                     self.model.logits(hidden)  # as the scheduler times a step: pass and logits
-                    self.pass_costs.record(n, time.perf_counter() - t0)
+                    self.pass_costs.record(n, time.perf_counter() - t0, context=context + n)
 
     def eagle_runtime(self, folder: str | None):
         """The head in `folder`, loaded once; ValueError (naming the field) where it is missing or
