@@ -339,7 +339,7 @@ def test_prompts_exclude_the_benchmark(workload_path, tmp_path):
 @pytest.mark.slow
 def test_greedy_eagle_equals_off_real_model_fp32(real_engine_fp32, workload_path):
     """Every workload case, fp32: eagle output identical to off, with fixed, confidence-sized and
-    lookup-first drafts (needs a trained head; set OPENALICE_EAGLE_HEAD or train the default one
+    lookup-first drafts, fixed trees and eagle-local.yaml's sized trees (needs a trained head; set OPENALICE_EAGLE_HEAD or train the default one
     with `openalice-runner draft train`)."""
     from openalice_runner.bench.workload import load_workload, render_case
     from openalice_runner.engine.eagle.pipeline import default_out
@@ -364,6 +364,9 @@ def test_greedy_eagle_equals_off_real_model_fp32(real_engine_fp32, workload_path
         tree = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=5, eagle_head=str(head),
                                                             eagle_tree=8, adaptive_length=False))
         assert tree.token_ids == plain.token_ids, case.id  # fixed 8-token trees, every round
+        shipped = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=5, eagle_head=str(head),
+                                                               eagle_lookup=True, eagle_tree=16))
+        assert shipped.token_ids == plain.token_ids, case.id  # eagle-local.yaml's: lookup, sized 16-token trees
 
 
 def _costs(per_row: float):
