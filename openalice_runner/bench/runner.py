@@ -127,7 +127,7 @@ def bench(
     # As the sidecar does at load: time passes of 1 to 17 rows, so drafters size their drafts
     # from real costs. Without it a row count never run is extrapolated from the largest one
     # run (linearly, to be safe), looks dear, and is then never tried: the first method of a
-    # run could cap every later method's drafts (n-gram γ 5 drafted at most 3 here).
+    # run could cap every later method's drafts (n-gram γ 5 drafted 2 tokens a round here).
     engine.time_passes()
 
     rows = []
