@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <strings.h>
 
 #include "pool.h"
 
@@ -133,8 +134,9 @@ DEFINE_LINEAR(linear_f32, float, tile_f32_16, tile_f32_8)
 
    A zmm register holds a whole panel step (16 outputs), so a register tile is up to WROWS
    input rows x 2 panels: 24 accumulators, one FMA per row and panel per k. On two cores the
-   AVX2 tile above is arithmetic-bound past about six rows; this one keeps verify passes of a
-   draft tree near the price of a one-row pass for twice as many rows. Each output is still an
+   AVX2 tile above is arithmetic-bound past about six rows; with twice the arithmetic per
+   instruction an 8-row pass costs about 1.4 one-row passes instead of 1.5, a 16-row one 2.1
+   instead of 2.2 (whole passes, README), and a one-row pass is faster too. Each output is still an
    FMA chain over each block of KB k's from zero, the blocks' sums added in order, so it gets
    the same bits as the AVX2 kernel. Full bf16 panels are stored in natural column order for
    it (`pack_weight`); half panels (N % 16 == 8) keep the AVX2 tile. */
@@ -217,14 +219,15 @@ static AVX512 void linear_bf16_zmm_share(void *ctx, int share, int shares) {
 }
 
 /* 1 where the AVX-512 tile runs (the CPU has AVX-512 F and BW and OPENALICE_NATIVE_AVX512 is
-   not 0), decided once per process: `pack_weight` lays bf16 panels out for it. */
+   not 0, false, no or off), decided once per process: `pack_weight` lays bf16 panels out for it. */
 int linear_wide(void) {
     static int wide = -1;
     if (wide < 0) {
         const char *env = getenv("OPENALICE_NATIVE_AVX512");
+        const int off = env && (!strcasecmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no") ||
+                                !strcasecmp(env, "off"));
         __builtin_cpu_init();
-        wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               !(env && (env[0] == '0' || env[0] == 'n' || env[0] == 'o' || env[0] == 'f'));
+        wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && !off;
     }
     return wide;
 }
