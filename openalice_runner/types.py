@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from openalice_runner.speculation import SpeculationOutcome
+
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
 TurnType = str  # free-form ("chat", "tool_call", "code_edit", "summarize", ...); the policy interprets it
@@ -175,19 +177,6 @@ class SamplingSettings(_Strict):
                 raise ValueError("stop strings must be non-empty")
         return v
 
-    def to_engine(self, default_max_tokens: int = 256):
-        """Engine `SamplingParams` (imported lazily: the engine types are light, torch is not)."""
-        from openalice_runner.engine.types import SamplingParams
-
-        return SamplingParams(
-            temperature=0.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            seed=self.seed,
-            max_tokens=self.max_tokens or default_max_tokens,
-            stop=tuple(self.stop or ()),
-        )
-
 
 class StreamOptions(_Strict):
     include_usage: bool = False
@@ -299,7 +288,8 @@ class Usage(BaseModel):
 
 
 class SpeculationInfo(BaseModel):
-    """What speculative decoding did for one request (runner extension to OpenAI's body)."""
+    """What speculative decoding did for one request (runner extension to OpenAI's body): the
+    JSON face of a `SpeculationOutcome`."""
 
     method: str = "off"  # off | ngram | draft | eagle
     gamma: int = 0  # draft tokens per round (SGLang: num_draft_tokens - 1)
@@ -313,19 +303,18 @@ class SpeculationInfo(BaseModel):
     pool: str | None = None  # SGLang pool that served
 
     @classmethod
-    def from_stats(cls, stats: Any, pool: str | None = None) -> SpeculationInfo:
-        """From the engine's `GenerationStats`."""
+    def from_outcome(cls, outcome: SpeculationOutcome) -> SpeculationInfo:
         return cls(
-            method=stats.method,
-            gamma=stats.gamma,
-            proposed=stats.draft_proposed,
-            accepted=stats.draft_accepted,
-            acceptance_rate=stats.acceptance_rate,
-            target_passes=stats.target_passes,
-            accept_length=stats.mean_tokens_per_pass or None,
-            rule=stats.rule,
-            policy_version=stats.policy_version,
-            pool=pool,
+            method=outcome.method,
+            gamma=outcome.gamma,
+            proposed=outcome.proposed,
+            accepted=outcome.accepted,
+            acceptance_rate=outcome.acceptance_rate,
+            target_passes=outcome.target_passes,
+            accept_length=outcome.tokens_per_pass,
+            rule=outcome.rule,
+            policy_version=outcome.policy_version,
+            pool=outcome.pool,
         )
 
 
@@ -365,8 +354,8 @@ class ChatResult(_Extended):
     model: str
     choices: list[Choice]
     usage: Usage = Field(default_factory=Usage)
-    # Engine stats of the request, for the policy's `observe` (not part of the JSON).
-    _stats: Any = PrivateAttr(default=None)
+    # What speculation did, typed, for the policy's `observe` and tracing (not part of the JSON).
+    _outcome: SpeculationOutcome | None = PrivateAttr(default=None)
 
     @classmethod
     def single(
@@ -411,11 +400,11 @@ class ChatResult(_Extended):
         return self.message.tool_calls or []
 
     @property
-    def stats(self) -> Any:
-        return self._stats
+    def outcome(self) -> SpeculationOutcome | None:
+        return self._outcome
 
-    def attach_stats(self, stats: Any) -> ChatResult:
-        self._stats = stats
+    def attach_outcome(self, outcome: SpeculationOutcome) -> ChatResult:
+        self._outcome = outcome
         return self
 
     def as_message(self) -> ChatMessage:
@@ -460,7 +449,7 @@ class ChatChunk(_Extended):
     model: str
     choices: list[ChunkChoice] = Field(default_factory=list)
     usage: Usage | None = None
-    _stats: Any = PrivateAttr(default=None)
+    _outcome: SpeculationOutcome | None = PrivateAttr(default=None)
 
     @classmethod
     def text(cls, id: str, model: str, text: str, role: bool = False) -> ChatChunk:
@@ -497,11 +486,11 @@ class ChatChunk(_Extended):
         return [tc for c in self.choices for tc in (c.delta.tool_calls or [])]
 
     @property
-    def stats(self) -> Any:
-        return self._stats
+    def outcome(self) -> SpeculationOutcome | None:
+        return self._outcome
 
-    def attach_stats(self, stats: Any) -> ChatChunk:
-        self._stats = stats
+    def attach_outcome(self, outcome: SpeculationOutcome) -> ChatChunk:
+        self._outcome = outcome
         return self
 
 

@@ -30,6 +30,7 @@ from openalice_runner.engine.batching import BatchScheduler
 from openalice_runner.engine.cpu_kernels import cpu_kernels
 from openalice_runner.engine.generator import new_sequence
 from openalice_runner.engine.types import EngineOverloaded
+from openalice_runner.speculation import GammaTable
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -161,31 +162,35 @@ def test_batched_broken_sampler_is_caught(monkeypatch):
     assert chi_square_p(exact_joint(target, sampling), counts, N) < 1e-6
 
 
-def test_step_policy_sees_the_batch_and_sets_gamma_per_step():
+def test_gamma_table_sees_the_batch_and_sets_gamma_per_step():
     engine = Engine.tiny_random(seed=4, max_batch=4)
-    seen: list[tuple[int, int]] = []
+    seen: list[int] = []
     lock = threading.Lock()
 
-    def no_drafts_when_crowded(batch, waiting):
-        with lock:
-            seen.append((batch, waiting))
-        return 0 if batch > 1 else 4
+    class RecordingTable(GammaTable):  # the table the policy compiles, and what the steps asked of it
+        __slots__ = ()
 
+        def at(self, batch_size: int) -> int:
+            with lock:
+                seen.append(batch_size)
+            return GammaTable.at(self, batch_size)
+
+    no_drafts_when_crowded = RecordingTable(((1, 4), (2, 0)))
+    spec = SpecConfig(method="ngram", gamma=8, gamma_by_batch=no_drafts_when_crowded)
     prompt = engine.encode("one two three one two three one two three one two")
     sampling = SamplingParams(max_tokens=24)
     barrier = threading.Barrier(3)
 
     def one(_):
         barrier.wait()
-        return engine.generate(prompt, sampling, SpecConfig(method="ngram", gamma=8),
-                               step_policy=no_drafts_when_crowded)
+        return engine.generate(prompt, sampling, spec)
 
     with ThreadPoolExecutor(3) as pool:
         results = list(pool.map(one, range(3)))
-    assert max(b for b, _ in seen) == 3
+    assert max(seen) == 3
     # while all three ran, nothing was drafted; alone at the end, drafts resume
     assert all(r.token_ids == results[0].token_ids for r in results)
-    alone = engine.generate(prompt, sampling, SpecConfig(method="ngram", gamma=8), step_policy=no_drafts_when_crowded)
+    alone = engine.generate(prompt, sampling, spec)
     assert alone.stats.draft_proposed > 0
 
 

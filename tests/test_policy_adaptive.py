@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from openalice_runner.engine.types import GenerationStats
+from openalice_runner.engine.types import SpecConfig
 from openalice_runner.policies import AdaptiveGamma, PolicyStore, RequestContext
 from openalice_runner.policies.adaptive import request_alpha, request_draft_cost
 from openalice_runner.policies.schema import AdaptiveSettings
 from openalice_runner.policies.speedup import best_gamma, expected_speedup, tokens_per_round
+from openalice_runner.speculation import SpeculationOutcome
 
 
 def test_brief_figures():
@@ -32,15 +33,14 @@ def test_best_gamma_grows_with_alpha_and_shrinks_with_cost():
     assert best_gamma(0.99, 0.0, 2, 5)[0] == 5  # capped by the range
 
 
-def stats(gamma: int, hist: list[int], draft_s=0.01, verify_s=0.1) -> GenerationStats:
+def stats(gamma: int, hist: list[int], draft_s=0.01, verify_s=0.1) -> SpeculationOutcome:
     rounds = sum(hist)
     accepted = sum(k * n for k, n in enumerate(hist))
-    return GenerationStats(
+    return SpeculationOutcome(
         method="ngram",
         gamma=gamma,
-        draft_proposed=rounds * gamma,
-        draft_accepted=accepted,
-        acceptance_rate=accepted / (rounds * gamma),
+        proposed=rounds * gamma,
+        accepted=accepted,
         accept_length_histogram=hist,
         draft_s=draft_s,
         verify_s=verify_s,
@@ -51,27 +51,24 @@ def test_request_alpha_mle_and_fallbacks():
     # 4 rounds of γ=2: accepted 0,1,2,2 -> 5 accepted, 2 early stops -> 5/7
     assert request_alpha(stats(2, [1, 1, 2])) == pytest.approx(5 / 7)
     # rounds that proposed fewer than γ: falls back to accepted/proposed
-    s = GenerationStats(
+    s = SpeculationOutcome(
         gamma=4,
-        draft_proposed=6,
-        draft_accepted=3,
-        acceptance_rate=0.5,
+        proposed=6,
+        accepted=3,
         accept_length_histogram=[1, 0, 0, 1, 0],
     )
     assert request_alpha(s) == 0.5
-    assert request_alpha(GenerationStats(gamma=4)) is None  # nothing proposed: no evidence
+    assert request_alpha(SpeculationOutcome(gamma=4)) is None  # nothing proposed: no evidence
     assert request_draft_cost(stats(4, [0, 0, 0, 0, 1], draft_s=0.02, verify_s=0.1)) == pytest.approx(0.05)
-    assert request_draft_cost(GenerationStats(gamma=4, verify_s=0.0)) is None
+    assert request_draft_cost(SpeculationOutcome(gamma=4, verify_s=0.0)) is None
 
 
 def test_request_alpha_leaves_probes_out():
     # 10 drafted, 4 of them probes that all failed: α is 6 of the 6 drafted in earnest
-    mixed = GenerationStats(gamma=5, draft_proposed=10, draft_accepted=6, probe_proposed=4,
-                            acceptance_rate=0.6, accept_length_histogram=[2, 0, 0, 2])
+    mixed = SpeculationOutcome(gamma=5, proposed=10, accepted=6, probe_proposed=4, accept_length_histogram=[2, 0, 0, 2])
     assert request_alpha(mixed) == 1.0
     # a turn with nothing to copy: probes only, which say nothing about the turns that copy
-    probes_only = GenerationStats(gamma=5, draft_proposed=6, draft_accepted=0, probe_proposed=6,
-                                  acceptance_rate=0.0, accept_length_histogram=[3])
+    probes_only = SpeculationOutcome(gamma=5, proposed=6, accepted=0, probe_proposed=6, accept_length_histogram=[3])
     assert request_alpha(probes_only) is None
 
 
@@ -167,7 +164,7 @@ def test_store_decisions_follow_observations_and_batch_caps_gamma():
     store.observe("chat", "ngram", "local", stats(6, [30, 1, 0, 0, 0, 0, 0]))
     d = store.decide(RequestContext("chat", 1, "local"))
     assert d.method == "off" and d.gamma == 0 and d.rule == "small"
-    assert d.to_spec_config().method == "off"
+    assert not d.speculates and SpecConfig.from_plan(d).method == "off"
 
 
 def test_observe_never_raises():

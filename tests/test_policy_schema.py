@@ -10,6 +10,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from openalice_runner.engine.types import SpecConfig
 from openalice_runner.policies import PolicyError, PolicyStore, RequestContext, load_policy_text
 
 
@@ -68,23 +69,23 @@ def test_every_rule_field_decides():
         """)
     d = s.decide(RequestContext("tool_call", 1))
     assert (d.method, d.gamma, d.rule, d.options) == ("ngram", 5, "by-turn", {"ngram_min": 2, "ngram_max": 3})
-    spec = d.to_spec_config()
+    spec = SpecConfig.from_plan(d)
     assert (spec.method, spec.gamma, spec.ngram_min, spec.ngram_max) == ("ngram", 5, 2, 3)
     assert s.decide(RequestContext("rag", 3)).rule == "by-turn-list-and-batch"
     assert s.decide(RequestContext("rag", 5)).rule == "default"  # outside the batch range
     d = s.decide(RequestContext("chat", 1, provider="sg2"))
     assert (d.method, d.gamma, d.pool) == ("eagle", 4, "e3")
-    assert s.decide(RequestContext("reasoning", 1, model="tiny")).to_spec_config().draft_layers == 2
-    spec = s.decide(RequestContext("reasoning", 1, model="big")).to_spec_config()
+    assert SpecConfig.from_plan(s.decide(RequestContext("reasoning", 1, model="tiny"))).draft_layers == 2
+    spec = SpecConfig.from_plan(s.decide(RequestContext("reasoning", 1, model="big")))
     assert (spec.eagle_head, spec.eagle_lookup, spec.eagle_tree, spec.ngram_min) == ("/heads/big", True, 8, 2)
     assert (
-        s.decide(RequestContext("reasoning", 1, model="other")).to_spec_config().draft_model
+        SpecConfig.from_plan(s.decide(RequestContext("reasoning", 1, model="other"))).draft_model
         == "/models/small"
     )
     assert s.decide(RequestContext("reasoning", 1, model=None)).rule == "default"
     d = s.decide(RequestContext("summarize", 9))
     assert (d.method, d.gamma, d.rule) == ("off", 0, "unbounded-batch")
-    assert d.to_spec_config().method == "off"
+    assert SpecConfig.from_plan(d).method == "off"
     d = s.decide(RequestContext("chat", 1))
     assert (d.rule, d.method, d.gamma) == ("default", "ngram", 1)
     assert d.policy_version == s.version and len(s.version) == 12

@@ -56,15 +56,13 @@ def test_reload_swaps_valid_and_keeps_last_good_on_broken(tmp_path):
 
 
 def test_adaptive_estimates_survive_a_reload(tmp_path):
-    from openalice_runner.engine.types import GenerationStats
+    from openalice_runner.speculation import SpeculationOutcome
 
     p = tmp_path / "p.yaml"
     write(p, V1)
     store = PolicyStore.from_file(p)
-    stats = GenerationStats(
-        gamma=2, draft_proposed=4, draft_accepted=4, acceptance_rate=1.0, accept_length_histogram=[0, 0, 2]
-    )
-    store.observe("chat", "ngram", "local", stats)
+    outcome = SpeculationOutcome(gamma=2, proposed=4, accepted=4, accept_length_histogram=(0, 0, 2))
+    store.observe("chat", "ngram", "local", outcome)
     write(p, V2)
     assert store.reload_if_changed()
     assert store.adaptive.snapshot()["alpha"]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from types import SimpleNamespace
 
 import pytest
 from stand_ins.engines import tiny_engine
 
 from openalice_runner.engine.types import GenerationResult, GenerationStats, StreamEvent
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderRateLimited
-from openalice_runner.providers.local import LocalConfig, LocalProvider
+from openalice_runner.providers.local import LocalConfig, LocalProvider, sampling_params
+from openalice_runner.speculation import SpeculationPlan
 from openalice_runner.types import ChatRequest
 
 TOOLS = [
@@ -47,7 +47,6 @@ class ScriptedEngine:
         self.pieces = pieces or [text]
         self.prompts: list[list[int]] = []
         self.calls: list[tuple] = []
-        self.step_policies: list = []
         self.gate: threading.Event | None = None
 
     def render_chat(self, messages, tools=None):
@@ -63,10 +62,9 @@ class ScriptedEngine:
         stats.finish_reason = "stop"
         return GenerationResult(self.text, [1] * 7, stats)
 
-    def stream(self, prompt_ids, sampling, spec, cancel=None, step_policy=None):
+    def stream(self, prompt_ids, sampling, spec, cancel=None):
         self.prompts.append(prompt_ids)
         self.calls.append((sampling, spec))
-        self.step_policies.append(step_policy)
         if self.gate is not None:
             self.gate.wait(5)
         for piece in self.pieces:
@@ -84,17 +82,8 @@ def local(engine, **kw) -> LocalProvider:
     return LocalProvider("local", LocalConfig.model_validate({"type": "local", **kw}), engine=engine)
 
 
-def decision(method="ngram", gamma=4):
-    from openalice_runner.engine.types import SpecConfig
-
-    return SimpleNamespace(
-        method=method,
-        gamma=gamma,
-        pool=None,
-        rule="r",
-        policy_version="v",
-        to_spec_config=lambda: SpecConfig(method=method, gamma=gamma),
-    )
+def decision(method="ngram", gamma=4, **options):
+    return SpeculationPlan(method, gamma, rule="r", policy_version="v", options=options)
 
 
 async def test_chat_with_the_tiny_model():
@@ -103,13 +92,13 @@ async def test_chat_with_the_tiny_model():
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     r = await p.chat(req, CallContext(decision=decision()))
     direct = engine.generate(
-        engine.render_chat([{"role": "user", "content": "hi"}]), req.sampling.to_engine()
+        engine.render_chat([{"role": "user", "content": "hi"}]), sampling_params(req.sampling)
     )
     assert r.content == direct.text and r.model == "tiny-random" and r.provider == "local"
     assert r.usage.completion_tokens == 5 and r.finish_reason == "length"
     assert r.speculation.method == "ngram" and r.speculation.gamma == 4
     assert (r.speculation.rule, r.speculation.policy_version) == ("r", "v")
-    assert r.stats.rule == "r"  # stats for the policy's observe
+    assert r.outcome.rule == "r"  # the outcome for the policy's observe
     assert p.load().batch_size == 0
 
 
@@ -138,12 +127,9 @@ async def test_eagle_without_a_usable_head_runs_without_speculation(caplog):
 async def test_eagle_decision_drafts_with_the_policys_head(tmp_path):
     from test_engine_eagle import build_tiny_head
 
-    from openalice_runner.engine.types import SpecConfig
-
     engine = tiny_engine()
     folder, _, _ = build_tiny_head(engine, tmp_path, None)
-    chosen = decision("eagle", 3)
-    chosen.to_spec_config = lambda: SpecConfig(method="eagle", gamma=3, eagle_head=str(folder), eagle_lookup=True)
+    chosen = decision("eagle", 3, eagle_head=str(folder), eagle_lookup=True)
     req = ChatRequest(messages=[{"role": "user", "content": "one two three one two three one two"}], max_tokens=12)
     r = await local(engine).chat(req, CallContext(decision=chosen))
     plain = await local(engine).chat(req, CallContext())
@@ -303,11 +289,11 @@ async def test_policy_decides_gamma_again_at_every_engine_step():
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     await provider.chat(req, CallContext(turn_type="code_edit"))
     _, spec = engine.calls[-1]
-    stepper = engine.step_policies[-1]
-    assert spec.method == "ngram" and stepper is not None
-    assert stepper(1, 0) >= 3  # copy-heavy, small batch: auto γ in [3, 8]
-    assert 1 <= stepper(6, 0) <= 4  # mid batch: capped at 4
-    assert stepper(9, 0) == 0 and stepper(4, 8) == 0  # past 8 (running + waiting): no drafts
+    table = spec.gamma_by_batch
+    assert spec.method == "ngram" and table is not None
+    assert table.at(1) >= 3  # copy-heavy, small batch: auto γ in [3, 8]
+    assert 1 <= table.at(6) <= 4  # mid batch: capped at 4
+    assert table.at(9) == 0 and table.at(4 + 8) == 0  # past 8 (running + waiting): no drafts
 
 
 async def test_local_load_is_the_schedulers_batch_and_queue():

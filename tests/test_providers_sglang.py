@@ -105,7 +105,7 @@ async def test_speculation_figures_come_from_meta_info(servers):
     assert (spec.target_passes, spec.proposed, spec.accepted) == (5, 15, 4)
     assert spec.acceptance_rate == pytest.approx(4 / 15) and spec.accept_length == pytest.approx(9 / 5)
     assert (spec.rule, spec.policy_version, spec.pool) == ("r1", "v1", "eagle3")
-    assert r.stats.draft_accepted == 4 and r.stats.method == "eagle"  # for policy.observe
+    assert r.outcome.accepted == 4 and r.outcome.method == "eagle"  # for policy.observe
     await p.aclose()
 
 

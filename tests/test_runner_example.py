@@ -48,7 +48,7 @@ class TwoAnswers:
     def encode(self, text):
         return self._real.encode(text)
 
-    def stream(self, prompt_ids, sampling, spec, cancel=None, step_policy=None):
+    def stream(self, prompt_ids, sampling, spec, cancel=None):
         self.prompts.append(self.tokenizer.decode(prompt_ids))
         text = self.answers[len(self.prompts) - 1]
         stats = GenerationStats(

@@ -119,8 +119,10 @@ def test_result_and_chunk_dump_to_openai_shapes():
 
 
 def test_engine_sampling_conversion():
-    s = ChatRequest(
+    from openalice_runner.providers.local import sampling_params
+
+    s = sampling_params(ChatRequest(
         messages=[USER], temperature=0.7, top_k=20, seed=3, stop="x", max_tokens=9
-    ).sampling.to_engine()
+    ).sampling)
     assert (s.temperature, s.top_k, s.seed, s.stop, s.max_tokens) == (0.7, 20, 3, ("x",), 9)
-    assert ChatRequest(messages=[USER]).sampling.to_engine(default_max_tokens=5).greedy
+    assert sampling_params(ChatRequest(messages=[USER]).sampling, default_max_tokens=5).greedy

@@ -38,7 +38,7 @@ class SpyEngine:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    def stream(self, prompt_ids, sampling, spec, cancel=None, step_policy=None):
+    def stream(self, prompt_ids, sampling, spec, cancel=None):
         run = {"rounds_after_cancel": 0, "finish": None, "tokens": 0, "ended_at": None}
         self.runs.append(run)
         while not self.open.wait(0.01):

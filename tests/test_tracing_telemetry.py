@@ -13,6 +13,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from openalice_runner.providers.base import CallContext, ProviderBadRequest
 from openalice_runner.providers.local import LocalConfig, LocalProvider
+from openalice_runner.speculation import SpeculationPlan
 from openalice_runner.tracing import InstrumentedProvider, RunnerTelemetry
 from openalice_runner.types import ChatRequest
 
@@ -115,20 +116,11 @@ async def test_turn_holds_chat_and_tool_spans_with_genai_attributes(local):
 
 
 async def test_speculation_figures_and_metrics_by_turn_type_and_method(local):
-    from openalice_runner.policies import Decision  # noqa: F401  (the real decision type exists)
-
     rec = Recorder()
     provider = InstrumentedProvider(local, rec.telemetry)
 
-    class NgramDecision:  # what the provider reads off a Decision
-        method, gamma, rule, reason, policy_version, pool = "ngram", 3, "copy", "test", "v1", None
-
-        def to_spec_config(self):
-            from openalice_runner.engine.types import SpecConfig
-
-            return SpecConfig(method="ngram", gamma=3)
-
-    ctx = CallContext(turn_type="code_edit", step=0, decision=NgramDecision())
+    plan = SpeculationPlan("ngram", 3, rule="copy", reason="test", policy_version="v1")
+    ctx = CallContext(turn_type="code_edit", step=0, decision=plan)
     text = "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat"
     result = await provider.chat(_request(text, max_tokens=24), ctx)
     [span] = rec.finished()

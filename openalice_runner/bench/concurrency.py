@@ -47,17 +47,15 @@ def run_level(
         sampling = SamplingParams(max_tokens=case.max_tokens)
         if name == "policy":
             from openalice_runner.policies import RequestContext
-            from openalice_runner.policies.stepping import step_gamma
 
             running, waiting = target.scheduler.load if target.scheduler else (0, 0)
             decision = policy_store.decide(
                 RequestContext(turn_type=case.turn_type, batch_size=running + waiting + 1, provider="local")
             )
-            spec = decision.to_spec_config()
-            stepper = step_gamma(policy_store, spec.method, case.turn_type, provider="local")
-            result = target.generate(prompt, sampling, spec, step_policy=stepper)
+            # the decision's γ by batch size is followed at every step (SpecConfig.gamma_by_batch)
+            result = target.generate(prompt, sampling, SpecConfig.from_plan(decision))
             with lock:
-                policy_store.observe(case.turn_type, decision.method, "local", result.stats)
+                policy_store.observe(case.turn_type, decision.method, "local", result.stats.outcome())
             return result
         base, gamma = split_method(name, 5)
         return target.generate(prompt, sampling, SpecConfig(method=base, gamma=gamma))

@@ -191,9 +191,9 @@ def _one(engine: Engine, case: Case, prompt: list[int], method: str, gamma: int,
         from openalice_runner.policies import RequestContext
 
         decision = policy_store.decide(RequestContext(turn_type=case.turn_type, batch_size=1, provider="local"))
-        result = engine.generate(prompt, SamplingParams(max_tokens=case.max_tokens), decision.to_spec_config())
+        result = engine.generate(prompt, SamplingParams(max_tokens=case.max_tokens), SpecConfig.from_plan(decision))
         result.stats.rule, result.stats.policy_version = decision.rule, decision.policy_version
-        policy_store.observe(case.turn_type, decision.method, "local", result.stats)
+        policy_store.observe(case.turn_type, decision.method, "local", result.stats.outcome())
         s = result.stats
         return Run(result.token_ids, s.total_s, s.gamma, s.acceptance_rate, s.mean_tokens_per_pass,
                    s.target_passes, decision.method, str(decision.rule), decision.policy_version)

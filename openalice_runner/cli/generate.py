@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         from openalice_runner.policies import RequestContext
 
         decision = store.decide(RequestContext(turn_type=args.turn_type, batch_size=1, provider="local"))
-        spec = decision.to_spec_config()
+        spec = SpecConfig.from_plan(decision)
     engine = load_engine(args)
     prompt = engine.render_chat(messages)
     if args.json:
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     if decision is not None:
         result.stats.rule, result.stats.policy_version = str(decision.rule), decision.policy_version
-        store.observe(args.turn_type, decision.method, "local", result.stats)
+        store.observe(args.turn_type, decision.method, "local", result.stats.outcome())
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
     else:

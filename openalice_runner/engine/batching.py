@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -54,9 +54,6 @@ from openalice_runner.engine.types import EngineOverloaded, StreamEvent
 
 logger = logging.getLogger(__name__)
 
-# (batch size, queue depth) -> γ for this step; 0 drafts nothing this step
-StepPolicy = Callable[[int, int], int]
-
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
 CACHE_GRANULE = 512  # KV caches grow in steps of this many positions
 IDLE_SHRINK_S = 30.0  # idle this long, the KV cache gives back what the held histories do not need
@@ -66,7 +63,6 @@ IDLE_SHRINK_S = 30.0  # idle this long, the KV cache gives back what the held hi
 class BatchRequest:
     seq: Sequence
     cancel: threading.Event
-    step_policy: StepPolicy | None
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     prefilled: int = 0  # prompt tokens whose keys and values are in the cache
     prefill_started: float = 0.0
@@ -78,9 +74,11 @@ class BatchRequest:
     def gamma_now(self, batch: int, waiting: int) -> int:
         if self.seq.drafter is None:
             return 0
-        if self.step_policy is None:
+        table = self.seq.spec.gamma_by_batch
+        if table is None:
             return self.seq.spec.gamma
-        return max(0, min(int(self.step_policy(batch, waiting)), 64))
+        # waiting requests join the batch within a step or two: γ for the batch they make
+        return table.at(batch + waiting)
 
 
 @dataclass
@@ -134,9 +132,8 @@ class BatchScheduler:
 
     # ---- the callers' side ----------------------------------------------------------------
     def submit(
-        self, seq: Sequence, cancel: threading.Event | None = None, step_policy: StepPolicy | None = None
-    ) -> BatchRequest:
-        request = BatchRequest(seq, cancel or threading.Event(), step_policy)
+        self, seq: Sequence, cancel: threading.Event | None = None) -> BatchRequest:
+        request = BatchRequest(seq, cancel or threading.Event())
         with self._cond:
             if self._closed:
                 raise RuntimeError("the engine's scheduler is closed")

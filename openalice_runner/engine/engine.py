@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from openalice_runner.engine.batching import CACHE_GRANULE, BatchScheduler, StepPolicy
+from openalice_runner.engine.batching import CACHE_GRANULE, BatchScheduler
 from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
@@ -165,12 +165,11 @@ class Engine:
         spec: SpecConfig | None = None,
         cancel: threading.Event | None = None,
         drafter: Drafter | None = None,
-        step_policy: StepPolicy | None = None,
     ) -> Iterator[StreamEvent]:
         """Generate, yielding text as rounds are accepted; the last event carries the result.
 
         `drafter` overrides the one `spec` names (tests use it for all-accept/all-reject drafters).
-        `step_policy(batch_size, queue_depth) -> γ` re-decides γ at every step of a batched engine.
+        `spec.gamma_by_batch` sets γ at every step of a batched engine from the live batch size.
         """
         sampling = sampling or SamplingParams()
         spec = spec or SpecConfig()
@@ -183,7 +182,7 @@ class Engine:
                 prompt_ids, sampling, spec, drafter, self.scheduler.cache, self.tokenizer,
                 self.eos_token_ids, self.context_length, slot=-1, costs=self.pass_costs,
             )  # fmt: skip
-            request = self.scheduler.submit(seq, cancel, step_policy)
+            request = self.scheduler.submit(seq, cancel)
             yield from self.scheduler.events(request)
             return
         with self._lock:
@@ -203,10 +202,9 @@ class Engine:
         spec: SpecConfig | None = None,
         cancel: threading.Event | None = None,
         drafter: Drafter | None = None,
-        step_policy: StepPolicy | None = None,
     ) -> GenerationResult:
         result = None
-        for event in self.stream(prompt_ids, sampling, spec, cancel, drafter, step_policy):
+        for event in self.stream(prompt_ids, sampling, spec, cancel, drafter):
             result = event.result or result
         assert result is not None
         return result

@@ -9,8 +9,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-SpecMethod = Literal["off", "ngram", "draft", "eagle"]
-SPEC_METHODS: tuple[str, ...] = ("off", "ngram", "draft", "eagle")
+from openalice_runner.speculation import (
+    MAX_GAMMA,
+    SPEC_METHODS,
+    GammaTable,
+    SpecMethod,
+    SpeculationOutcome,
+    SpeculationPlan,
+)
+
 FinishReason = Literal["stop", "length", "context_length", "cancelled"]
 
 
@@ -66,17 +73,28 @@ class SpecConfig:
     # n-gram and eagle drafters cut a draft below γ where the engine's measured pass costs say
     # the longer one will not pay; False: every draft is γ long (fixed-γ experiments, tests)
     adaptive_length: bool = True
+    # γ by live batch size (running + waiting), looked up at every step of the batching engine;
+    # None: `gamma` throughout. A row's γ is capped by nothing here: the policy compiled it.
+    gamma_by_batch: GammaTable | None = None
+
+    @classmethod
+    def from_plan(cls, plan: SpeculationPlan) -> SpecConfig:
+        """The engine's settings for a policy's plan (`options` are this engine's drafter knobs)."""
+        if not plan.speculates:
+            return cls(method="off", gamma=0)
+        return cls(method=plan.method, gamma=plan.gamma, gamma_by_batch=plan.per_batch, **plan.options)
 
     @property
     def draft_rows(self) -> int:
         """The most draft tokens one round feeds (a tree may hold more tokens than γ, its depth)."""
-        return max(self.gamma, self.eagle_tree)
+        table = max((g for _, g in self.gamma_by_batch.rows), default=0) if self.gamma_by_batch else 0
+        return max(self.gamma, self.eagle_tree, table)
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"method must be one of {SPEC_METHODS}, got {self.method!r}")
-        if self.method != "off" and not (1 <= self.gamma <= 64):
-            raise ValueError(f"gamma must be in [1, 64], got {self.gamma!r}")
+        if self.method != "off" and not (1 <= self.gamma <= MAX_GAMMA):
+            raise ValueError(f"gamma must be in [1, {MAX_GAMMA}], got {self.gamma!r}")
         if not (1 <= self.ngram_min <= self.ngram_max):
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.eagle_lookup and self.method != "eagle":
@@ -119,6 +137,29 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def outcome(self, pool: str | None = None) -> SpeculationOutcome:
+        """The provider-neutral figures of this request (what the policy, tracing and API read)."""
+        return SpeculationOutcome(
+            method=self.method,
+            gamma=self.gamma,
+            completion_tokens=self.completion_tokens,
+            target_passes=self.target_passes,
+            proposed=self.draft_proposed,
+            accepted=self.draft_accepted,
+            probe_proposed=self.probe_proposed,
+            probe_accepted=self.probe_accepted,
+            accept_length_histogram=tuple(self.accept_length_histogram),
+            tokens_per_pass=self.mean_tokens_per_pass or None,
+            ttft_s=self.ttft_s,
+            prefill_s=self.prefill_s,
+            draft_s=self.draft_s,
+            verify_s=self.verify_s,
+            total_s=self.total_s,
+            rule=self.rule,
+            policy_version=self.policy_version,
+            pool=pool,
+        )
 
 
 @dataclass

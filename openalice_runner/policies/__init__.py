@@ -3,7 +3,7 @@
 from openalice_runner.policies import PolicyStore, RequestContext
 store = PolicyStore.from_file("policies/default.yaml", watch=True)
 d = store.decide(RequestContext(turn_type="tool_call", batch_size=1, provider="local"))
-spec = d.to_spec_config()
+d.method, d.gamma, d.per_batch   # a SpeculationPlan (openalice_runner.speculation)
 """
 
 from openalice_runner.policies.adaptive import AdaptiveGamma, Choice

@@ -26,10 +26,10 @@ import itertools
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 from openalice_runner.policies.schema import AdaptiveSettings
 from openalice_runner.policies.speedup import best_gamma
+from openalice_runner.speculation import SpeculationOutcome
 
 AlphaKey = tuple[str, str, str | None]  # (turn_type, method, provider)
 CostKey = tuple[str, str | None]  # (method, provider)
@@ -57,7 +57,7 @@ class Choice:
         return f"auto: {tag}{what} (alpha {self.alpha:.2f} {src}, c {self.draft_cost:.3f}, expected {self.speedup:.2f}x)"
 
 
-def request_alpha(stats: Any) -> float | None:
+def request_alpha(outcome: SpeculationOutcome) -> float | None:
     """Per-token acceptance of one request, or None when it proposed nothing but probes.
 
     Probes (drafts the drafter itself expected to lose, sent to re-measure) are left out: a
@@ -65,15 +65,15 @@ def request_alpha(stats: Any) -> float | None:
     with nothing to copy proposes probes only, and must not teach the policy that this turn
     type never copies. (It did: three prose answers to a tool call turned n-gram off for the
     next tool-call turns, which copied.)"""
-    probes = getattr(stats, "probe_proposed", 0) or 0
-    proposed = (getattr(stats, "draft_proposed", 0) or 0) - probes
+    probes = outcome.probe_proposed
+    proposed = outcome.proposed - probes
     if proposed <= 0:
         return None
     if probes:
-        accepted = (getattr(stats, "draft_accepted", 0) or 0) - (getattr(stats, "probe_accepted", 0) or 0)
+        accepted = outcome.accepted - outcome.probe_accepted
         return min(1.0, max(0.0, accepted / proposed))
-    hist = list(getattr(stats, "accept_length_histogram", None) or [])
-    gamma = getattr(stats, "gamma", 0) or 0
+    hist = outcome.accept_length_histogram
+    gamma = outcome.gamma
     # The MLE needs every round to have proposed the full γ (n-gram rounds may propose fewer: then a
     # short round that accepted all it proposed is not a rejection, and we fall back to accepted/proposed).
     if len(hist) == gamma + 1 >= 2 and sum(hist) * gamma == proposed:
@@ -82,16 +82,13 @@ def request_alpha(stats: Any) -> float | None:
         early_stops = sum(hist[:-1])
         if accepted + early_stops > 0:
             return accepted / (accepted + early_stops)
-    rate = getattr(stats, "acceptance_rate", None)
-    if rate is None:
-        rate = (getattr(stats, "draft_accepted", 0) or 0) / proposed
-    return min(1.0, max(0.0, float(rate)))
+    return min(1.0, max(0.0, outcome.accepted / proposed))
 
 
-def request_draft_cost(stats: Any) -> float | None:
-    gamma = getattr(stats, "gamma", 0) or 0
-    draft_s = getattr(stats, "draft_s", 0.0) or 0.0
-    verify_s = getattr(stats, "verify_s", 0.0) or 0.0
+def request_draft_cost(outcome: SpeculationOutcome) -> float | None:
+    gamma = outcome.gamma
+    draft_s = outcome.draft_s or 0.0
+    verify_s = outcome.verify_s or 0.0
     if gamma <= 0 or verify_s <= 0.0 or draft_s < 0.0:
         return None
     c = draft_s / (gamma * verify_s)
@@ -111,11 +108,11 @@ class AdaptiveGamma:
         self.settings = settings
 
     # ---- writes (lock) ----
-    def observe(self, turn_type: str, method: str, provider: str | None, stats: Any) -> None:
+    def observe(self, turn_type: str, method: str, provider: str | None, outcome: SpeculationOutcome) -> None:
         if method == "off":
             return
-        alpha = request_alpha(stats)
-        cost = request_draft_cost(stats)
+        alpha = request_alpha(outcome)
+        cost = request_draft_cost(outcome)
         w = self.settings.ema_weight
         with self._lock:
             if alpha is not None:
@@ -165,6 +162,20 @@ class AdaptiveGamma:
         if next(counter) % self.settings.probe_every == 0:
             return Choice(lo, alpha, cost, best_gamma(alpha, cost, lo, lo)[1], measured, probe=True)
         return Choice(0, alpha, cost, 1.0, measured)
+
+    def peek(
+        self,
+        turn_type: str,
+        method: str,
+        provider: str | None,
+        lo: int,
+        hi: int,
+        prior_alpha: float | None = None,
+    ) -> int:
+        """γ `choose` would pick now, without probing or counting (0: off)."""
+        alpha, cost, _ = self.estimate(turn_type, method, provider, prior_alpha)
+        gamma, speedup = best_gamma(alpha, cost, lo, hi)
+        return gamma if speedup >= 1.0 + self.settings.margin else 0
 
     def snapshot(self) -> dict:
         """Current estimates, for `policy explain` and debugging."""

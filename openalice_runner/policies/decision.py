@@ -2,15 +2,20 @@
 
 Compilation turns each rule into plain sets and ints once, at load time, so a decision is a short
 loop of set lookups and comparisons (a few µs); rules with a fixed γ have their reason text prebuilt.
+A decision also carries γ by batch size for its method (`per_batch`): the rules that match the
+request but for its batch size, cut into batch pieces (`batch_table.py`), so a batching engine
+follows the policy step by step from data instead of calling back into it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 from openalice_runner.policies.adaptive import AdaptiveGamma
+from openalice_runner.policies.batch_table import batch_segments
 from openalice_runner.policies.schema import DecisionSpec, Policy
+from openalice_runner.speculation import GammaTable, SpeculationPlan
 
 _INF = float("inf")
 
@@ -23,33 +28,8 @@ class RequestContext:
     model: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    method: str  # off | ngram | draft | eagle
-    gamma: int  # 0 when off
-    rule: str  # name of the rule that matched, or "default"
-    reason: str
-    policy_version: str
-    pool: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-
-    def to_spec_config(self):  # -> openalice_runner.engine.types.SpecConfig
-        from openalice_runner.engine.types import SpecConfig
-
-        if self.method == "off" or self.gamma <= 0:
-            return SpecConfig(method="off", gamma=0)
-        return SpecConfig(method=self.method, gamma=self.gamma, **self.options)  # type: ignore[arg-type]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "gamma": self.gamma,
-            "rule": self.rule,
-            "reason": self.reason,
-            "policy_version": self.policy_version,
-            "pool": self.pool,
-            "options": dict(self.options),
-        }
+# What a decision is: the provider-neutral plan (method, γ, γ by batch size, options).
+Decision = SpeculationPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +86,7 @@ def _compile_one(spec: DecisionSpec, name: str, where: str, version: str, match:
 class CompiledPolicy:
     """A validated policy in decision-ready form. Immutable; swapped whole on reload."""
 
-    __slots__ = ("policy", "version", "rules", "default")
+    __slots__ = ("policy", "version", "rules", "default", "_pieces")
 
     def __init__(self, policy: Policy, version: str):
         self.policy = policy
@@ -116,6 +96,9 @@ class CompiledPolicy:
             for i, r in enumerate(policy.rules)
         )
         self.default = _compile_one(policy.default, "default", "no rule matched, default", version, None)
+        # (turn type, provider, model) -> batch pieces and their first matching rule; the policy is
+        # immutable, so a racing duplicate write stores the same value
+        self._pieces: dict[tuple, list[tuple[int, CompiledRule]]] = {}
 
     def match(self, ctx: RequestContext) -> CompiledRule:
         turn, batch, provider, model = ctx.turn_type, ctx.batch_size, ctx.provider, ctx.model
@@ -132,11 +115,56 @@ class CompiledPolicy:
     def decide(self, ctx: RequestContext, adaptive: AdaptiveGamma) -> Decision:
         r = self.match(ctx)
         if r.fixed is not None:
-            f = r.fixed  # fresh object each time: callers may mutate `options`
-            return Decision(f.method, f.gamma, f.rule, f.reason, f.policy_version, f.pool, dict(f.options))
-        choice = adaptive.choose(ctx.turn_type, r.method, ctx.provider, r.gamma_lo, r.gamma_hi, r.prior_alpha)
-        method = r.method if choice.gamma > 0 else "off"
-        options = dict(r.options) if choice.gamma > 0 else {}
-        return Decision(
-            method, choice.gamma, r.name, f"{r.where}; {choice.describe()}", self.version, r.pool, options
-        )
+            f = r.fixed
+            plan = Decision(f.method, f.gamma, f.rule, f.reason, f.policy_version, f.pool, dict(f.options))
+        else:
+            choice = adaptive.choose(ctx.turn_type, r.method, ctx.provider, r.gamma_lo, r.gamma_hi, r.prior_alpha)
+            method = r.method if choice.gamma > 0 else "off"
+            options = dict(r.options) if choice.gamma > 0 else {}
+            plan = Decision(
+                method, choice.gamma, r.name, f"{r.where}; {choice.describe()}", self.version, r.pool,
+                options, gamma_range=(r.gamma_lo, r.gamma_hi),
+            )  # fmt: skip
+        if not plan.speculates:
+            return plan
+        table = self.gamma_table(ctx, r, plan, adaptive)
+        return plan if table is None else replace(plan, per_batch=table)
+
+    def pieces(self, ctx: RequestContext) -> list[tuple[int, CompiledRule]]:
+        """The batch axis cut where the rules matching `ctx` (batch size aside) change, each
+        piece with its first matching rule."""
+        key = (ctx.turn_type, ctx.provider, ctx.model)
+        found = self._pieces.get(key)
+        if found is None:
+            turn, provider, model = key
+            entries = [
+                (r.batch_lo, r.batch_hi, r)
+                for r in (*self.rules, self.default)
+                if (r.turn_types is None or turn in r.turn_types)
+                and (r.providers is None or provider in r.providers)
+                and (r.models is None or model in r.models)
+            ]
+            found = self._pieces[key] = [(lo, rules[0]) for lo, rules in batch_segments(entries)]
+        return found
+
+    def gamma_table(
+        self, ctx: RequestContext, decided: CompiledRule, plan: Decision, adaptive: AdaptiveGamma
+    ) -> GammaTable | None:
+        """γ of `plan`'s method at every batch size; None when it is `plan.gamma` throughout.
+        Pieces ruled by another method (or by `off`) draft nothing; an auto rule's γ is what the
+        estimates say now (no probe); the decided piece keeps the decision's own γ."""
+        rows: list[tuple[int, int]] = []
+        for lo, r in self.pieces(ctx):
+            if r is decided:
+                gamma = plan.gamma
+            elif r.method != plan.method:
+                gamma = 0
+            elif r.fixed is not None:
+                gamma = r.fixed.gamma
+            else:
+                gamma = adaptive.peek(ctx.turn_type, r.method, ctx.provider, r.gamma_lo, r.gamma_hi, r.prior_alpha)
+            if not rows or rows[-1][1] != gamma:
+                rows.append((lo, gamma))
+        if len(rows) == 1 and rows[0][1] == plan.gamma:
+            return None
+        return GammaTable(tuple(rows))

@@ -12,8 +12,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Method = Literal["off", "ngram", "draft", "eagle"]
-MAX_GAMMA = 64  # SpecConfig's bound
+from openalice_runner.speculation import MAX_GAMMA, SpecMethod
+
+Method = SpecMethod  # the policy file names the same methods the providers run
 
 # Turn types the agent loop reports; any other name is allowed too (custom turn types).
 KNOWN_TURN_TYPES = ("chat", "reasoning", "tool_call", "summarize", "code_edit", "rag")
@@ -153,3 +154,4 @@ class Policy(_Strict):
     pools: dict[str, SGLangPool] = {}
     rules: list[Rule] = []
     default: DecisionSpec
+

@@ -10,8 +10,10 @@ constraints follow SGLang 0.5.x `server_args` (checked against 0.5.23, see tests
   a JSON *file* whose integer-string keys are batch sizes, each `{"candidate_steps": [...]}`;
   SGLang routes a batch to the largest key <= its size, and steps 0 means no speculation.
   Top-level non-numeric keys (e.g. "ema_alpha") are defaults for every slot. `--speculative-num-steps`
-  must be one of the candidates. Here each rule routed to the pool adds its γ candidates under the
-  key of its batch range's lower bound: fixed γ -> [γ], auto -> spread over [min_gamma, max_gamma], off -> [0].
+  must be one of the candidates. Here the batch axis is cut where the ranges of the rules routed to
+  the pool start and end (`batch_table.py`, as for the engine's γ tables), and each piece's key holds
+  the candidates of every rule covering it: fixed γ -> [γ], auto -> spread over [min_gamma, max_gamma],
+  off -> [0].
 * NGRAM drafts a tree: `--speculative-num-draft-tokens` is its size (we use max γ + 1),
   `--speculative-ngram-{min,max}-bfs-breadth|match-type|max-trie-depth|capacity` tune it.
 """
@@ -23,6 +25,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from openalice_runner.policies.batch_table import batch_segments
 from openalice_runner.policies.schema import DecisionSpec, Policy, Rule
 
 
@@ -54,15 +57,18 @@ def gamma_candidates(lo: int, hi: int) -> list[int]:
     return sorted({*range(lo, hi + 1, 2), hi})
 
 
-def _routed(policy: Policy, pool: str) -> list[tuple[int, DecisionSpec]]:
-    """(batch lower bound, decision) for every rule (and the default) that routes to `pool`."""
-    out: list[tuple[int, DecisionSpec]] = []
+def _routed(policy: Policy, pool: str) -> list[tuple[int, float, DecisionSpec]]:
+    """(first batch size, last batch size or inf, decision) for every rule (and the default)
+    that routes to `pool`."""
+    out: list[tuple[int, float, DecisionSpec]] = []
     for rule in policy.rules:
         if rule.pool == pool:
             b = rule.match.batch_size
-            out.append((b.min if b else 1, rule))
+            lo = b.min if b else 1
+            hi = b.max if b and b.max is not None else float("inf")
+            out.append((lo, hi, rule))
     if policy.default.pool == pool:
-        out.append((1, policy.default))
+        out.append((1, float("inf"), policy.default))
     return out
 
 
@@ -79,7 +85,7 @@ def compile_pool(policy: Policy, pool_name: str, adaptive_config_path: str | Non
         raise KeyError(f"unknown pool {pool_name!r} (pools: {', '.join(sorted(policy.pools)) or 'none'})")
     pool = policy.pools[pool_name]
     routed = _routed(policy, pool_name)
-    all_steps = sorted({s for _, d in routed for s in _steps_of(d)})
+    all_steps = sorted({s for _, _, d in routed for s in _steps_of(d)})
     positive = [s for s in all_steps if s > 0]
     args: list[str] = []
     adaptive_cfg: dict | None = None
@@ -88,9 +94,13 @@ def compile_pool(policy: Policy, pool_name: str, adaptive_config_path: str | Non
     if pool.algorithm in ("EAGLE", "EAGLE3"):
         topk = pool.eagle_topk or 1
         if pool.adaptive:
-            slots: dict[int, set[int]] = {}
-            for lo, d in routed:
-                slots.setdefault(lo, set()).update(_steps_of(d))
+            # the same batch pieces the engine's γ tables come from; a piece holds every
+            # candidate of the rules that cover it (the pool serves all their turn types)
+            slots: dict[int, set[int]] = {
+                lo: {s for d in covering for s in _steps_of(d)}
+                for lo, covering in batch_segments(routed)
+                if covering
+            }
             if not positive and pool.num_steps is None:
                 raise ValueError(
                     f"pool {pool_name!r}: no rule routes to it with speculation on; set num_steps"

@@ -20,6 +20,7 @@ from openalice_runner.policies.decision import CompiledPolicy, Decision, Request
 from openalice_runner.policies.errors import PolicyError
 from openalice_runner.policies.loader import content_version, load_policy_bytes, load_policy_text
 from openalice_runner.policies.schema import Policy
+from openalice_runner.speculation import SpeculationOutcome
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +78,10 @@ class PolicyStore:
             log.exception("policy decision failed; speculating off")
             return Decision("off", 0, "error", f"policy error: {exc!r}", compiled.version)
 
-    def observe(self, turn_type: str, method: str, provider: str | None, stats) -> None:
-        """Feed a finished request's GenerationStats into the adaptive-γ estimates. Never raises."""
+    def observe(self, turn_type: str, method: str, provider: str | None, outcome: SpeculationOutcome) -> None:
+        """Feed a finished request's outcome into the adaptive-γ estimates. Never raises."""
         try:
-            self.adaptive.observe(turn_type, method, provider, stats)
+            self.adaptive.observe(turn_type, method, provider, outcome)
         except Exception:
             log.exception("policy observe failed; estimate not updated")
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from openalice_runner.speculation import SpeculationPlan
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
 
 
@@ -45,9 +46,7 @@ class CallContext:
     turn_type: str = "chat"
     step: int = 0
     agent: str | None = None
-    decision: Any = None  # openalice_runner.policies.Decision | None
-    # (batch size, queue depth) -> γ, asked again at every step of a batching engine (policies/stepping.py)
-    step_policy: Any = None
+    decision: SpeculationPlan | None = None  # γ by batch size included (`per_batch`)
     model: str | None = None
     attributes: dict[str, Any] = field(default_factory=dict)
 

@@ -3,7 +3,8 @@
 It wraps one provider of a fallback chain, so each attempt is decided for the provider that will
 actually serve it, with that provider's own load as the batch size (the request itself included).
 The decision travels in a copy of the CallContext (tracing reads it there); the finished request's
-stats go to `policy.observe` for adaptive γ.
+outcome goes to `policy.observe` for adaptive γ. The decision carries γ by batch size
+(`per_batch`), which a batching engine follows step by step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from openalice_runner.providers.base import CallContext, Provider
 from openalice_runner.providers.wrapper import WrapperProvider
+from openalice_runner.speculation import SpeculationOutcome
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
 
 
@@ -38,19 +40,16 @@ class PolicyProvider(WrapperProvider):
                 model=request.model or ctx.model,
             )
         )
-        from openalice_runner.policies.stepping import step_gamma
+        return replace(ctx, decision=decision)
 
-        stepper = step_gamma(self.policy, decision.method, ctx.turn_type, self.provider_name, request.model or ctx.model)
-        return replace(ctx, decision=decision, step_policy=stepper)
-
-    def observe(self, ctx: CallContext, stats: Any) -> None:
-        if stats is not None:
-            self.policy.observe(ctx.turn_type, stats.method, self.provider_name, stats)
+    def observe(self, ctx: CallContext, outcome: SpeculationOutcome | None) -> None:
+        if outcome is not None:
+            self.policy.observe(ctx.turn_type, outcome.method, self.provider_name, outcome)
 
     async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
         ctx = await self.decide(request, ctx)
         result = await self.wrapped.chat(request, ctx)
-        self.observe(ctx, result.stats)
+        self.observe(ctx, result.outcome)
         return result
 
     def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
@@ -62,7 +61,7 @@ class PolicyProvider(WrapperProvider):
         try:
             async for chunk in chunks:
                 if chunk.finish_reason is not None:
-                    self.observe(ctx, chunk.stats)
+                    self.observe(ctx, chunk.outcome)
                 yield chunk
         finally:
             aclose = getattr(chunks, "aclose", None)

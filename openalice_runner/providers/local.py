@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from openalice_runner.engine.types import EngineOverloaded
+from openalice_runner.engine.types import EngineOverloaded, SamplingParams, SpecConfig
 from openalice_runner.providers import tool_format
 from openalice_runner.providers.admission import AdmissionLimits
 from openalice_runner.providers.base import (
@@ -32,6 +32,7 @@ from openalice_runner.providers.base import (
     ProviderRateLimited,
     StreamBroken,
 )
+from openalice_runner.speculation import SPEC_METHODS, SpeculationPlan
 from openalice_runner.types import (
     ChatChunk,
     ChatRequest,
@@ -39,6 +40,7 @@ from openalice_runner.types import (
     ChunkChoice,
     Delta,
     FunctionCallDelta,
+    SamplingSettings,
     SpeculationInfo,
     ToolCall,
     ToolCallDelta,
@@ -48,7 +50,7 @@ from openalice_runner.types import (
 
 logger = logging.getLogger(__name__)
 
-ENGINE_SPEC_METHODS = frozenset({"off", "ngram", "draft", "eagle"})
+ENGINE_SPEC_METHODS = frozenset(SPEC_METHODS)
 
 
 class LocalConfig(AdmissionLimits):
@@ -206,9 +208,7 @@ class LocalProvider(Provider):
         return _Prompt(ids=list(ids), prefill=prefill, tool_names=names)
 
     def _settings(self, request: ChatRequest, ctx: CallContext, prompt: _Prompt):
-        from openalice_runner.engine.types import SpecConfig
-
-        sampling = request.sampling.to_engine(self.config.max_tokens_default)
+        sampling = sampling_params(request.sampling, self.config.max_tokens_default)
         if prompt.prefill and tool_format.TOOL_CALL_CLOSE not in sampling.stop:
             # A forced call is one call: stop at its closing tag instead of rambling on.
             sampling = _replace_stop(sampling, (*sampling.stop, tool_format.TOOL_CALL_CLOSE))
@@ -216,7 +216,7 @@ class LocalProvider(Provider):
         spec = SpecConfig()
         if decision is not None:
             if decision.method in ENGINE_SPEC_METHODS:
-                spec = decision.to_spec_config()
+                spec = SpecConfig.from_plan(decision)
                 if spec.method == "eagle":
                     spec = self._usable_head(spec, decision)
             else:
@@ -227,18 +227,16 @@ class LocalProvider(Provider):
                 )
         return sampling, spec
 
-    def _usable_head(self, spec, decision):
+    def _usable_head(self, spec: SpecConfig, decision: SpeculationPlan) -> SpecConfig:
         """`spec` where its EAGLE head loads; otherwise no speculation, with a warning: a policy
         naming a missing head is the operator's to fix, and must not fail every request."""
-        from openalice_runner.engine.types import SpecConfig
-
         try:
             self.engine.eagle_runtime(spec.eagle_head)
         except (ValueError, OSError) as exc:
             if spec.eagle_head not in self._unusable_heads:  # once per head, not once per request
                 self._unusable_heads.add(spec.eagle_head)
                 logger.warning("%s: rule %r: eagle head not usable (%s); running without speculation",
-                               self.name, getattr(decision, "rule", None), exc)
+                               self.name, decision.rule, exc)
             return SpecConfig()
         return spec
 
@@ -261,8 +259,7 @@ class LocalProvider(Provider):
         yield prompt
         held = 0
         try:
-            step_policy = ctx.step_policy if spec.method != "off" else None
-            for event in self.engine.stream(prompt.ids, sampling, spec, cancel, step_policy=step_policy):
+            for event in self.engine.stream(prompt.ids, sampling, spec, cancel):
                 grown = len(event.token_ids) + (len(prompt.ids) if held == 0 else 0)
                 held += grown
                 self._add_kv(grown)
@@ -295,6 +292,7 @@ class LocalProvider(Provider):
             self._in_flight -= 1
         stats = result.stats
         _stamp(stats, ctx)
+        outcome = stats.outcome()
         content, tool_calls = _split(prompt, result.text)
         finish = "tool_calls" if tool_calls else _finish_reason(result.finish_reason)
         out = ChatResult.single(
@@ -303,10 +301,10 @@ class LocalProvider(Provider):
             tool_calls=tool_calls,
             finish_reason=finish,
             usage=Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens, stats.cached_prompt_tokens),
-            speculation=SpeculationInfo.from_stats(stats),
+            speculation=SpeculationInfo.from_outcome(outcome),
             provider=self.name,
         )
-        return out.attach_stats(stats)
+        return out.attach_outcome(outcome)
 
     # ---- stream ----
 
@@ -350,6 +348,7 @@ class LocalProvider(Provider):
         assert result is not None, "engine stream ended without a result"
         stats = result.stats
         _stamp(stats, ctx)
+        outcome = stats.outcome()
         tail, tool_calls = holder.finish()
         if tail or tool_calls:
             deltas = [
@@ -371,10 +370,10 @@ class LocalProvider(Provider):
             model=model,
             choices=[ChunkChoice(finish_reason=finish)],
             usage=Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens, stats.cached_prompt_tokens),
-            speculation=SpeculationInfo.from_stats(stats),
+            speculation=SpeculationInfo.from_outcome(outcome),
             provider=self.name,
         )
-        yield final.attach_stats(stats)
+        yield final.attach_outcome(outcome)
 
 
 # ---------------------------------------------------------------- helpers
@@ -437,11 +436,23 @@ def _finish_reason(engine_finish: str) -> Literal["stop", "length"]:
 def _stamp(stats: Any, ctx: CallContext) -> None:
     decision = ctx.decision
     if decision is not None:
-        stats.rule = getattr(decision, "rule", None)
-        stats.policy_version = getattr(decision, "policy_version", None)
+        stats.rule = decision.rule
+        stats.policy_version = decision.policy_version
 
 
-def _replace_stop(sampling: Any, stop: tuple[str, ...]) -> Any:
+def sampling_params(settings: SamplingSettings, default_max_tokens: int = 256) -> SamplingParams:
+    """The engine's `SamplingParams` for a request's OpenAI-style settings."""
+    return SamplingParams(
+        temperature=0.0 if settings.temperature is None else settings.temperature,
+        top_p=1.0 if settings.top_p is None else settings.top_p,
+        top_k=settings.top_k or 0,
+        seed=settings.seed,
+        max_tokens=settings.max_tokens or default_max_tokens,
+        stop=tuple(settings.stop or ()),
+    )
+
+
+def _replace_stop(sampling: SamplingParams, stop: tuple[str, ...]) -> SamplingParams:
     from dataclasses import replace
 
     return replace(sampling, stop=stop)

@@ -44,6 +44,7 @@ from openalice_runner.providers.base import (
     StreamBroken,
 )
 from openalice_runner.providers.secrets import register_secret
+from openalice_runner.speculation import SpecMethod, SpeculationOutcome
 from openalice_runner.types import (
     ChatChunk,
     ChatRequest,
@@ -59,7 +60,6 @@ from openalice_runner.types import (
 
 logger = logging.getLogger(__name__)
 
-SpecMethod = Literal["off", "ngram", "draft", "eagle"]
 _ALGORITHM = {"eagle": "EAGLE3", "ngram": "NGRAM", "draft": "STANDALONE"}
 
 
@@ -389,7 +389,7 @@ class SGLangProvider(Provider):
             int(usage_data.get("prompt_tokens") or 0), int(usage_data.get("completion_tokens") or 0)
         )
         tool_calls = [ToolCall.model_validate(tc) for tc in message.get("tool_calls") or []] or None
-        spec, stats = self._speculation(choice.get("meta_info"), pool, ctx, usage)
+        outcome = self._speculation(choice.get("meta_info"), pool, ctx, usage)
         result = ChatResult.single(
             id=data.get("id"),
             model=data.get("model") or self.config.model,
@@ -397,43 +397,43 @@ class SGLangProvider(Provider):
             tool_calls=tool_calls,
             finish_reason=_finish_reason(finish, tool_calls),
             usage=usage,
-            speculation=spec,
+            speculation=SpeculationInfo.from_outcome(outcome),
             provider=self.name,
         )
-        return result.attach_stats(stats)
+        return result.attach_outcome(outcome)
 
     def _speculation(
         self, meta: dict[str, Any] | None, pool: str, ctx: CallContext, usage: Usage
-    ) -> tuple[SpeculationInfo, Any]:
+    ) -> SpeculationOutcome:
         cfg = self.config.pools[pool]
         decision = ctx.decision
-        spec = SpeculationInfo(
-            method=cfg.method,
-            gamma=cfg.gamma,
-            rule=getattr(decision, "rule", None),
-            policy_version=getattr(decision, "policy_version", None),
-            pool=pool,
-        )
+        figures: dict[str, Any] = {}
         meta = meta or {}
         verify_ct = meta.get("spec_verify_ct")
         if cfg.method != "off" and verify_ct:
-            spec.target_passes = int(verify_ct)
-            spec.accepted = _first_int(
-                meta, "spec_accepted_drafts", "spec_num_correct_drafts", "spec_accept_token_num"
-            )
-            spec.proposed = _first_int(
+            accepted = _first_int(meta, "spec_accepted_drafts", "spec_num_correct_drafts", "spec_accept_token_num")
+            proposed = _first_int(
                 meta, "spec_proposed_drafts", "spec_num_proposed_drafts", "spec_draft_token_num"
             )
-            if spec.proposed is None and cfg.gamma:
-                spec.proposed = int(verify_ct) * cfg.gamma
-            rate = meta.get("spec_accept_rate")
-            if rate is None and spec.accepted is not None and spec.proposed:
-                rate = spec.accepted / spec.proposed
-            spec.acceptance_rate = float(rate) if rate is not None else None
+            if proposed is None and cfg.gamma:
+                proposed = int(verify_ct) * cfg.gamma
             length = meta.get("spec_accept_length")
             completion = int(meta.get("completion_tokens") or usage.completion_tokens)
-            spec.accept_length = float(length) if length is not None else completion / int(verify_ct)
-        return spec, _stats_for_policy(spec, usage)
+            figures = {
+                "target_passes": int(verify_ct),
+                "accepted": accepted or 0,
+                "proposed": proposed or 0,
+                "tokens_per_pass": float(length) if length is not None else completion / int(verify_ct),
+            }
+        return SpeculationOutcome(
+            method=cfg.method,
+            gamma=cfg.gamma,
+            completion_tokens=usage.completion_tokens,
+            rule=decision.rule if decision is not None else None,
+            policy_version=decision.policy_version if decision is not None else None,
+            pool=pool,
+            **figures,
+        )
 
     def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
         return self._stream(request, ctx)
@@ -532,16 +532,16 @@ class SGLangProvider(Provider):
                 raise StreamBroken("SGLang aborted the request mid-stream", provider=self.name)
             raise ProviderUnavailable("SGLang aborted the request", provider=self.name)
         usage = usage or Usage()
-        spec, stats = self._speculation(None, pool, ctx, usage)
+        outcome = self._speculation(None, pool, ctx, usage)
         final = ChatChunk(
             id=chunk_id,
             model=model,
             choices=[ChunkChoice(finish_reason=_finish_reason(finish, [1] if saw_tool_calls else None))],
             usage=usage,
-            speculation=spec,
+            speculation=SpeculationInfo.from_outcome(outcome),
             provider=self.name,
         )
-        yield final.attach_stats(stats)
+        yield final.attach_outcome(outcome)
 
     async def aclose(self) -> None:
         if self._owns_client:
@@ -622,22 +622,3 @@ def _error_from_body(err: Any, provider: str) -> ProviderError:
     if code >= 500:
         return ProviderUnavailable(message, provider=provider, status_code=code)
     return ProviderBadRequest(message, provider=provider, status_code=code)
-
-
-def _stats_for_policy(spec: SpeculationInfo, usage: Usage) -> Any:
-    """GenerationStats for the policy's observe(), from what the server reported."""
-    from openalice_runner.engine.types import GenerationStats
-
-    return GenerationStats(
-        method=spec.method,
-        gamma=spec.gamma,
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        target_passes=spec.target_passes or 0,
-        draft_proposed=spec.proposed or 0,
-        draft_accepted=spec.accepted or 0,
-        acceptance_rate=spec.acceptance_rate or 0.0,
-        mean_tokens_per_pass=spec.accept_length or 0.0,
-        rule=spec.rule,
-        policy_version=spec.policy_version,
-    )

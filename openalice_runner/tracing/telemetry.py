@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +24,9 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from openalice_runner.providers.secrets import redact
+from openalice_runner.speculation import SpeculationOutcome, SpeculationPlan
 from openalice_runner.tracing import attributes as A
+from openalice_runner.types import ChatRequest
 
 SCOPE = "openalice_runner"
 _NS_PER_S = 1_000_000_000
@@ -34,23 +36,6 @@ def _version() -> str:
     from openalice_runner import __version__
 
     return __version__
-
-
-_MISSING = object()
-
-
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    """Read a field from a pydantic model, dataclass or dict alike (hot: called dozens of times a call)."""
-    if obj is None:
-        return default
-    if type(obj) is dict:
-        return obj.get(name, default)
-    value = getattr(obj, name, _MISSING)
-    if value is not _MISSING:
-        return value
-    if isinstance(obj, Mapping):
-        return obj.get(name, default)
-    return default
 
 
 def _to_jsonable(obj: Any) -> Any:
@@ -77,58 +62,50 @@ def mark_error(span: Span, exc: BaseException) -> str:
     return etype
 
 
-def speculation_attributes(spec: Any) -> dict[str, Any]:
-    """`openalice.speculation.*` and `openalice.latency.*` from a SpeculationInfo, GenerationStats or dict.
-
-    Accepts both naming styles (SpeculationInfo: proposed/accepted; GenerationStats: draft_proposed/...).
-    Latency parts in ms: queue, ttft, decode (after the first token), draft, verify.
-    """
-    out: dict[str, Any] = {}
-    if spec is None:
-        return out
-
-    def put(key: str, value: Any, cast: type) -> None:
-        if value is not None:
-            out[key] = cast(value)
-
-    put(A.SPEC_METHOD, _get(spec, "method"), str)
-    put(A.SPEC_GAMMA, _get(spec, "gamma"), int)
-    put(A.SPEC_RULE, _get(spec, "rule"), str)
-    put(A.SPEC_REASON, _get(spec, "reason"), str)
-    put(A.SPEC_POLICY_VERSION, _get(spec, "policy_version"), str)
-    put(A.SPEC_PROPOSED, _first(spec, "proposed", "draft_proposed"), int)
-    put(A.SPEC_ACCEPTED, _first(spec, "accepted", "draft_accepted"), int)
-    put(A.SPEC_ACCEPTANCE_RATE, _get(spec, "acceptance_rate"), float)
-    put(A.SPEC_TARGET_PASSES, _get(spec, "target_passes"), int)
-    put(A.SPEC_MEAN_TOKENS_PER_PASS, _get(spec, "mean_tokens_per_pass"), float)
-    put(A.TOKENS_PER_SECOND, _get(spec, "tokens_per_second"), float)
-    put(A.POOL, _get(spec, "pool"), str)
-
-    ttft_s = _first(spec, "ttft_s")
-    total_s = _first(spec, "total_s")
-    for key, ms_name, s_name in (
-        (A.LATENCY_QUEUE_MS, "queue_ms", "queue_s"),
-        (A.LATENCY_TTFT_MS, "ttft_ms", "ttft_s"),
-        (A.LATENCY_DECODE_MS, "decode_ms", "decode_s"),
-        (A.LATENCY_DRAFT_MS, "draft_ms", "draft_s"),
-        (A.LATENCY_VERIFY_MS, "verify_ms", "verify_s"),
-    ):
-        ms = _get(spec, ms_name)
-        if ms is None and (s := _get(spec, s_name)) is not None:
-            ms = s * 1000.0
-        if ms is not None:
-            out[key] = round(float(ms), 3)
-    if A.LATENCY_DECODE_MS not in out and ttft_s is not None and total_s is not None:
-        out[A.LATENCY_DECODE_MS] = round(max(0.0, total_s - ttft_s) * 1000.0, 3)
+def plan_attributes(plan: SpeculationPlan) -> dict[str, Any]:
+    """`openalice.speculation.*` of a policy's decision, as made."""
+    out: dict[str, Any] = {
+        A.SPEC_METHOD: plan.method,
+        A.SPEC_GAMMA: plan.gamma,
+        A.SPEC_RULE: plan.rule,
+        A.SPEC_POLICY_VERSION: plan.policy_version,
+    }
+    if plan.reason:
+        out[A.SPEC_REASON] = plan.reason
+    if plan.pool:
+        out[A.POOL] = plan.pool
     return out
 
 
-def _first(obj: Any, *names: str) -> Any:
-    for name in names:
-        value = _get(obj, name)
-        if value is not None:
-            return value
-    return None
+def outcome_attributes(outcome: SpeculationOutcome) -> dict[str, Any]:
+    """`openalice.speculation.*` and `openalice.latency.*` (ms: queue, ttft, decode after the first
+    token, draft, verify) of what a call's speculation did."""
+    out: dict[str, Any] = {
+        A.SPEC_METHOD: outcome.method,
+        A.SPEC_GAMMA: outcome.gamma,
+        A.SPEC_PROPOSED: outcome.proposed,
+        A.SPEC_ACCEPTED: outcome.accepted,
+        A.SPEC_ACCEPTANCE_RATE: outcome.acceptance_rate,
+        A.SPEC_TARGET_PASSES: outcome.target_passes,
+    }
+    optional = (
+        (A.SPEC_RULE, outcome.rule),
+        (A.SPEC_POLICY_VERSION, outcome.policy_version),
+        (A.POOL, outcome.pool),
+        (A.SPEC_MEAN_TOKENS_PER_PASS, outcome.tokens_per_pass),
+        (A.TOKENS_PER_SECOND, outcome.tokens_per_second),
+    )
+    out.update((key, value) for key, value in optional if value is not None)
+    for key, seconds in (
+        (A.LATENCY_QUEUE_MS, outcome.queue_s),
+        (A.LATENCY_TTFT_MS, outcome.ttft_s),
+        (A.LATENCY_DECODE_MS, outcome.decode_s),
+        (A.LATENCY_DRAFT_MS, outcome.draft_s),
+        (A.LATENCY_VERIFY_MS, outcome.verify_s),
+    ):
+        if seconds is not None:
+            out[key] = round(seconds * 1000.0, 3)
+    return out
 
 
 @dataclass
@@ -156,7 +133,7 @@ class ChatCall:
         finish_reason: str | None = None,
         input_tokens: int | None = None,
         output_tokens: int | None = None,
-        speculation: Any = None,
+        speculation: SpeculationOutcome | None = None,
         output_message: Any = None,
         cached_input_tokens: int | None = None,
     ) -> None:
@@ -178,8 +155,8 @@ class ChatCall:
             )
         # The method actually used (the provider may have downgraded the decision) labels the metrics.
         labels = dict(self.metric_attrs)
-        if (method := _get(speculation, "method")) is not None:
-            labels[A.SPEC_METHOD] = str(method)
+        if speculation is not None:
+            labels[A.SPEC_METHOD] = speculation.method
         tel.record_chat_metrics(
             labels,
             duration_s=duration_s,
@@ -198,7 +175,7 @@ class ChatCall:
         finish_reason: str | None,
         input_tokens: int | None,
         output_tokens: int | None,
-        speculation: Any,
+        speculation: SpeculationOutcome | None,
         output_message: Any,
         cached_input_tokens: int | None = None,
     ) -> None:
@@ -215,8 +192,8 @@ class ChatCall:
             attrs[A.GEN_AI_USAGE_OUTPUT_TOKENS] = int(output_tokens)
         if cached_input_tokens is not None:
             attrs[A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = int(cached_input_tokens)
-        spec_attrs = speculation_attributes(speculation)
-        attrs.update(spec_attrs)
+        if speculation is not None:
+            attrs.update(outcome_attributes(speculation))
         if self.first_chunk_s is not None and A.LATENCY_TTFT_MS not in attrs:
             attrs[A.LATENCY_TTFT_MS] = round(self.first_chunk_s * 1000.0, 3)
         if self.telemetry.record_content and output_message is not None:
@@ -465,12 +442,16 @@ class RunnerTelemetry:
         model: str | None,
         provider: str | None,
         gen_ai_provider: str | None = None,
-        ctx: Any = None,
-        request: Any = None,
+        turn_type: str | None = None,
+        conversation_id: str | None = None,
+        step: int | None = None,
+        agent: str | None = None,
+        decision: SpeculationPlan | None = None,
+        request: ChatRequest | None = None,
         stream: bool = False,
         parent: otel_context.Context | None = None,
     ) -> ChatCall:
-        """Open a `chat {model}` CLIENT span. `ctx` is a CallContext; `request` a ChatRequest (or alike)."""
+        """Open a `chat {model}` CLIENT span for one call of a turn (`decision`: the policy's plan)."""
         attrs: dict[str, Any] = {
             A.GEN_AI_OPERATION_NAME: A.OP_CHAT,
             A.GEN_AI_PROVIDER_NAME: gen_ai_provider or provider or "openalice",
@@ -481,8 +462,6 @@ class RunnerTelemetry:
             attrs[A.PROVIDER] = provider
         if stream:
             attrs[A.GEN_AI_REQUEST_STREAM] = True
-        turn_type = _get(ctx, "turn_type")
-        decision = _get(ctx, "decision")
         metric_attrs: dict[str, Any] = {
             A.GEN_AI_OPERATION_NAME: A.OP_CHAT,
             A.GEN_AI_PROVIDER_NAME: attrs[A.GEN_AI_PROVIDER_NAME],
@@ -490,30 +469,28 @@ class RunnerTelemetry:
         if model:
             metric_attrs[A.GEN_AI_REQUEST_MODEL] = model
         if turn_type:
-            metric_attrs[A.TURN_TYPE] = str(turn_type)
-        if (method := _get(decision, "method")) is not None:
-            metric_attrs[A.SPEC_METHOD] = str(method)
+            metric_attrs[A.TURN_TYPE] = turn_type
+        if decision is not None:
+            metric_attrs[A.SPEC_METHOD] = decision.method
         name = f"{A.OP_CHAT} {model}" if model else A.OP_CHAT
         # What sampling may look at goes in at creation; the rest only when the span records
         # (with the no-op global API it does not, and the call then costs next to nothing).
         span = self.tracer.start_span(name, context=parent, kind=SpanKind.CLIENT, attributes=attrs)
         if span.is_recording():
             more: dict[str, Any] = {}
-            conversation_id = _get(ctx, "conversation_id")
-            step = _get(ctx, "step")
-            agent = _get(ctx, "agent")
             if conversation_id:
-                more[A.GEN_AI_CONVERSATION_ID] = str(conversation_id)
+                more[A.GEN_AI_CONVERSATION_ID] = conversation_id
             if turn_type:
-                more[A.TURN_TYPE] = str(turn_type)
+                more[A.TURN_TYPE] = turn_type
             if step is not None:
-                more[A.STEP] = int(step)
+                more[A.STEP] = step
             if agent:
-                more[A.GEN_AI_AGENT_NAME] = str(agent)
+                more[A.GEN_AI_AGENT_NAME] = agent
             if decision is not None:
                 # The decision as made; the figures the provider reports on finish() override it.
-                more.update(speculation_attributes(decision))
-            more.update(_request_attributes(request, self.record_content))
+                more.update(plan_attributes(decision))
+            if request is not None:
+                more.update(_request_attributes(request, self.record_content))
             span.set_attributes(more)
         return ChatCall(self, span, metric_attrs)
 
@@ -525,7 +502,7 @@ class RunnerTelemetry:
         ttft_s: float | None = None,
         input_tokens: int | None = None,
         output_tokens: int | None = None,
-        speculation: Any = None,
+        speculation: SpeculationOutcome | None = None,
         output_s: float | None = None,
     ) -> None:
         self._op_duration.record(duration_s, labels)
@@ -535,19 +512,16 @@ class RunnerTelemetry:
             self._token_usage.record(int(input_tokens), {**labels, A.GEN_AI_TOKEN_TYPE: "input"})
         if output_tokens is not None:
             self._token_usage.record(int(output_tokens), {**labels, A.GEN_AI_TOKEN_TYPE: "output"})
-        tps = _get(speculation, "tokens_per_second")
+        tps = speculation.tokens_per_second if speculation is not None else None
         if tps is None and output_tokens and output_s:
             tps = output_tokens / output_s
         if tps:
             self._tokens_per_second.record(float(tps), labels)
-        proposed = _first(speculation, "proposed", "draft_proposed")
-        gamma = _get(speculation, "gamma")
-        if proposed and gamma:
+        if speculation is not None and speculation.proposed and speculation.gamma:
             # Mean drafts accepted per verify round of this call (one record per call, not per round:
             # a long generation would otherwise pay for hundreds of records).
-            rounds = proposed / gamma
-            accepted = _first(speculation, "accepted", "draft_accepted") or 0
-            self._accepted_length.record(accepted / rounds, labels)
+            rounds = speculation.proposed / speculation.gamma
+            self._accepted_length.record(speculation.accepted / rounds, labels)
 
 
 def _span_attr(span: Span, key: str) -> Any:
@@ -555,28 +529,21 @@ def _span_attr(span: Span, key: str) -> Any:
     return attrs.get(key) if attrs else None
 
 
-def _request_attributes(request: Any, record_content: bool) -> dict[str, Any]:
-    """gen_ai.request.* from a ChatRequest (sampling may be flat or under `.sampling`)."""
-    if request is None:
-        return {}
+def _request_attributes(request: ChatRequest, record_content: bool) -> dict[str, Any]:
+    """gen_ai.request.* of a ChatRequest."""
     out: dict[str, Any] = {}
-    sampling = request  # ChatRequest carries the sampling fields itself
-    for key, name in (
-        (A.GEN_AI_REQUEST_TEMPERATURE, "temperature"),
-        (A.GEN_AI_REQUEST_TOP_P, "top_p"),
-        (A.GEN_AI_REQUEST_SEED, "seed"),
-        (A.GEN_AI_REQUEST_MAX_TOKENS, "max_tokens"),
+    for key, value in (
+        (A.GEN_AI_REQUEST_TEMPERATURE, request.temperature),
+        (A.GEN_AI_REQUEST_TOP_P, request.top_p),
+        (A.GEN_AI_REQUEST_SEED, request.seed),
+        (A.GEN_AI_REQUEST_MAX_TOKENS, request.max_tokens),
     ):
-        value = _get(sampling, name)
-        if value is not None and isinstance(value, int | float):
+        if value is not None:
             out[key] = value
-    stop = _get(sampling, "stop")
-    if stop:
-        out[A.GEN_AI_REQUEST_STOP_SEQUENCES] = (stop,) if isinstance(stop, str) else tuple(stop)
+    if request.stop:
+        out[A.GEN_AI_REQUEST_STOP_SEQUENCES] = tuple(request.stop)
     if record_content:
-        messages = _get(request, "messages")
-        if messages is not None:
-            out[A.GEN_AI_INPUT_MESSAGES] = json.dumps(_to_jsonable(list(messages)), default=str)
+        out[A.GEN_AI_INPUT_MESSAGES] = json.dumps(_to_jsonable(list(request.messages)), default=str)
     return out
 
 
