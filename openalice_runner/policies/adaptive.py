@@ -98,6 +98,7 @@ def request_draft_cost(outcome: SpeculationOutcome) -> float | None:
 class AdaptiveGamma:
     def __init__(self, settings: AdaptiveSettings | None = None):
         self.settings = settings or AdaptiveSettings()
+        self.version = 0  # bumped whenever what `peek` answers may change (caches key on it)
         self._lock = threading.Lock()
         self._alpha: dict[AlphaKey, Estimate] = {}  # replaced, never mutated
         self._cost: dict[CostKey, Estimate] = {}
@@ -106,6 +107,7 @@ class AdaptiveGamma:
     def configure(self, settings: AdaptiveSettings) -> None:
         """New knobs from a reloaded policy; measured estimates are kept (they describe the workload)."""
         self.settings = settings
+        self.version += 1
 
     # ---- writes (lock) ----
     def observe(self, turn_type: str, method: str, provider: str | None, outcome: SpeculationOutcome) -> None:
@@ -121,10 +123,12 @@ class AdaptiveGamma:
             if cost is not None:
                 ckey = (method, provider)
                 self._cost = {**self._cost, ckey: _ema(self._cost.get(ckey), cost, w)}
+            self.version += 1
 
     def reset(self) -> None:
         with self._lock:
             self._alpha, self._cost, self._off_counters = {}, {}, {}
+            self.version += 1
 
     # ---- reads (no lock) ----
     def estimate(

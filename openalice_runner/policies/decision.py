@@ -9,7 +9,7 @@ follows the policy step by step from data instead of calling back into it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from openalice_runner.policies.adaptive import AdaptiveGamma
@@ -86,7 +86,7 @@ def _compile_one(spec: DecisionSpec, name: str, where: str, version: str, match:
 class CompiledPolicy:
     """A validated policy in decision-ready form. Immutable; swapped whole on reload."""
 
-    __slots__ = ("policy", "version", "rules", "default", "_pieces")
+    __slots__ = ("policy", "version", "rules", "default", "_pieces", "_tables")
 
     def __init__(self, policy: Policy, version: str):
         self.policy = policy
@@ -99,6 +99,8 @@ class CompiledPolicy:
         # (turn type, provider, model) -> batch pieces and their first matching rule; the policy is
         # immutable, so a racing duplicate write stores the same value
         self._pieces: dict[tuple, list[tuple[int, CompiledRule]]] = {}
+        # tables as last built, with the estimates they were built from (auto pieces read them)
+        self._tables: dict[tuple, tuple[AdaptiveGamma, int, GammaTable | None]] = {}
 
     def match(self, ctx: RequestContext) -> CompiledRule:
         turn, batch, provider, model = ctx.turn_type, ctx.batch_size, ctx.provider, ctx.model
@@ -114,21 +116,20 @@ class CompiledPolicy:
 
     def decide(self, ctx: RequestContext, adaptive: AdaptiveGamma) -> Decision:
         r = self.match(ctx)
-        if r.fixed is not None:
-            f = r.fixed
-            plan = Decision(f.method, f.gamma, f.rule, f.reason, f.policy_version, f.pool, dict(f.options))
-        else:
-            choice = adaptive.choose(ctx.turn_type, r.method, ctx.provider, r.gamma_lo, r.gamma_hi, r.prior_alpha)
-            method = r.method if choice.gamma > 0 else "off"
-            options = dict(r.options) if choice.gamma > 0 else {}
-            plan = Decision(
-                method, choice.gamma, r.name, f"{r.where}; {choice.describe()}", self.version, r.pool,
-                options, gamma_range=(r.gamma_lo, r.gamma_hi),
-            )  # fmt: skip
-        if not plan.speculates:
-            return plan
-        table = self.gamma_table(ctx, r, plan, adaptive)
-        return plan if table is None else replace(plan, per_batch=table)
+        f = r.fixed
+        if f is not None:
+            table = self.gamma_table(ctx, r, f.method, f.gamma, adaptive) if f.gamma > 0 else None
+            return Decision(
+                f.method, f.gamma, f.rule, f.reason, f.policy_version, f.pool, dict(f.options), None, table
+            )
+        choice = adaptive.choose(ctx.turn_type, r.method, ctx.provider, r.gamma_lo, r.gamma_hi, r.prior_alpha)
+        if choice.gamma <= 0:
+            return Decision("off", 0, r.name, f"{r.where}; {choice.describe()}", self.version, r.pool, {},
+                            (r.gamma_lo, r.gamma_hi))  # fmt: skip
+        return Decision(
+            r.method, choice.gamma, r.name, f"{r.where}; {choice.describe()}", self.version, r.pool,
+            dict(r.options), (r.gamma_lo, r.gamma_hi), self.gamma_table(ctx, r, r.method, choice.gamma, adaptive),
+        )  # fmt: skip
 
     def pieces(self, ctx: RequestContext) -> list[tuple[int, CompiledRule]]:
         """The batch axis cut where the rules matching `ctx` (batch size aside) change, each
@@ -148,23 +149,29 @@ class CompiledPolicy:
         return found
 
     def gamma_table(
-        self, ctx: RequestContext, decided: CompiledRule, plan: Decision, adaptive: AdaptiveGamma
+        self, ctx: RequestContext, decided: CompiledRule, method: str, gamma: int, adaptive: AdaptiveGamma
     ) -> GammaTable | None:
-        """γ of `plan`'s method at every batch size; None when it is `plan.gamma` throughout.
+        """γ of `method` at every batch size, given the decided rule gave `gamma`; None when it is
+        `gamma` throughout.
         Pieces ruled by another method (or by `off`) draft nothing; an auto rule's γ is what the
         estimates say now (no probe); the decided piece keeps the decision's own γ."""
+        key = (ctx.turn_type, ctx.provider, ctx.model, decided.name, gamma)
+        cached = self._tables.get(key)
+        if cached is not None and cached[0] is adaptive and cached[1] == adaptive.version:
+            return cached[2]
+        version = adaptive.version  # read before the estimates: a racing observe only forces a rebuild
         rows: list[tuple[int, int]] = []
         for lo, r in self.pieces(ctx):
             if r is decided:
-                gamma = plan.gamma
-            elif r.method != plan.method:
-                gamma = 0
+                g = gamma
+            elif r.method != method:
+                g = 0
             elif r.fixed is not None:
-                gamma = r.fixed.gamma
+                g = r.fixed.gamma
             else:
-                gamma = adaptive.peek(ctx.turn_type, r.method, ctx.provider, r.gamma_lo, r.gamma_hi, r.prior_alpha)
-            if not rows or rows[-1][1] != gamma:
-                rows.append((lo, gamma))
-        if len(rows) == 1 and rows[0][1] == plan.gamma:
-            return None
-        return GammaTable(tuple(rows))
+                g = adaptive.peek(ctx.turn_type, r.method, ctx.provider, r.gamma_lo, r.gamma_hi, r.prior_alpha)
+            if not rows or rows[-1][1] != g:
+                rows.append((lo, g))
+        table = None if len(rows) == 1 and rows[0][1] == gamma else GammaTable(tuple(rows))
+        self._tables[key] = (adaptive, version, table)
+        return table
