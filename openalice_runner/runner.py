@@ -40,7 +40,6 @@ from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, coerce_me
 
 logger = logging.getLogger(__name__)
 
-_REPO_POLICY = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
 OTEL_CONTEXT_KEY = "otel_context"  # same key as openalice_runner.tracing.instrumented
 
 
@@ -107,8 +106,8 @@ class Runner:
     ) -> Runner:
         """Build from a routing file (None: embedded default) and a policy file or PolicyStore.
 
-        policy None: the repository's policies/default.yaml when present, else no policy
-        (speculation off); policy False: no policy. telemetry False: no tracing; None: a
+        policy None: the default policy shipped in the package (openalice_runner/defaults/policy.yaml,
+        a copy of policies/default.yaml); policy False: no policy (speculation off). telemetry False: no tracing; None: a
         RunnerTelemetry on the given (or the global OpenTelemetry) providers. engine: an Engine
         for every `local` provider (tests and benchmarks pass a tiny one). prompt_log: a JSON-lines
         file that keeps every request's prompt, for `draft train --data` (off by default).
@@ -254,10 +253,9 @@ def _policy_store(policy: Any, watch: bool) -> Any:
     if policy is False:
         return None
     if policy is None:
-        if not _REPO_POLICY.exists():
-            logger.info("no policy given and %s not found: speculation off", _REPO_POLICY)
-            return None
-        policy = _REPO_POLICY
+        from openalice_runner import defaults
+
+        policy = defaults.path(defaults.POLICY)
     if isinstance(policy, str | Path):
         from openalice_runner.policies import PolicyStore
 

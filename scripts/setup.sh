@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Set up .venv with the package and the default model. `--dev` adds the test tools.
+# Set up .venv with the package, its embedded engine and the default model. `--dev` adds the
+# test tools, the hosted provider (litellm) and the plots.
 # Idempotent: a second run installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras=""
+# The core installs without torch; `engine` adds the embedded engine the default config serves.
+extras="[engine]"
 [ "${1:-}" = "--dev" ] && extras="[dev]"
 python=${PYTHON:-$(command -v python3.11 || command -v python3)}
 [ -x .venv/bin/python ] || "$python" -m venv .venv

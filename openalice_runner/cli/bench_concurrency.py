@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from openalice_runner import defaults
 from openalice_runner.bench.workload import COPY_HEAVY, OPEN_ENDED
 from openalice_runner.cli.common import add_engine_args, load_policy, positive_int
 
@@ -40,7 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--subsets", default="chat,copy-heavy", help=f"turn-type groups run separately: {', '.join(SUBSETS)}"
     )
-    p.add_argument("--policy", default="policies/default.yaml", help="policy file for the method 'policy'")
+    p.add_argument(
+        "--policy", default=str(defaults.path(defaults.POLICY)),
+        help="policy file for the method 'policy' (default: the shipped copy of policies/default.yaml)",
+    )  # fmt: skip
     p.add_argument(
         "--max-batch", type=positive_int, default=None, help="engine batch slots (default: top concurrency)"
     )

@@ -11,7 +11,10 @@ import argparse
 import json
 import sys
 
-DEFAULT_POLICY = "policies/default.yaml"
+from openalice_runner import defaults
+
+# The policy shipped in the package (a copy of policies/default.yaml), found from any directory.
+DEFAULT_POLICY = str(defaults.path(defaults.POLICY))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

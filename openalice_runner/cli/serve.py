@@ -19,7 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="providers/routes YAML (default: embedded engine); watched: a valid edit applies live, a "
         "broken one keeps the last good config (see /health)",
     )  # fmt: skip
-    p.add_argument("--policy", metavar="FILE", help="speculation policy YAML, watched and hot-reloaded")
+    p.add_argument(
+        "--policy", metavar="FILE",
+        help="speculation policy YAML, watched and hot-reloaded (default: the shipped copy of policies/default.yaml)",
+    )  # fmt: skip
     p.add_argument(
         "--api-key",
         metavar="KEY",

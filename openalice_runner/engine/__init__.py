@@ -1,15 +1,37 @@
-"""The embedded engine: torch + transformers, exact speculative decoding on a CPU."""
+"""The embedded engine: torch + transformers, exact speculative decoding on a CPU.
 
-from openalice_runner.engine.engine import Engine
-from openalice_runner.engine.generator import ContextLengthError
-from openalice_runner.engine.model_loading import ModelNotFoundError
-from openalice_runner.engine.types import (
-    GenerationResult,
-    GenerationStats,
-    SamplingParams,
-    SpecConfig,
-    StreamEvent,
-)
+The names below load on first use (PEP 562), so that importing the torch-free submodule
+`openalice_runner.engine.types` (which providers/local.py needs for its config) does not pull torch
+into an install without the engine extra.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from openalice_runner.engine.engine import Engine
+    from openalice_runner.engine.generator import ContextLengthError
+    from openalice_runner.engine.model_loading import ModelNotFoundError
+    from openalice_runner.engine.types import (
+        GenerationResult,
+        GenerationStats,
+        SamplingParams,
+        SpecConfig,
+        StreamEvent,
+    )
+
+_WHERE = {
+    "ContextLengthError": "generator",
+    "Engine": "engine",
+    "GenerationResult": "types",
+    "GenerationStats": "types",
+    "ModelNotFoundError": "model_loading",
+    "SamplingParams": "types",
+    "SpecConfig": "types",
+    "StreamEvent": "types",
+}
 
 __all__ = [
     "ContextLengthError",
@@ -21,3 +43,9 @@ __all__ = [
     "SpecConfig",
     "StreamEvent",
 ]
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"openalice_runner.engine.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

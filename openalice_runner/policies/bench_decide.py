@@ -1,4 +1,4 @@
-"""Decision micro-benchmark: `python -m openalice_runner.policies.bench_decide [POLICY]`.
+"""Decision micro-benchmark: `python -m openalice_runner.policies.bench_decide [POLICY]` (default: the shipped default policy).
 
 Prints µs per decision for a mix of contexts (fixed-γ rules, auto-γ rules, the default). A benchmark to
 read, not a timed test: the budget is well under 50 µs per decision.
@@ -9,12 +9,13 @@ from __future__ import annotations
 import sys
 import time
 
+from openalice_runner import defaults
 from openalice_runner.policies import PolicyStore, RequestContext
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    store = PolicyStore.from_file(argv[0] if argv else "policies/default.yaml")
+    store = PolicyStore.from_file(argv[0] if argv else defaults.path(defaults.POLICY))
     contexts = [
         RequestContext(t, b, p)
         for t in ("chat", "reasoning", "tool_call", "code_edit", "summarize", "rag", "custom")

@@ -17,6 +17,7 @@ POLICY helper's YAML loader, openalice_runner/policies/yaml_nodes.py).
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Annotated
 
@@ -84,10 +85,10 @@ class RoutingConfig(_Strict):
 
     @classmethod
     def default(cls) -> RoutingConfig:
-        """What providers/default.yaml holds: the embedded default model, nothing else."""
-        return cls.model_validate(
-            {"providers": {"local": {"type": "local"}}, "routes": [{"name": "default", "chain": ["local"]}]}
-        )
+        """The routing file shipped in the package (a copy of providers/default.yaml): the embedded default model."""
+        from openalice_runner import defaults
+
+        return load_routing_text(defaults.text(defaults.PROVIDERS), "openalice_runner/defaults/providers.yaml")
 
 
 class RoutingConfigError(PolicyError):
@@ -122,9 +123,27 @@ def load_routing_text(text: str, source: str = "<providers>") -> RoutingConfig:
             [loc.problem((), "a routing file must be a mapping with `providers:` and `routes:`")]
         )
     try:
-        return RoutingConfig.model_validate(loc.data)
+        config = RoutingConfig.model_validate(loc.data)
     except ValidationError as exc:
         raise RoutingConfigError(_problems(exc, loc)) from None
+    _check_engine_extra(config, loc)
+    return config
+
+
+def _check_engine_extra(config: RoutingConfig, loc: Located) -> None:
+    """A `local` provider runs the embedded engine: without torch say so at load, not at the first request."""
+    if importlib.util.find_spec("torch") is not None:  # find, never import: this module stays torch-free
+        return
+    problems = [
+        loc.problem(
+            ("providers", name, "type"),
+            f"provider {name!r} needs the engine extra: pip install 'openalice-runner[engine]'",
+        )
+        for name, provider in config.providers.items()
+        if provider.type == "local"
+    ]
+    if problems:
+        raise RoutingConfigError(problems)
 
 
 def _problems(exc: ValidationError, loc: Located) -> list[Problem]:
