@@ -110,7 +110,9 @@ def wheel(tmp_path_factory) -> Path:
         ROOT / "openalice_runner", src / "openalice_runner", ignore=shutil.ignore_patterns("__pycache__")
     )
     out = tmp_path_factory.mktemp("wheel")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", out, src])
+    # With the venv's own setuptools when it has one (no download); else pip fetches it, as setup.sh's install did.
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", out, src])
     (built,) = out.glob("openalice_runner-*.whl")
     return built
 
@@ -180,6 +182,7 @@ def _link_installed(dists: list[md.Distribution], site: Path) -> None:
         for rel in dist.files or []:
             owners.setdefault(rel.parts[0], set()).add(name)
     for dist in dists:
+        assert dist.files, f"{dist.metadata['Name']} has no RECORD: cannot tell which files are its own"
         base = Path(dist.locate_file(""))
         for rel in dist.files or []:
             if rel.parts[0] == ".." or rel.suffix == ".pth":  # scripts outside site-packages; startup hooks
