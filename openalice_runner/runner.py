@@ -22,7 +22,8 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from openalice_runner.providers.base import CallContext, Provider
 from openalice_runner.providers.config import RoutingConfig, load_routing_file
 from openalice_runner.providers.deciding import PolicyProvider
 from openalice_runner.providers.fallback import FallbackProvider
+from openalice_runner.providers.streams import ChatStream
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, coerce_messages
 
 logger = logging.getLogger(__name__)
@@ -201,7 +203,11 @@ class Runner:
         ctx = ctx or CallContext()
         return await self._accept(request, ctx).chat(request, ctx)
 
-    def stream(self, request: ChatRequest, ctx: CallContext | None = None) -> AsyncIterator[ChatChunk]:
+    def stream(
+        self, request: ChatRequest, ctx: CallContext | None = None
+    ) -> AbstractAsyncContextManager[ChatStream]:
+        """`async with runner.stream(request) as chunks: async for chunk in chunks: ...`; leaving the
+        block stops the generation and frees the provider's slot."""
         ctx = ctx or CallContext()
         return self._accept(request, ctx).stream(request, ctx)
 
@@ -363,11 +369,12 @@ class Turn:
         turn_type: str | None = None,
         model: str | None = None,
         **sampling: Any,
-    ) -> AsyncIterator[ChatChunk]:
-        """One streamed model call; the last chunk carries finish_reason, usage and speculation."""
+    ) -> AsyncGenerator[ChatChunk, None]:
+        """One streamed model call; the last chunk carries finish_reason, usage and speculation.
+        The generation stops when the iteration ends, breaks (the loop closes the generator) or fails."""
         request = self._request(messages, tools, tool_choice, model, sampling)
         ctx = self._next_ctx(turn_type, request.model)
-        return self.runner.stream(request, ctx)
+        return _chunks_of(self.runner.stream(request, ctx))
 
     @contextlib.asynccontextmanager
     async def tool(
@@ -403,6 +410,13 @@ class Turn:
             if token is not None:
                 with contextlib.suppress(ValueError):
                     otel_context.detach(token)
+
+
+async def _chunks_of(opened: AbstractAsyncContextManager[ChatStream]) -> AsyncGenerator[ChatChunk, None]:
+    """A stream's context as a plain async iterator: closing the generator leaves the context."""
+    async with opened as chunks:
+        async for chunk in chunks:
+            yield chunk
 
 
 class ToolStep:
@@ -493,9 +507,7 @@ class SyncTurn:
             while (chunk := self._sync._run(next_chunk())) is not done:
                 yield chunk
         finally:
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                self._sync._run(aclose())
+            self._sync._run(chunks.aclose())  # stops the generation when the caller stops reading
 
     @contextlib.contextmanager
     def tool(self, name: str, call_id: str | None = None, arguments: Any = None) -> Iterator[ToolStep]:

@@ -8,6 +8,7 @@ import stat
 
 import pytest
 from stand_ins.engines import tiny_engine
+from stand_ins.streams import read_all
 
 from openalice_runner import Runner
 from openalice_runner.engine.eagle.data import read_prompts
@@ -23,9 +24,9 @@ async def test_runner_keeps_each_prompt_once_for_draft_train(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # owner-only from the start
     async with runner.turn(conversation_id="c", turn_type="tool_call") as turn:
         await turn.chat([{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS, max_tokens=3)
-    chunks = [c async for c in runner.stream(ChatRequest(
+    chunks = await read_all(runner.stream(ChatRequest(
         messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                  {"role": "user", "content": "and again"}], max_tokens=2))]
+                  {"role": "user", "content": "and again"}], max_tokens=2)))
     assert chunks
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [line["turn_type"] for line in lines] == ["tool_call", "chat"]

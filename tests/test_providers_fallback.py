@@ -6,6 +6,7 @@ import pytest
 from stand_ins.openai_server import OpenAIStandIn
 from stand_ins.serve import refused_url
 from stand_ins.sglang_server import SGLangStandIn
+from stand_ins.streams import read_all
 
 from openalice_runner.providers.base import (
     CallContext,
@@ -19,6 +20,7 @@ from openalice_runner.providers.base import (
 from openalice_runner.providers.fallback import FallbackProvider
 from openalice_runner.providers.hosted import HostedConfig, HostedProvider
 from openalice_runner.providers.sglang import SGLangConfig, SGLangProvider
+from openalice_runner.providers.streams import chat_stream
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
 
 REQ = ChatRequest(messages=[{"role": "user", "content": "hello there"}])
@@ -40,7 +42,7 @@ class Scripted(Provider):
         return ChatResult.single(model="m", content=f"from {self.name}", provider=self.name)
 
     def stream(self, request, ctx):
-        return self._stream()
+        return chat_stream(self._stream())
 
     async def _stream(self):
         self.calls += 1
@@ -58,7 +60,7 @@ async def test_fallback_before_first_token_names_who_served():
     chain = FallbackProvider([a, b, c])
     r = await chain.chat(REQ, CallContext())
     assert r.content == "from c" and r.provider == "c" and r.fallback_from == ["a", "b"]
-    chunks = [x async for x in chain.stream(REQ, CallContext())]
+    chunks = await read_all(chain.stream(REQ, CallContext()))
     assert "".join(x.delta_text for x in chunks) == "c0 c1 c2 "
     assert chunks[0].provider == "c" and chunks[-1].fallback_from == ["a", "b"]
 
@@ -74,8 +76,9 @@ async def test_no_fallback_after_first_token():
     a, b = Scripted("a", ProviderUnavailable("reset"), fail_after=1), Scripted("b")
     got = []
     with pytest.raises(StreamBroken) as info:
-        async for x in FallbackProvider([a, b]).stream(REQ, CallContext()):
-            got.append(x.delta_text)
+        async with FallbackProvider([a, b]).stream(REQ, CallContext()) as chunks:
+            async for x in chunks:
+                got.append(x.delta_text)
     assert got == ["a0 "] and b.calls == 0 and info.value.provider == "a"
 
 
@@ -85,7 +88,7 @@ async def test_everything_failing_is_reported_with_each_error():
         await FallbackProvider([a, b]).chat(REQ, CallContext())
     assert [e.provider for e in info.value.errors] == ["a", "b"] and "down too" in str(info.value)
     with pytest.raises(NoProviderAvailable):
-        _ = [x async for x in FallbackProvider([a, b]).stream(REQ, CallContext())]
+        _ = await read_all(FallbackProvider([a, b]).stream(REQ, CallContext()))
 
 
 async def test_real_servers_sglang_down_then_hosted_serves(monkeypatch):
@@ -106,7 +109,7 @@ async def test_real_servers_sglang_down_then_hosted_serves(monkeypatch):
         chain = FallbackProvider([gpu, hosted])
         r = await chain.chat(REQ, CallContext())
         assert r.provider == "cloud" and r.fallback_from == ["gpu"] and r.content == "You said: hello there"
-        chunks = [x async for x in chain.stream(REQ, CallContext())]
+        chunks = await read_all(chain.stream(REQ, CallContext()))
         assert (
             chunks[-1].provider == "cloud"
             and "".join(x.delta_text for x in chunks) == "You said: hello there"
@@ -116,6 +119,6 @@ async def test_real_servers_sglang_down_then_hosted_serves(monkeypatch):
         asked = len(cloud.requests)
         gpu.pools["p"][0].down_until = float("inf")  # skip the refusing replica
         with pytest.raises(StreamBroken):
-            _ = [x async for x in chain.stream(REQ, CallContext())]
+            _ = await read_all(chain.stream(REQ, CallContext()))
         assert len(cloud.requests) == asked
         await chain.aclose()

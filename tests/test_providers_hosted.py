@@ -8,6 +8,7 @@ import pytest
 from stand_ins.engines import tiny_engine
 from stand_ins.openai_server import OpenAIStandIn, engine_backend
 from stand_ins.serve import refused_url
+from stand_ins.streams import read_all
 
 from openalice_runner.providers.base import (
     CallContext,
@@ -77,7 +78,7 @@ async def test_tool_calls_through_litellm(server):
 
 async def test_stream_through_litellm(server):
     p = hosted(server.url)
-    chunks = [c async for c in p.stream(REQ, CallContext())]
+    chunks = await read_all(p.stream(REQ, CallContext()))
     assert "".join(c.delta_text for c in chunks) == "You said: hello there"
     assert chunks[0].delta.role == "assistant"
     assert chunks[-1].finish_reason == "stop" and chunks[-1].usage.completion_tokens == 4
@@ -87,7 +88,7 @@ async def test_stream_through_litellm(server):
 async def test_streamed_tool_call(server):
     p = hosted(server.url)
     req = ChatRequest(messages=[{"role": "user", "content": "Oslo"}], tools=TOOLS, tool_choice="required")
-    chunks = [c async for c in p.stream(req, CallContext())]
+    chunks = await read_all(p.stream(req, CallContext()))
     deltas = [d for c in chunks for d in c.tool_call_deltas]
     assert deltas[0].function.name == "get_weather"
     assert "Oslo" in "".join(d.function.arguments or "" for d in deltas)
@@ -116,7 +117,7 @@ async def test_server_error_is_unavailable_not_retried(server):
     assert info.value.status_code == 500 and len(server.requests) == 1
     server.faults.fail_next = [503]
     with pytest.raises(ProviderUnavailable):
-        _ = [c async for c in p.stream(REQ, CallContext())]
+        _ = await read_all(p.stream(REQ, CallContext()))
 
 
 async def test_timeouts_are_retried_then_reported(server):
@@ -125,7 +126,7 @@ async def test_timeouts_are_retried_then_reported(server):
     with pytest.raises(ProviderTimeout):
         await p.chat(REQ, CallContext())
     with pytest.raises(ProviderTimeout):
-        _ = [c async for c in p.stream(REQ, CallContext())]
+        _ = await read_all(p.stream(REQ, CallContext()))
     assert len(server.requests) == 4  # one retry each
 
 
@@ -153,8 +154,9 @@ async def test_stream_cut_after_first_token_is_stream_broken(server):
     p = hosted(server.url)
     got = []
     with pytest.raises(StreamBroken):
-        async for c in p.stream(REQ, CallContext()):
-            got.append(c.delta_text)
+        async with p.stream(REQ, CallContext()) as chunks:
+            async for c in chunks:
+                got.append(c.delta_text)
     assert got and "".join(got) == "You said:"
 
 

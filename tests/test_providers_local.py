@@ -8,6 +8,7 @@ import threading
 
 import pytest
 from stand_ins.engines import tiny_engine
+from stand_ins.streams import read_all
 
 from openalice_runner.engine.types import GenerationResult, GenerationStats, StreamEvent
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderRateLimited
@@ -106,7 +107,7 @@ async def test_stream_with_the_tiny_model_matches_chat():
     p = local(tiny_engine())
     req = ChatRequest(messages=[{"role": "user", "content": "hello"}], max_tokens=6)
     full = await p.chat(req, CallContext())
-    chunks = [c async for c in p.stream(req, CallContext())]
+    chunks = await read_all(p.stream(req, CallContext()))
     assert "".join(c.delta_text for c in chunks) == full.content
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 6
     assert chunks[0].delta.role == "assistant"
@@ -210,12 +211,11 @@ async def test_tool_choice_none_renders_no_tools_and_parses_nothing():
 async def test_stream_holds_back_tool_calls_and_streams_text():
     pieces = ["Sure", ", one moment <tool", '_call>{"name": "get_time", ', '"arguments": {}}</tool_call>']
     engine = ScriptedEngine("".join(pieces), pieces)
-    chunks = [
-        c
-        async for c in local(engine).stream(
+    chunks = await read_all(
+        local(engine).stream(
             ChatRequest(messages=[{"role": "user", "content": "t?"}], tools=TOOLS), CallContext()
         )
-    ]
+    )
     text = "".join(c.delta_text for c in chunks)
     assert "<tool" not in text and text.startswith("Sure, one moment")
     (call,) = [d for c in chunks for d in c.tool_call_deltas]
@@ -226,12 +226,11 @@ async def test_stream_holds_back_tool_calls_and_streams_text():
 async def test_stream_passes_lookalike_text_through():
     pieces = ["a < b", " and <tool", "box> done"]
     engine = ScriptedEngine("".join(pieces), pieces)
-    chunks = [
-        c
-        async for c in local(engine).stream(
+    chunks = await read_all(
+        local(engine).stream(
             ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS), CallContext()
         )
-    ]
+    )
     assert "".join(c.delta_text for c in chunks) == "a < b and <toolbox> done"
     assert chunks[-1].finish_reason == "stop"
 

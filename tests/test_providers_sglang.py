@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 from stand_ins.serve import refused_url
 from stand_ins.sglang_server import SGLangStandIn
+from stand_ins.streams import read_all
 
 from openalice_runner.providers.base import (
     CallContext,
@@ -139,7 +140,7 @@ async def test_tool_calls_and_sampling_fields_pass_through(servers):
 async def test_stream_follows_sglang_sse(servers):
     s = servers(method="ngram")
     p = provider({"ngram": {"method": "ngram", "replicas": [s.url], "launch": {"num_draft_tokens": 8}}})
-    chunks = [c async for c in p.stream(REQ, CallContext())]
+    chunks = await read_all(p.stream(REQ, CallContext()))
     assert "".join(c.delta_text for c in chunks) == "You said: hello there"
     assert chunks[0].delta.role == "assistant"  # the empty role opener is folded into the first token
     assert all(c.delta_text for c in chunks[:-1])
@@ -174,7 +175,7 @@ async def test_errors_are_typed(servers):
     with pytest.raises(ProviderTimeout):
         await p.chat(REQ, CallContext())
     with pytest.raises(ProviderTimeout):
-        _ = [c async for c in p.stream(REQ, CallContext())]
+        _ = await read_all(p.stream(REQ, CallContext()))
     s.faults.first_token_delay_s = 0
     s.faults.abort = True
     with pytest.raises(ProviderUnavailable, match="aborted"):
@@ -192,16 +193,17 @@ async def test_stream_breaks_after_first_token_are_stream_broken(servers):
     s.faults.break_after_chunks = 2
     got = []
     with pytest.raises(StreamBroken):
-        async for c in p.stream(REQ, CallContext()):
-            got.append(c.delta_text)
+        async with p.stream(REQ, CallContext()) as chunks:
+            async for c in chunks:
+                got.append(c.delta_text)
     assert got == ["You", " said:"]
     s.faults.break_after_chunks = None
     s.faults.error_after_chunks = 1
     with pytest.raises(StreamBroken, match="injected stream error"):
-        _ = [c async for c in p.stream(REQ, CallContext())]
+        _ = await read_all(p.stream(REQ, CallContext()))
     s.faults.error_after_chunks = 0  # error event before any token: not broken, unavailable
     with pytest.raises(ProviderUnavailable):
-        _ = [c async for c in p.stream(REQ, CallContext())]
+        _ = await read_all(p.stream(REQ, CallContext()))
     await p.aclose()
 
 

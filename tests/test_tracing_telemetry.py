@@ -10,6 +10,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from stand_ins.streams import read_all
 
 from openalice_runner.providers.base import CallContext, ProviderBadRequest
 from openalice_runner.providers.local import LocalConfig, LocalProvider
@@ -60,7 +61,7 @@ async def test_turn_holds_chat_and_tool_spans_with_genai_attributes(local):
         await provider.chat(_request(), CallContext(conversation_id="conv-1", turn_type="tool_call", step=0))
         with tel.tool_span("get_weather", "call_1", step=0, turn_type="tool_call"):
             pass
-        chunks = [c async for c in provider.stream(_request(), CallContext(turn_type="tool_call", step=1))]
+        chunks = await read_all(provider.stream(_request(), CallContext(turn_type="tool_call", step=1)))
     assert chunks[-1].usage is not None
 
     spans = {s.name: s for s in rec.finished()}
@@ -155,7 +156,7 @@ async def test_time_to_first_chunk_metric_only_for_streams(local):
     provider = InstrumentedProvider(local, rec.telemetry)
     await provider.chat(_request(), CallContext())
     assert "gen_ai.client.operation.time_to_first_chunk" not in rec.metric_points()
-    [c async for c in provider.stream(_request(), CallContext())]
+    await read_all(provider.stream(_request(), CallContext()))
     [ttfc] = rec.metric_points()["gen_ai.client.operation.time_to_first_chunk"]
     assert ttfc.count == 1 and ttfc.sum > 0
 
@@ -185,10 +186,9 @@ async def test_provider_error_marks_span_and_metric(local):
 async def test_stream_abandoned_by_consumer_ends_span_as_error(local):
     rec = Recorder()
     provider = InstrumentedProvider(local, rec.telemetry)
-    stream = provider.stream(_request(max_tokens=32), CallContext())
-    async for _ in stream:
-        break
-    await stream.aclose()
+    async with provider.stream(_request(max_tokens=32), CallContext()) as stream:
+        async for _ in stream:
+            break
     [span] = rec.finished()
     assert span.status.status_code is StatusCode.ERROR
     assert span.attributes["error.type"] == "GeneratorExit"

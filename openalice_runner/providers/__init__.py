@@ -16,11 +16,13 @@ from openalice_runner.providers.base import (
     StreamBroken,
 )
 from openalice_runner.providers.fallback import FallbackProvider
+from openalice_runner.providers.streams import ChatStream
 from openalice_runner.providers.wrapper import WrapperProvider
 
 __all__ = [
     "CallContext",
     "Capabilities",
+    "ChatStream",
     "FallbackProvider",
     "NoProviderAvailable",
     "Provider",

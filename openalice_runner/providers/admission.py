@@ -20,13 +20,15 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from openalice_runner.providers.base import CallContext, Provider, ProviderLoad, ProviderRateLimited
+from openalice_runner.providers.streams import ChatStream
 from openalice_runner.providers.wrapper import WrapperProvider
-from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
+from openalice_runner.types import ChatRequest, ChatResult
 
 # Built-in limits where neither the provider's YAML nor the server's flags set one. The embedded
 # engine decodes up to its max_batch (8 by default) requests together; more in flight would only
@@ -180,21 +182,13 @@ class AdmittedProvider(WrapperProvider):
         finally:
             self.gate.release(time.perf_counter() - t0)
 
-    def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
-        return self._stream(request, ctx)
-
-    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+    @asynccontextmanager
+    async def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatStream]:
         self.wrapped.precheck(request)
         await self.gate.acquire()
         t0 = time.perf_counter()
-        chunks = self.wrapped.stream(request, ctx)
         try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            try:
-                aclose = getattr(chunks, "aclose", None)
-                if aclose is not None:
-                    await aclose()  # stops the generation before the slot goes to the next request
-            finally:
-                self.gate.release(time.perf_counter() - t0)
+            async with self.wrapped.stream(request, ctx) as chunks:
+                yield chunks
+        finally:  # the generation is stopped (the block above closed it) before the slot goes on
+            self.gate.release(time.perf_counter() - t0)

@@ -9,12 +9,13 @@ broke after tokens went out" (never retried).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+from openalice_runner.providers.streams import ChatStream
 from openalice_runner.speculation import SpeculationPlan
-from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
+from openalice_runner.types import ChatRequest, ChatResult
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,10 @@ class Provider(ABC):
     async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult: ...
 
     @abstractmethod
-    def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
-        """An async iterator of chunks; the last one carries finish_reason and usage."""
+    def stream(self, request: ChatRequest, ctx: CallContext) -> AbstractAsyncContextManager[ChatStream]:
+        """`async with provider.stream(request, ctx) as chunks: async for chunk in chunks: ...`; the
+        last chunk carries finish_reason and usage. Leaving the block, however it is left, stops the
+        generation (providers/streams.py)."""
 
     def precheck(self, request: ChatRequest) -> None:  # noqa: B027 - optional hook
         """Refuse at once (ProviderBadRequest) a request this provider can never serve, before it
@@ -160,6 +163,14 @@ class Provider(ABC):
         """The model this provider serves by default (tracing names the call after it)."""
         names = self.model_names
         return names[0] if names else None
+
+    async def ensure_loaded(self) -> None:  # noqa: B027 - optional hook
+        """Load what the first request would otherwise wait for (an embedded model's weights)."""
+
+    @property
+    def kv_tokens_in_use(self) -> int | None:
+        """KV-cache tokens held by an embedded engine; None where the provider holds none."""
+        return None
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         pass

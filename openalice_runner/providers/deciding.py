@@ -9,11 +9,13 @@ outcome goes to `policy.observe` for adaptive γ. The decision carries γ by bat
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
 from openalice_runner.providers.base import CallContext, Provider
+from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.providers.wrapper import WrapperProvider
 from openalice_runner.speculation import SpeculationOutcome
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
@@ -52,18 +54,14 @@ class PolicyProvider(WrapperProvider):
         self.observe(ctx, result.outcome)
         return result
 
-    def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
-        return self._stream(request, ctx)
-
-    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+    @asynccontextmanager
+    async def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatStream]:
         ctx = await self.decide(request, ctx)
-        chunks = self.wrapped.stream(request, ctx)
-        try:
-            async for chunk in chunks:
-                if chunk.finish_reason is not None:
-                    self.observe(ctx, chunk.outcome)
-                yield chunk
-        finally:
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        async with self.wrapped.stream(request, ctx) as chunks, chat_stream(self._observed(chunks, ctx)) as out:
+            yield out
+
+    async def _observed(self, chunks: ChatStream, ctx: CallContext) -> AsyncGenerator[ChatChunk, None]:
+        async for chunk in chunks:
+            if chunk.finish_reason is not None:
+                self.observe(ctx, chunk.outcome)
+            yield chunk

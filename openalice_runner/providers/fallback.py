@@ -10,7 +10,8 @@ holds part of an answer and a silent restart would duplicate or contradict it.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 
 from openalice_runner.providers.base import (
     CallContext,
@@ -19,6 +20,7 @@ from openalice_runner.providers.base import (
     ProviderError,
     StreamBroken,
 )
+from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.providers.wrapper import WrapperProvider
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
 
@@ -47,40 +49,43 @@ class FallbackProvider(WrapperProvider):
             return _mark_served(result, provider, errors)
         raise _exhausted(errors)
 
-    def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
-        return self._stream(request, ctx)
-
-    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+    @asynccontextmanager
+    async def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatStream]:
         errors: list[ProviderError] = []
         for provider in self.chain:
-            chunks = provider.stream(request, ctx)
-            try:
-                first = await anext(chunks)
-            except StopAsyncIteration:
-                return  # an empty stream is an answer, not a failure
-            except ProviderError as exc:
-                await _close(chunks)
-                if not exc.fallback_ok:
-                    raise
-                self._note_failure(provider, exc, errors)
-                continue
-            # From here on tokens are out: no fallback, only a typed report of the break.
-            yield _mark_served(first, provider, errors)
-            try:
-                async for chunk in chunks:
-                    yield _mark_served(chunk, provider, errors) if chunk.finish_reason else chunk
-            except StreamBroken:
-                raise
-            except ProviderError as exc:
-                raise StreamBroken(
-                    f"stream broke after the first token: {exc.message}",
-                    provider=provider.name,
-                    status_code=exc.status_code,
-                ) from exc
-            finally:
-                await _close(chunks)
-            return
+            async with AsyncExitStack() as attempt:  # a failed attempt's stream is closed before the next
+                try:
+                    chunks = await attempt.enter_async_context(provider.stream(request, ctx))
+                    first = await anext(chunks, None)  # None: an empty stream is an answer, not a failure
+                except ProviderError as exc:
+                    if not exc.fallback_ok:
+                        raise
+                    self._note_failure(provider, exc, errors)
+                    continue
+                # From here on tokens are out: no fallback, only a typed report of the break.
+                async with chat_stream(self._served(first, chunks, provider, errors)) as out:
+                    yield out
+                return
         raise _exhausted(errors)
+
+    @staticmethod
+    async def _served(
+        first: ChatChunk | None, chunks: ChatStream, provider: Provider, errors: list[ProviderError]
+    ) -> AsyncGenerator[ChatChunk, None]:
+        if first is None:
+            return
+        yield _mark_served(first, provider, errors)
+        try:
+            async for chunk in chunks:
+                yield _mark_served(chunk, provider, errors) if chunk.finish_reason else chunk
+        except StreamBroken:
+            raise
+        except ProviderError as exc:
+            raise StreamBroken(
+                f"stream broke after the first token: {exc.message}",
+                provider=provider.name,
+                status_code=exc.status_code,
+            ) from exc
 
     @staticmethod
     def _note_failure(provider: Provider, exc: ProviderError, errors: list[ProviderError]) -> None:
@@ -112,11 +117,3 @@ def _exhausted(errors: list[ProviderError]) -> NoProviderAvailable:
         retry_after=last.retry_after if last else None,
     )
 
-
-async def _close(chunks: AsyncIterator[ChatChunk]) -> None:
-    aclose = getattr(chunks, "aclose", None)
-    if aclose is not None:
-        try:
-            await aclose()
-        except Exception:  # closing a failed generator must not mask the original error
-            logger.debug("error while closing a stream", exc_info=True)

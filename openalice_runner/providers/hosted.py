@@ -14,7 +14,8 @@ import asyncio
 import logging
 import os
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
@@ -32,6 +33,7 @@ from openalice_runner.providers.base import (
     StreamBroken,
 )
 from openalice_runner.providers.secrets import register_secret
+from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.types import (
     ChatChunk,
     ChatRequest,
@@ -197,10 +199,10 @@ class HostedProvider(Provider):
 
     # ---- stream ----
 
-    def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
-        return self._stream(request, ctx)
+    def stream(self, request: ChatRequest, ctx: CallContext) -> AbstractAsyncContextManager[ChatStream]:
+        return chat_stream(self._stream(request, ctx))
 
-    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncGenerator[ChatChunk, None]:
         kwargs = self._kwargs(request, stream=True)
         litellm = _import_litellm()
 
@@ -210,8 +212,11 @@ class HostedProvider(Provider):
                 stream = await asyncio.wait_for(
                     litellm.acompletion(**kwargs), timeout=self.config.first_token_timeout_s
                 )
-                iterator = stream.__aiter__()
-                first = await asyncio.wait_for(anext(iterator), timeout=self.config.first_token_timeout_s)
+                try:
+                    first = await asyncio.wait_for(anext(stream), timeout=self.config.first_token_timeout_s)
+                except BaseException:
+                    await stream.aclose()  # the retry opens a new response; this one is let go now
+                    raise
             except TimeoutError as exc:
                 raise ProviderTimeout(
                     f"no first chunk within {self.config.first_token_timeout_s}s", provider=self.name
@@ -220,11 +225,20 @@ class HostedProvider(Provider):
                 return None, None
             except Exception as exc:
                 raise map_litellm_error(exc, self.name) from exc
-            return iterator, first
+            return stream, first
 
-        iterator, first = await self._with_retries(open_stream)
-        if iterator is None:
+        stream, first = await self._with_retries(open_stream)
+        if stream is None:
             raise ProviderUnavailable("stream ended before any chunk", provider=self.name)
+        try:
+            async with aclosing(self._chunks(stream, first)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            await stream.aclose()  # closes the HTTP response, whoever stops reading
+
+    async def _chunks(self, stream: Any, first: Any) -> AsyncGenerator[ChatChunk, None]:
+        """litellm's chunks (the first one already read) -> ChatChunks."""
         chunk_id, model = new_id("chatcmpl"), self.config.model
         finish: str | None = None
         usage: Usage | None = None
@@ -234,7 +248,7 @@ class HostedProvider(Provider):
         while True:
             if pending is None:
                 try:
-                    pending = await anext(iterator)
+                    pending = await anext(stream)
                 except StopAsyncIteration:
                     break
                 except Exception as exc:

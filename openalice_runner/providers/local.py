@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +33,7 @@ from openalice_runner.providers.base import (
     ProviderRateLimited,
     StreamBroken,
 )
+from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.speculation import SPEC_METHODS, SpeculationPlan
 from openalice_runner.types import (
     ChatChunk,
@@ -308,10 +310,10 @@ class LocalProvider(Provider):
 
     # ---- stream ----
 
-    def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
-        return self._stream(request, ctx)
+    def stream(self, request: ChatRequest, ctx: CallContext) -> AbstractAsyncContextManager[ChatStream]:
+        return chat_stream(self._stream(request, ctx))
 
-    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncGenerator[ChatChunk, None]:
         self.precheck(request)
         self._in_flight += 1
         try:

@@ -23,7 +23,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import AbstractAsyncContextManager, aclosing
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -44,6 +45,7 @@ from openalice_runner.providers.base import (
     StreamBroken,
 )
 from openalice_runner.providers.secrets import register_secret
+from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.speculation import SpecMethod, SpeculationOutcome
 from openalice_runner.types import (
     ChatChunk,
@@ -435,10 +437,10 @@ class SGLangProvider(Provider):
             **figures,
         )
 
-    def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
-        return self._stream(request, ctx)
+    def stream(self, request: ChatRequest, ctx: CallContext) -> AbstractAsyncContextManager[ChatStream]:
+        return chat_stream(self._stream(request, ctx))
 
-    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncGenerator[ChatChunk, None]:
         pool = self.choose_pool(ctx)
         body = self._body(request, stream=True)
         errors: list[str] = []
@@ -457,8 +459,9 @@ class SGLangProvider(Provider):
                     if resp.status_code != 200:
                         await resp.aread()
                         raise _http_error(resp, self.name)
-                    async for chunk in self._chunks(resp, pool, ctx):
-                        yield chunk
+                    async with aclosing(self._chunks(resp, pool, ctx)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
                     return
             except httpx.TimeoutException as exc:
                 raise ProviderTimeout(

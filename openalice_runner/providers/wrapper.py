@@ -1,15 +1,17 @@
-"""WrapperProvider: a provider that delegates everything to the one it wraps.
+"""WrapperProvider: a provider that delegates the Provider interface to the one it wraps.
 
-Subclasses (fallback, tracing) override only what they add; everything else passes through.
+Subclasses (fallback, tracing) override only what they add; the rest of the interface passes through.
+Nothing else does: what only one kind of provider has (LocalProvider.engine) is reached through
+`unwrap()`, so a wrapper never answers for attributes it does not know.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
+from contextlib import AbstractAsyncContextManager
 
 from openalice_runner.providers.base import CallContext, Capabilities, Provider, ProviderLoad
-from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
+from openalice_runner.providers.streams import ChatStream
+from openalice_runner.types import ChatRequest, ChatResult
 
 
 class WrapperProvider(Provider):
@@ -39,7 +41,7 @@ class WrapperProvider(Provider):
     async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
         return await self.wrapped.chat(request, ctx)
 
-    def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+    def stream(self, request: ChatRequest, ctx: CallContext) -> AbstractAsyncContextManager[ChatStream]:
         return self.wrapped.stream(request, ctx)
 
     def precheck(self, request: ChatRequest) -> None:
@@ -51,16 +53,18 @@ class WrapperProvider(Provider):
     async def current_load(self) -> ProviderLoad:
         return await self.wrapped.current_load()
 
+    async def ensure_loaded(self) -> None:
+        await self.wrapped.ensure_loaded()
+
+    @property
+    def kv_tokens_in_use(self) -> int | None:
+        return self.wrapped.kv_tokens_in_use
+
     async def aclose(self) -> None:
         await self.wrapped.aclose()
 
-    def __getattr__(self, name: str) -> Any:
-        # Provider-specific extras (e.g. LocalProvider.engine) stay reachable through wrappers.
-        if name == "wrapped":
-            raise AttributeError(name)
-        return getattr(self.wrapped, name)
-
     def unwrap(self) -> Provider:
+        """The provider at the bottom of the wrapping."""
         inner: Provider = self.wrapped
         while isinstance(inner, WrapperProvider):
             inner = inner.wrapped

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from opentelemetry import trace
 
 from openalice_runner.providers.base import CallContext
 from openalice_runner.providers.secrets import register_secret
+from openalice_runner.providers.streams import ChatStream
 from openalice_runner.server.context import caller_trace_context, turn_context
 from openalice_runner.server.deadline import ClientGone, Deadline, DeadlineExceeded, race, request_deadline
 from openalice_runner.server.errors import APIError, install_error_handlers
@@ -28,6 +29,7 @@ from openalice_runner.server.guard import GuardMiddleware
 from openalice_runner.server.mapping import api_error_from as _map_error
 from openalice_runner.server.metrics import ServerMetrics
 from openalice_runner.server.routing_watch import RoutingWatcher
+from openalice_runner.server.runner_protocol import ServedRunner
 from openalice_runner.server.streaming import GuardedStreamingResponse, SSEStream
 from openalice_runner.server.turns import Step, TurnTracker
 from openalice_runner.server.validation import ServerChatRequest, check_request
@@ -52,7 +54,7 @@ class ServerSettings:
 
 
 def create_app(
-    runner: Any,
+    runner: ServedRunner,
     *,
     telemetry: RunnerTelemetry | None = None,
     settings: ServerSettings | None = None,
@@ -61,7 +63,7 @@ def create_app(
     tracer_provider: Any = None,
     meter_provider: Any = None,
 ) -> FastAPI:
-    """`runner`: a Runner (chat/stream/model_names/policy/aclose). `on_shutdown`: callable run last
+    """`runner`: a Runner (server/runner_protocol.py says what of it is used). `on_shutdown`: callable run last
     (the CLI flushes the trace exporters there). `tracer_provider`/`meter_provider`: for FastAPI's own
     HTTP server spans and metrics (None: the global ones)."""
     settings = settings or ServerSettings()
@@ -74,20 +76,18 @@ def create_app(
     )
     routing_watch = (
         RoutingWatcher(runner, settings.providers_file, settings.watch_interval_s)
-        if settings.providers_file and hasattr(runner, "apply_routing")
+        if settings.providers_file
         else None
     )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        policy = getattr(runner, "policy", None)
+        policy = runner.policy
         if settings.watch_policy and policy is not None:
             policy.start_watching()
         # Load embedded models before taking traffic: the first request should not pay for it.
-        for provider in getattr(runner, "providers", {}).values():
-            ensure_loaded = getattr(provider, "ensure_loaded", None)
-            if ensure_loaded is not None:
-                await ensure_loaded()
+        for provider in runner.providers.values():
+            await provider.ensure_loaded()
         reaper = asyncio.create_task(_reap_idle_turns(tracker, metrics))
         watcher = asyncio.create_task(routing_watch.run()) if routing_watch is not None else None
         try:
@@ -158,11 +158,8 @@ def create_app(
         return await _complete(body, ctx, step, deadline, request)
 
     def _refusal(turn_type: str, model: str | None) -> Exception | None:
-        refusal = getattr(runner, "refusal", None)
-        if refusal is None:
-            return None
         try:
-            return refusal(turn_type, model)
+            return runner.refusal(turn_type, model)
         except LookupError:  # no route: runner.chat says so in its own words
             return None
 
@@ -212,14 +209,14 @@ def create_app(
         labels = {"turn_type": ctx.turn_type, "stream": "true"}
         t0 = time.perf_counter()
         metrics.in_flight.inc()
-        chunks = runner.stream(body, ctx).__aiter__()
+        opened = runner.stream(body, ctx)
         try:
-            # The first chunk is awaited before answering, so a failure up to here is a real HTTP status.
-            first: ChatChunk | None = await race(_first_chunk(chunks), deadline, request.receive)
+            # The stream is opened (a slot taken) and its first chunk awaited before answering, so a
+            # failure up to here is a real HTTP status; the stream is closed again when it fails.
+            chunks, first = await race(_open_first(opened), deadline, request.receive)
         except BaseException as exc:
             metrics.in_flight.dec()
             _failed(step, labels, exc)
-            await _close_quietly(chunks)
             if isinstance(exc, ClientGone):
                 return Response(status_code=499)
             if not isinstance(exc, Exception):
@@ -227,6 +224,7 @@ def create_app(
             raise api_error_from(exc) from exc
         stream = SSEStream(
             first=first,
+            opened=opened,
             chunks=chunks,
             step=step,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -252,14 +250,14 @@ def create_app(
 
     @app.get("/v1/policy")
     async def policy_in_force() -> dict[str, Any]:
-        store = getattr(runner, "policy", None)
+        store = runner.policy
         if store is None:
             raise APIError(404, "no policy is configured", code="no_policy")
         return _policy_view(store)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        store = getattr(runner, "policy", None)
+        store = runner.policy
         out = {
             "status": "ok",
             "models": runner.model_names(),
@@ -317,20 +315,20 @@ def _cancel_reason(exc: BaseException) -> str | None:
     return None
 
 
-async def _first_chunk(chunks: AsyncIterator[ChatChunk]) -> ChatChunk | None:
+async def _open_first(
+    opened: AbstractAsyncContextManager[ChatStream],
+) -> tuple[ChatStream, ChatChunk | None]:
+    """Enter the stream's context and read its first chunk (None: the stream is empty). On failure or
+    cancellation the context is left at once, with the error, so the generation stops here."""
+    chunks = await opened.__aenter__()
     try:
-        return await chunks.__anext__()
-    except StopAsyncIteration:  # cannot leave a task as itself
-        return None
-
-
-async def _close_quietly(chunks: AsyncIterator[ChatChunk]) -> None:
-    aclose = getattr(chunks, "aclose", None)
-    if aclose is not None:
+        return chunks, await anext(chunks, None)  # StopAsyncIteration cannot leave a task as itself
+    except BaseException as exc:
         try:
-            await aclose()
+            await opened.__aexit__(type(exc), exc, exc.__traceback__)
         except Exception:  # already failed; the first error is what counts
             log.debug("closing a failed stream failed", exc_info=True)
+        raise
 
 
 def _policy_view(store: Any) -> dict[str, Any]:

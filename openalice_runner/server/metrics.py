@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.metrics.export import Histogram as OtelHistogram
 from opentelemetry.sdk.metrics.export import (
@@ -23,6 +23,9 @@ from opentelemetry.sdk.metrics.export import (
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from openalice_runner.server.runner_protocol import ServedRunner
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _UNIT_SUFFIX = {"s": "_seconds", "ms": "_milliseconds", "By": "_bytes"}
@@ -107,11 +110,11 @@ class _DroppedSpans(Collector):
 class _RunnerState(Collector):
     """Admission gates and embedded-engine memory, read from the runner at scrape time."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: ServedRunner) -> None:
         self.runner = runner
 
     def collect(self) -> Iterator[Any]:
-        gates = getattr(self.runner, "gates", {}) or {}
+        gates = self.runner.gates
         families = {
             "in_flight": GaugeMetricFamily(
                 "openalice_provider_requests_in_flight",
@@ -151,9 +154,9 @@ class _RunnerState(Collector):
             "KV cache positions held by running generations of the embedded engine (0 when idle).",
             labels=["provider"],
         )
-        for name, provider in sorted((getattr(self.runner, "providers", {}) or {}).items()):
-            value = getattr(provider, "kv_tokens_in_use", None)
-            if isinstance(value, int):
+        for name, provider in sorted(self.runner.providers.items()):
+            value = provider.kv_tokens_in_use
+            if value is not None:
                 kv.add_metric([name], value)
         yield kv
 
@@ -208,7 +211,7 @@ class ServerMetrics:
         if dropped_spans is not None:
             r.register(_DroppedSpans(dropped_spans))
 
-    def track_runner(self, runner: Any) -> None:
+    def track_runner(self, runner: ServedRunner) -> None:
         """Export the runner's admission gates and engine memory (once per registry)."""
         if not self._runner_tracked:
             self.registry.register(_RunnerState(runner))

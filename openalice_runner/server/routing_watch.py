@@ -11,15 +11,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
+
+if TYPE_CHECKING:
+    from openalice_runner.server.runner_protocol import ServedRunner
 
 log = structlog.get_logger("openalice_runner.server")
 
 
 class RoutingWatcher:
-    def __init__(self, runner: Any, path: str | Path, interval_s: float = 1.0) -> None:
+    def __init__(self, runner: ServedRunner, path: str | Path, interval_s: float = 1.0) -> None:
         self.runner = runner
         self.path = Path(path)
         self.interval_s = interval_s

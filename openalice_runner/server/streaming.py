@@ -12,12 +12,14 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
 import structlog
 from starlette.responses import StreamingResponse
 
+from openalice_runner.providers.streams import ChatStream
 from openalice_runner.server.deadline import Deadline, DeadlineExceeded
 from openalice_runner.server.errors import APIError
 from openalice_runner.server.metrics import ServerMetrics
@@ -36,7 +38,8 @@ class SSEStream:
         self,
         *,
         first: ChatChunk | None,
-        chunks: AsyncIterator[ChatChunk],
+        opened: AbstractAsyncContextManager[ChatStream],
+        chunks: ChatStream,
         step: Step,
         include_usage: bool,
         turn_type: str,
@@ -46,7 +49,9 @@ class SSEStream:
         to_api_error: Callable[[BaseException], APIError],
         deadline: Deadline | None = None,
     ) -> None:
-        self.first, self.chunks, self.step = first, chunks, step
+        # `opened` is the provider stream's context, already entered (`chunks` is what it gave): close()
+        # leaves it, which stops the generation and frees the provider's slot.
+        self.first, self.opened, self.chunks, self.step = first, opened, chunks, step
         self.deadline = deadline
         self.include_usage, self.turn_type, self.t0 = include_usage, turn_type, t0
         self.tracker, self.metrics, self.to_api_error = tracker, metrics, to_api_error
@@ -132,12 +137,13 @@ class SSEStream:
             return
         self.closed = True
         with anyio.CancelScope(shield=True):  # closing the provider's stream must not be cancelled itself
-            aclose = getattr(self.chunks, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except Exception as exc:  # already failed; the stream's own error is what counts
-                    log.warning("closing provider stream failed", error_type=type(exc).__name__)
+            try:
+                if error is None:
+                    await self.opened.__aexit__(None, None, None)
+                else:  # the layers see why the stream ended (tracing records it)
+                    await self.opened.__aexit__(type(error), error, error.__traceback__)
+            except Exception as exc:  # already failed; the stream's own error is what counts
+                log.warning("closing provider stream failed", error_type=type(exc).__name__)
         m = self.metrics
         m.in_flight.dec()
         tool_calls = [(cid, name) for cid, name in self.calls.values() if cid and name]

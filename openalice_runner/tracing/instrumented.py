@@ -6,12 +6,14 @@ the call is made (the turn's `invoke_agent` span), plus the GenAI client metrics
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from opentelemetry import context as otel_context
 
 from openalice_runner.providers.base import CallContext
+from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.providers.wrapper import WrapperProvider
 from openalice_runner.tracing.telemetry import ChatCall, RunnerTelemetry
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, Usage
@@ -55,30 +57,34 @@ class InstrumentedProvider(WrapperProvider):
         call.finish(**_result_fields(result))
         return result
 
-    def stream(self, request: Any, ctx: Any) -> AsyncIterator[Any]:
-        # The parent is taken now, at call time: an async generator's body runs later, in whatever
-        # context iterates it (e.g. the HTTP server's response task).
+    def stream(self, request: ChatRequest, ctx: CallContext) -> AbstractAsyncContextManager[ChatStream]:
+        # The parent is taken now, at call time: the block may be entered later, in whatever context
+        # opens it (e.g. the HTTP server's response task).
         return self._stream(request, ctx, _parent_of(ctx) or otel_context.get_current())
 
-    async def _stream(self, request: Any, ctx: Any, parent: otel_context.Context) -> AsyncIterator[Any]:
+    @asynccontextmanager
+    async def _stream(
+        self, request: ChatRequest, ctx: CallContext, parent: otel_context.Context
+    ) -> AsyncIterator[ChatStream]:
         call = self._start(request, ctx, stream=True, parent=parent)
-        fields: dict[str, Any] = {}
-        chunks = self.wrapped.stream(request, ctx)
         try:
-            async for chunk in chunks:
-                if call.first_chunk_s is None and _chunk_has_content(chunk):
-                    call.first_chunk()
-                _merge_chunk_fields(fields, chunk)
-                yield chunk
-        except BaseException as exc:  # GeneratorExit too: the consumer went away mid-stream
+            async with self.wrapped.stream(request, ctx) as chunks, chat_stream(_observed(call, chunks)) as out:
+                yield out
+        except BaseException as exc:  # the provider's error, or the caller's own from inside the block
             call.fail(exc)
             raise
-        finally:
-            # Closed now, not when the garbage collector gets to it: the provider stops generating.
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        call.finish(**fields)
+        # Left before the last chunk: the consumer went away mid-stream (a no-op when the call finished).
+        call.fail(GeneratorExit())
+
+
+async def _observed(call: ChatCall, chunks: ChatStream) -> AsyncGenerator[ChatChunk, None]:
+    fields: dict[str, Any] = {}
+    async for chunk in chunks:
+        if call.first_chunk_s is None and _chunk_has_content(chunk):
+            call.first_chunk()
+        _merge_chunk_fields(fields, chunk)
+        yield chunk
+    call.finish(**fields)
 
 
 def _parent_of(ctx: CallContext) -> otel_context.Context | None:
