@@ -371,7 +371,9 @@ class Turn:
         **sampling: Any,
     ) -> AsyncGenerator[ChatChunk, None]:
         """One streamed model call; the last chunk carries finish_reason, usage and speculation.
-        The generation stops when the iteration ends, breaks (the loop closes the generator) or fails."""
+        The generation stops when the iteration ends or fails, or when the generator is closed: to stop
+        early, read it in `async with contextlib.aclosing(turn.stream(...))` (a bare `break` leaves the
+        closing to the garbage collector); `runner.stream` gives the `async with` form directly."""
         request = self._request(messages, tools, tool_choice, model, sampling)
         ctx = self._next_ctx(turn_type, request.model)
         return _chunks_of(self.runner.stream(request, ctx))
