@@ -304,3 +304,38 @@ async def test_local_load_is_the_schedulers_batch_and_queue():
         assert (p.load().batch_size, p.load().queue_depth) == (1, 0)
     finally:
         engine.scheduler._running.clear()
+
+
+class _CountingEngine:
+    """The tiny engine, counting the decode rounds it still produces after its cancel event is set."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.tokenizer, self.model_name = real.tokenizer, real.model_name
+        self.rounds_after_cancel = 0
+        self.ended = threading.Event()
+
+    def render_chat(self, messages, tools=None):
+        return self.real.render_chat(messages, tools)
+
+    def encode(self, text):
+        return self.real.encode(text)
+
+    def stream(self, prompt_ids, sampling, spec, cancel=None, step_policy=None):
+        try:
+            for event in self.real.stream(prompt_ids, sampling, spec, cancel, step_policy=step_policy):
+                if cancel is not None and cancel.is_set():
+                    self.rounds_after_cancel += 1
+                yield event
+        finally:
+            self.ended.set()
+
+
+async def test_leaving_the_stream_block_stops_the_engine_within_a_round():
+    engine = _CountingEngine(tiny_engine())
+    p = local(engine)
+    req = ChatRequest(messages=[{"role": "user", "content": "count"}], max_tokens=400)
+    async with p.stream(req, CallContext()) as chunks:
+        await anext(chunks)
+    assert await asyncio.to_thread(engine.ended.wait, 30)  # the engine's generator has ended
+    assert engine.rounds_after_cancel <= 1 and p.load().batch_size == 0 and p.kv_tokens_in_use == 0
