@@ -321,9 +321,9 @@ class _CountingEngine:
     def encode(self, text):
         return self.real.encode(text)
 
-    def stream(self, prompt_ids, sampling, spec, cancel=None, step_policy=None):
+    def stream(self, prompt_ids, sampling, spec, cancel=None):
         try:
-            for event in self.real.stream(prompt_ids, sampling, spec, cancel, step_policy=step_policy):
+            for event in self.real.stream(prompt_ids, sampling, spec, cancel):
                 if cancel is not None and cancel.is_set():
                     self.rounds_after_cancel += 1
                 yield event
