@@ -12,9 +12,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from openalice_runner.providers.base import CallContext, ProviderBadRequest
+from openalice_runner.providers.instrumented import InstrumentedProvider
 from openalice_runner.providers.local import LocalConfig, LocalProvider
 from openalice_runner.speculation import SpeculationPlan
-from openalice_runner.tracing import InstrumentedProvider, RunnerTelemetry
+from openalice_runner.tracing import RunnerTelemetry
 from openalice_runner.types import ChatRequest
 
 

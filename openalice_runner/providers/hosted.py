@@ -31,7 +31,7 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
-from openalice_runner.providers.secrets import register_secret
+from openalice_runner.redaction import register_secret
 from openalice_runner.types import (
     ChatChunk,
     ChatRequest,
