@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from openalice_runner.config_files.models import StrictModel
 from openalice_runner.providers.admission import AdmissionLimits
 from openalice_runner.providers.base import (
     CallContext,
@@ -66,11 +67,7 @@ _ALGORITHM = {"eagle": "EAGLE3", "ngram": "NGRAM", "draft": "STANDALONE"}
 # ---------------------------------------------------------------- config
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SGLangLaunch(_Strict):
+class SGLangLaunch(StrictModel):
     """The speculation flags a pool's servers were (or should be) launched with."""
 
     num_steps: int | None = Field(default=None, ge=1)  # --speculative-num-steps
@@ -80,7 +77,7 @@ class SGLangLaunch(_Strict):
     adaptive_config: str | None = None  # --speculative-adaptive-config
 
 
-class SGLangPool(_Strict):
+class SGLangPool(StrictModel):
     replicas: list[str] = Field(min_length=1)  # base URLs, e.g. http://10.0.0.5:30000
     method: SpecMethod = "off"
     launch: SGLangLaunch = Field(default_factory=SGLangLaunch)
