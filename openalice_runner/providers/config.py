@@ -24,7 +24,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from openalice_runner.config_files import ConfigError, Located, Problem, StrictModel, load_located
 from openalice_runner.providers.hosted import HostedConfig
-from openalice_runner.providers.local import LocalConfig
+from openalice_runner.providers.local_config import LocalConfig
 from openalice_runner.providers.sglang import SGLangConfig
 
 ProviderConfig = Annotated[LocalConfig | SGLangConfig | HostedConfig, Field(discriminator="type")]
