@@ -13,7 +13,6 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field
 
 from openalice_runner.config_files.models import StrictModel
-
 from openalice_runner.speculation import MAX_GAMMA, SpecMethod
 
 Method = SpecMethod  # the policy file names the same methods the providers run
