@@ -64,17 +64,11 @@ FLOORS = (
           (f"{PACKAGE}.providers", f"{PACKAGE}.server", f"{PACKAGE}.runner")),  # fmt: skip
 )
 
-# Crossings that exist today and are being removed (issue 20: the engine's SpecConfig / GenerationStats
-# vocabulary moves to a torch-free openalice_runner/speculation.py). Each entry is (importer, imported).
-# Delete an entry when its crossing is gone (the test says so); never add one: a new crossing is a bug.
-KNOWN_CROSSINGS = frozenset({
-    # SamplingSettings.to_engine() builds engine.types.SamplingParams
-    (f"{PACKAGE}.types", f"{PACKAGE}.engine.types"),
-    # Decision.to_spec_config() builds engine.types.SpecConfig
-    (f"{PACKAGE}.policies.decision", f"{PACKAGE}.engine.types"),
-    # the SGLang provider reports its figures as engine.types.GenerationStats
-    (f"{PACKAGE}.providers.sglang", f"{PACKAGE}.engine.types"),
-})
+# Crossings tolerated while they are being removed, as (importer, imported). Empty since the engine's
+# SpecConfig / GenerationStats vocabulary moved to the torch-free openalice_runner/speculation.py (it held
+# types.SamplingSettings.to_engine, policies.decision.Decision.to_spec_config and providers.sglang's
+# GenerationStats). Never add one for new code: a new crossing is a bug. A listed one that is gone fails too.
+KNOWN_CROSSINGS: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclass(frozen=True)
