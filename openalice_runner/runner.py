@@ -42,7 +42,7 @@ from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, coerce_me
 
 logger = logging.getLogger(__name__)
 
-OTEL_CONTEXT_KEY = "otel_context"  # same key as openalice_runner.tracing.instrumented
+OTEL_CONTEXT_KEY = "otel_context"  # same key as openalice_runner.providers.instrumented
 
 
 def build_provider(name: str, config: Any, engine: Any = None) -> Provider:
@@ -141,7 +141,7 @@ class Runner:
         for name in names:
             provider = self.providers[name]
             if self.telemetry is not None:
-                from openalice_runner.tracing import InstrumentedProvider
+                from openalice_runner.providers.instrumented import InstrumentedProvider
 
                 provider = InstrumentedProvider(provider, self.telemetry)
             if self.policy is not None:

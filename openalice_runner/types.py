@@ -17,7 +17,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     StringConstraints,
@@ -25,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from openalice_runner.config_files.models import StrictModel
 from openalice_runner.speculation import SpeculationOutcome
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -35,12 +35,6 @@ TurnType = str  # free-form ("chat", "tool_call", "code_edit", "summarize", ...)
 FunctionName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
 
-class _Strict(BaseModel):
-    """Unknown fields are an error, not silently dropped: a typo should name itself."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -48,23 +42,23 @@ def new_id(prefix: str) -> str:
 # ---------------------------------------------------------------- messages
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: FunctionName
     arguments: str = Field(description="JSON-encoded arguments, as OpenAI sends them")
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     """One message of any role. Which fields are allowed depends on the role (checked below)."""
 
     role: Role
@@ -114,7 +108,7 @@ class ChatMessage(_Strict):
 # ---------------------------------------------------------------- tools
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
@@ -128,7 +122,7 @@ class FunctionDefinition(_Strict):
         return v
 
 
-class ToolDefinition(_Strict):
+class ToolDefinition(StrictModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
@@ -137,11 +131,11 @@ class ToolDefinition(_Strict):
         return self.function.name
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     name: FunctionName
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
@@ -152,7 +146,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 # ---------------------------------------------------------------- request
 
 
-class SamplingSettings(_Strict):
+class SamplingSettings(StrictModel):
     """Decoding settings in OpenAI's terms (top_k is the common extension)."""
 
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -178,7 +172,7 @@ class SamplingSettings(_Strict):
         return v
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 

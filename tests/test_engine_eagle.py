@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from openalice_runner.engine import SamplingParams, SpecConfig
-from openalice_runner.engine.eagle.data import builtin_prompts, exclude_prompts, read_prompts
 from openalice_runner.engine.eagle.head import EagleHead, load_head
-from openalice_runner.engine.eagle.pipeline import BuildSettings, build_head
-from openalice_runner.engine.eagle.train import Trainer, TrainSettings
+from openalice_runner.training.data import builtin_prompts, exclude_prompts, read_prompts
+from openalice_runner.training.pipeline import BuildSettings, build_head
+from openalice_runner.training.train import Trainer, TrainSettings
 
 
 def build_tiny_head(engine, root: Path, feature_layers):
@@ -126,7 +126,7 @@ def test_training_lowers_the_loss_and_the_head_reloads(tiny_engine, tiny_head):
     assert config["trained"]["steps"] == 30
     head = load_head(folder, tiny_engine.model_name, tiny_engine.model)
     # the loss on a fixed window: lower for the trained head than for the untrained one
-    from openalice_runner.engine.eagle.data import SampleCache
+    from openalice_runner.training.data import SampleCache
 
     cache = SampleCache(root / "data")
     sample = cache.get(next(iter(sorted(p.stem for p in (root / "data").glob("*.safetensors")))))
@@ -342,7 +342,7 @@ def test_greedy_eagle_equals_off_real_model_fp32(real_engine_fp32, workload_path
     lookup-first drafts, fixed trees and eagle-local.yaml's sized trees (needs a trained head; set OPENALICE_EAGLE_HEAD or train the default one
     with `openalice-runner draft train`)."""
     from openalice_runner.bench.workload import load_workload, render_case
-    from openalice_runner.engine.eagle.pipeline import default_out
+    from openalice_runner.training.pipeline import default_out
 
     head = Path(os.environ.get("OPENALICE_EAGLE_HEAD") or default_out(real_engine_fp32.model_name))
     if not (head / "config.json").is_file():
@@ -439,7 +439,7 @@ def test_train_step_options(capsys):
 
 
 def test_training_windows_hold_the_reply_and_acceptance_counts_reply_rows(tiny_engine, tiny_head):
-    from openalice_runner.engine.eagle.data import Sample
+    from openalice_runner.training.data import Sample
 
     folder, _, _ = tiny_head
     head = load_head(folder, tiny_engine.model_name, tiny_engine.model)

@@ -11,8 +11,8 @@ from stand_ins.engines import tiny_engine
 from stand_ins.streams import read_all
 
 from openalice_runner import Runner
-from openalice_runner.engine.eagle.data import read_prompts
 from openalice_runner.prompt_log import PromptLog
+from openalice_runner.training.data import read_prompts
 from openalice_runner.types import ChatRequest
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]

@@ -22,11 +22,12 @@ from openalice_runner.providers.base import CallContext, Provider, ProviderUnava
 from openalice_runner.providers.config import RoutingConfig
 from openalice_runner.providers.deciding import PolicyProvider
 from openalice_runner.providers.fallback import FallbackProvider
+from openalice_runner.providers.instrumented import InstrumentedProvider
 from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.providers.wrapper import WrapperProvider
 from openalice_runner.runner import Runner
 from openalice_runner.server.runner_protocol import ServedRunner
-from openalice_runner.tracing import InstrumentedProvider, RunnerTelemetry
+from openalice_runner.tracing import RunnerTelemetry
 from openalice_runner.types import ChatChunk, ChatRequest
 
 REQ = ChatRequest(messages=[{"role": "user", "content": "hello"}])

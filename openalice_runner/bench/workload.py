@@ -1,14 +1,15 @@
-"""Agent-turn workloads (format: shared/workloads/README.md) turned into prompts."""
+"""Agent-turn workloads (format: shared/workloads/README.md) turned into prompts.
+
+The file readers live in `workload_files.py` (torch-free; training and loadtest read the same files).
+"""
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from openalice_runner.workload_files import json_lines, stdlib_context
 
 COPY_HEAVY = ("code_edit", "rag", "summarize", "tool_call")
 OPEN_ENDED = ("chat", "reasoning")
@@ -22,25 +23,6 @@ class Case:
     max_tokens: int
     tools: list[dict[str, Any]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def stdlib_context(spec: dict[str, Any]) -> str:
-    """Lines FIRST..LAST (1-based, inclusive) of a standard-library module's source."""
-    module = importlib.import_module(spec["stdlib"])
-    first, last = spec["lines"]
-    lines = Path(inspect.getsourcefile(module)).read_text().splitlines(keepends=True)
-    return "".join(lines[first - 1 : last])
-
-
-def json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """(line number, object) of a JSON-lines file, skipping blank lines; bad JSON names FILE:LINE."""
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            yield n, json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not JSON: {exc}") from exc
 
 
 def load_workload(path: str | Path, case_ids: list[str] | None = None) -> list[Case]:

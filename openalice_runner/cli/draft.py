@@ -66,7 +66,7 @@ def feature_layers(text: str) -> str | list[int] | None:
 
 
 def run_prompts(args: argparse.Namespace) -> int:
-    from openalice_runner.engine.eagle.data import builtin_prompts
+    from openalice_runner.training.data import builtin_prompts
 
     rows = builtin_prompts(args.n, seed=args.seed)
     Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -76,7 +76,7 @@ def run_prompts(args: argparse.Namespace) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     from openalice_runner.cli.common import load_engine
-    from openalice_runner.engine.eagle.pipeline import BuildSettings, build_head
+    from openalice_runner.training.pipeline import BuildSettings, build_head
 
     settings = BuildSettings(
         minutes=args.minutes, gen_minutes=args.gen_minutes, max_new_tokens=args.max_new_tokens, batch=args.batch,

@@ -128,7 +128,7 @@ def _item(raw: dict[str, Any], max_tokens: int, model: str | None) -> Item:
     context = raw.pop("context", None)
     raw.pop("id", None)
     if context:
-        from openalice_runner.bench.workload import stdlib_context
+        from openalice_runner.workload_files import stdlib_context
 
         text = stdlib_context(context)
         raw["messages"] = [

@@ -19,9 +19,9 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from openalice_runner.policies.errors import Problem
+from openalice_runner.config_files.errors import Problem
+from openalice_runner.config_files.yaml_nodes import Located
 from openalice_runner.policies.schema import Match, Rule
-from openalice_runner.policies.yaml_nodes import Located
 
 _OTHER = "\x00other"  # stands for every name no rule mentions
 _MAX_ATOMS = 200_000  # beyond this, fall back to pairwise coverage (rule sets that large are unheard of)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from openalice_runner.policies.errors import Problem
+from openalice_runner.config_files.errors import Problem
+from openalice_runner.config_files.yaml_nodes import Located, Path
 from openalice_runner.policies.schema import OPTIONS_BY_METHOD, DecisionSpec, Match, Policy, SGLangPool
-from openalice_runner.policies.yaml_nodes import Located, Path
 
 # Which rule methods each SGLang pool algorithm can serve (`off` everywhere: adaptive steps 0 or no spec).
 POOL_METHODS = {

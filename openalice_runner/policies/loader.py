@@ -14,11 +14,12 @@ from pathlib import Path as FsPath
 
 from pydantic import BaseModel, ValidationError
 
+from openalice_runner.config_files.errors import Problem
+from openalice_runner.config_files.yaml_nodes import Located, Path, load_located
 from openalice_runner.policies.analysis import analyse_rules
 from openalice_runner.policies.checks import check_policy
-from openalice_runner.policies.errors import PolicyError, Problem
+from openalice_runner.policies.errors import PolicyError
 from openalice_runner.policies.schema import Policy
-from openalice_runner.policies.yaml_nodes import Located, Path, load_located
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def load_policy_text(text: str, source: str = "<policy>") -> LoadedPolicy:
 
 
 def parse_policy(text: str, source: str) -> Policy:
-    loc = load_located(text, source)
+    loc = load_located(text, source, empty="a policy needs at least `default:`", error=PolicyError)
     if not isinstance(loc.data, dict):
         raise PolicyError([loc.problem((), "a policy file must be a mapping with at least `default:`")])
     try:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from openalice_runner.config_files.models import StrictModel
 from openalice_runner.speculation import MAX_GAMMA, SpecMethod
 
 Method = SpecMethod  # the policy file names the same methods the providers run
@@ -20,8 +21,9 @@ Method = SpecMethod  # the policy file names the same methods the providers run
 KNOWN_TURN_TYPES = ("chat", "reasoning", "tool_call", "summarize", "code_edit", "rag")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+class _Strict(StrictModel):
+    # strict types too (YAML already types its scalars); frozen: a compiled policy is shared by requests
+    model_config = ConfigDict(strict=True, frozen=True)
 
 
 class BatchRange(_Strict):

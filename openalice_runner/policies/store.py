@@ -15,6 +15,7 @@ import os
 import threading
 from pathlib import Path
 
+from openalice_runner.config_files.errors import Problem
 from openalice_runner.policies.adaptive import AdaptiveGamma
 from openalice_runner.policies.decision import CompiledPolicy, Decision, RequestContext
 from openalice_runner.policies.errors import PolicyError
@@ -171,8 +172,6 @@ def _stat(path: Path) -> tuple[int, int] | None:
 
 
 def _read(path: Path) -> tuple[bytes, tuple[int, int] | None]:
-    from openalice_runner.policies.errors import Problem
-
     try:
         stat = _stat(path)
         return path.read_bytes(), stat

@@ -11,8 +11,8 @@
       - name: default
         chain: [local]
 
-Validated like the policy: every problem is reported as FILE:LINE:COL (positions from the
-POLICY helper's YAML loader, openalice_runner/policies/yaml_nodes.py).
+Validated like the policy: every problem is reported as FILE:LINE:COL (positions from the shared
+YAML loader, openalice_runner/config_files/yaml_nodes.py).
 """
 
 from __future__ import annotations
@@ -21,27 +21,22 @@ import importlib.util
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from openalice_runner.policies.errors import PolicyError, Problem
-from openalice_runner.policies.yaml_nodes import Located, load_located
+from openalice_runner.config_files import ConfigError, Located, Problem, StrictModel, load_located
 from openalice_runner.providers.hosted import HostedConfig
-from openalice_runner.providers.local import LocalConfig
+from openalice_runner.providers.local_config import LocalConfig
 from openalice_runner.providers.sglang import SGLangConfig
 
 ProviderConfig = Annotated[LocalConfig | SGLangConfig | HostedConfig, Field(discriminator="type")]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class RouteMatch(_Strict):
+class RouteMatch(StrictModel):
     turn_types: list[str] | None = None  # None: any turn type
     models: list[str] | None = None  # requested model names; None: any (and requests without one)
 
 
-class Route(_Strict):
+class Route(StrictModel):
     name: str
     match: RouteMatch = Field(default_factory=RouteMatch)
     chain: list[str] = Field(min_length=1)
@@ -53,7 +48,7 @@ class Route(_Strict):
         return not (m.models is not None and model not in m.models)
 
 
-class RoutingConfig(_Strict):
+class RoutingConfig(StrictModel):
     providers: dict[str, ProviderConfig] = Field(min_length=1)
     routes: list[Route] = Field(min_length=1)
 
@@ -91,8 +86,10 @@ class RoutingConfig(_Strict):
         return load_routing_text(defaults.text(defaults.PROVIDERS), "openalice_runner/defaults/providers.yaml")
 
 
-class RoutingConfigError(PolicyError):
+class RoutingConfigError(ConfigError):
     """A routing file that cannot be used; `problems` lists each as FILE:LINE:COL: message."""
+
+    empty_message = "invalid routing file"
 
 
 class _AtPath(ValueError):
@@ -114,10 +111,9 @@ def load_routing_file(path: str | Path) -> RoutingConfig:
 
 
 def load_routing_text(text: str, source: str = "<providers>") -> RoutingConfig:
-    try:
-        loc = load_located(text, source)
-    except PolicyError as exc:  # YAML syntax or duplicate keys, already positioned
-        raise RoutingConfigError(exc.problems) from None
+    loc = load_located(
+        text, source, empty="a routing file needs `providers:` and `routes:`", error=RoutingConfigError
+    )
     if not isinstance(loc.data, dict):
         raise RoutingConfigError(
             [loc.problem((), "a routing file must be a mapping with `providers:` and `routes:`")]

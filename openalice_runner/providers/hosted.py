@@ -32,8 +32,8 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
-from openalice_runner.providers.secrets import register_secret
 from openalice_runner.providers.streams import ChatStream, chat_stream
+from openalice_runner.redaction import register_secret
 from openalice_runner.types import (
     ChatChunk,
     ChatRequest,

@@ -18,11 +18,8 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
-
 from openalice_runner.engine.types import EngineOverloaded, SamplingParams, SpecConfig
 from openalice_runner.providers import tool_format
-from openalice_runner.providers.admission import AdmissionLimits
 from openalice_runner.providers.base import (
     CallContext,
     Capabilities,
@@ -33,6 +30,7 @@ from openalice_runner.providers.base import (
     ProviderRateLimited,
     StreamBroken,
 )
+from openalice_runner.providers.local_config import LocalConfig
 from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.speculation import SPEC_METHODS, SpeculationPlan
 from openalice_runner.types import (
@@ -53,23 +51,6 @@ from openalice_runner.types import (
 logger = logging.getLogger(__name__)
 
 ENGINE_SPEC_METHODS = frozenset(SPEC_METHODS)
-
-
-class LocalConfig(AdmissionLimits):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["local"]
-    model: str | None = None  # None: the default SmolLM2-135M-Instruct; or a HF folder / .gguf path
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    tiny_random: bool = False  # a tiny random model with the real tokenizer (tests, overhead benchmarks)
-    threads: int | None = Field(default=None, ge=1)
-    # requests the engine decodes together (continuous batching); 1 runs them one at a time
-    max_batch: int = Field(default=8, ge=1, le=256)
-    # a prompt that starts like a finished request's tokens (an agent loop resending its
-    # history) prefills only the rest; needs max_batch > 1
-    prefix_reuse: bool = True
-    max_tokens_default: int = Field(default=256, ge=1)
-    # max_in_flight / max_queue (AdmissionLimits): the admission gate in front of this provider.
 
 
 @dataclass

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from openalice_runner.config_files.models import StrictModel
 from openalice_runner.providers.admission import AdmissionLimits
 from openalice_runner.providers.base import (
     CallContext,
@@ -44,8 +45,8 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
-from openalice_runner.providers.secrets import register_secret
 from openalice_runner.providers.streams import ChatStream, chat_stream
+from openalice_runner.redaction import register_secret
 from openalice_runner.speculation import SpecMethod, SpeculationOutcome
 from openalice_runner.types import (
     ChatChunk,
@@ -68,11 +69,7 @@ _ALGORITHM = {"eagle": "EAGLE3", "ngram": "NGRAM", "draft": "STANDALONE"}
 # ---------------------------------------------------------------- config
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SGLangLaunch(_Strict):
+class SGLangLaunch(StrictModel):
     """The speculation flags a pool's servers were (or should be) launched with."""
 
     num_steps: int | None = Field(default=None, ge=1)  # --speculative-num-steps
@@ -82,7 +79,7 @@ class SGLangLaunch(_Strict):
     adaptive_config: str | None = None  # --speculative-adaptive-config
 
 
-class SGLangPool(_Strict):
+class SGLangPool(StrictModel):
     replicas: list[str] = Field(min_length=1)  # base URLs, e.g. http://10.0.0.5:30000
     method: SpecMethod = "off"
     launch: SGLangLaunch = Field(default_factory=SGLangLaunch)

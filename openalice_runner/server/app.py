@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
 from openalice_runner.providers.base import CallContext
-from openalice_runner.providers.secrets import register_secret
+from openalice_runner.providers.instrumented import OTEL_CONTEXT_KEY
 from openalice_runner.providers.streams import ChatStream
+from openalice_runner.redaction import register_secret
 from openalice_runner.server.context import caller_trace_context, turn_context
 from openalice_runner.server.deadline import ClientGone, Deadline, DeadlineExceeded, race, request_deadline
 from openalice_runner.server.errors import APIError, install_error_handlers
@@ -33,7 +34,6 @@ from openalice_runner.server.runner_protocol import ServedRunner
 from openalice_runner.server.streaming import GuardedStreamingResponse, SSEStream
 from openalice_runner.server.turns import Step, TurnTracker
 from openalice_runner.server.validation import ServerChatRequest, check_request
-from openalice_runner.tracing.instrumented import OTEL_CONTEXT_KEY
 from openalice_runner.tracing.telemetry import RunnerTelemetry
 from openalice_runner.types import ChatChunk
 

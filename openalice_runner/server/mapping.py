@@ -16,7 +16,7 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
-from openalice_runner.providers.secrets import redact
+from openalice_runner.redaction import redact
 from openalice_runner.server.errors import APIError
 
 

@@ -26,7 +26,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from openalice_runner.providers.secrets import redact
+from openalice_runner.redaction import redact
 from openalice_runner.tracing.telemetry import current_trace_ids
 
 ExporterName = Literal["none", "console", "file", "otlp"]

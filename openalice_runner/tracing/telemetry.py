@@ -23,7 +23,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from openalice_runner.providers.secrets import redact
+from openalice_runner.redaction import redact
 from openalice_runner.speculation import SpeculationOutcome, SpeculationPlan
 from openalice_runner.tracing import attributes as A
 from openalice_runner.types import ChatRequest

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from openalice_runner.engine.eagle.data import Sample
 from openalice_runner.engine.eagle.head import EagleHead, HeadConfig
+from openalice_runner.training.data import Sample
 
 EVAL_DRAFTS = 3  # chain length of the held-out tokens/pass estimate
 

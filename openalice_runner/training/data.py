@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from openalice_runner.engine.generator import PREFILL_CHUNK
+from openalice_runner.workload_files import json_lines, stdlib_context
 
 
 @dataclass
@@ -45,15 +46,11 @@ class Sample:
 def read_prompts(paths: Iterable[str | Path]) -> list[list[dict]]:
     """Message lists from JSON-lines files (`messages` or `prompt` per line; `{context}` filled)."""
     out: list[list[dict]] = []
-    from openalice_runner.bench.workload import json_lines
-
     for path in paths:
         for n, raw in json_lines(path):
             if isinstance(raw.get("messages"), list):
                 context = ""
                 if raw.get("context"):
-                    from openalice_runner.bench.workload import stdlib_context
-
                     context = stdlib_context(raw["context"])
                 msgs = [
                     {**m, "content": m["content"].replace("{context}", context)}

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from openalice_runner.policies.errors import PolicyError, Problem
+from openalice_runner.config_files.errors import ConfigError, Problem
 
 Path = tuple[str | int, ...]
 
@@ -60,28 +60,34 @@ def _pos(node: yaml.Node) -> tuple[int, int]:
     return (node.start_mark.line + 1, node.start_mark.column + 1)
 
 
-def load_located(text: str, source: str) -> Located:
-    """Parse YAML text; raise PolicyError (with position) on syntax errors or duplicate keys."""
+def load_located(
+    text: str, source: str, *, empty: str, error: type[ConfigError] = ConfigError
+) -> Located:
+    """Parse YAML text; raise `error` (with positions) on syntax errors, duplicate keys or an empty file.
+
+    `empty` says what the file needs, for the empty-file problem; `error` is the caller's ConfigError
+    subclass (PolicyError, RoutingConfigError), so its callers catch the one they expect.
+    """
     try:
         loader = _Loader(text)
     except yaml.YAMLError as exc:  # the reader rejects control characters up front
-        raise PolicyError([Problem(source, 1, 1, f"YAML: {exc}")]) from None
+        raise error([Problem(source, 1, 1, f"YAML: {exc}")]) from None
     try:
         try:
             root = loader.get_single_node()
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-            raise PolicyError([Problem(source, line, col, f"YAML syntax: {exc.problem or exc}")]) from None
+            raise error([Problem(source, line, col, f"YAML syntax: {exc.problem or exc}")]) from None
         except yaml.YAMLError as exc:
-            raise PolicyError([Problem(source, 1, 1, f"YAML: {exc}")]) from None
+            raise error([Problem(source, 1, 1, f"YAML: {exc}")]) from None
         located = Located(data=None, source=source)
         if root is None:
-            raise PolicyError([Problem(source, 1, 1, "file is empty: a policy needs at least `default:`")])
+            raise error([Problem(source, 1, 1, f"file is empty: {empty}")])
         problems: list[Problem] = []
         located.data = _build(root, (), loader, located, problems)
         if problems:
-            raise PolicyError(problems)
+            raise error(problems)
         return located
     finally:
         loader.dispose()

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import torch
 
-from openalice_runner.engine.eagle.data import (
+from openalice_runner.engine.eagle.head import (
+    HeadConfig,
+    check_feature_layers,
+    default_feature_layers,
+    target_fingerprint,
+)
+from openalice_runner.engine.model_loading import cache_root
+from openalice_runner.training.data import (
     Sample,
     SampleCache,
     distill,
@@ -17,14 +24,7 @@ from openalice_runner.engine.eagle.data import (
     prompt_key,
     read_prompts,
 )
-from openalice_runner.engine.eagle.head import (
-    HeadConfig,
-    check_feature_layers,
-    default_feature_layers,
-    target_fingerprint,
-)
-from openalice_runner.engine.eagle.train import TrainSettings, draft_vocabulary, train_head
-from openalice_runner.engine.model_loading import cache_root
+from openalice_runner.training.train import TrainSettings, draft_vocabulary, train_head
 
 
 @dataclass

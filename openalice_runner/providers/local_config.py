@@ -1,0 +1,27 @@
+"""The `type: local` entry of a routing file, apart from the provider so that reading a routing file
+never loads torch (providers/local.py imports the engine)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from openalice_runner.providers.admission import AdmissionLimits
+
+
+class LocalConfig(AdmissionLimits):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["local"]
+    model: str | None = None  # None: the default SmolLM2-135M-Instruct; or a HF folder / .gguf path
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    tiny_random: bool = False  # a tiny random model with the real tokenizer (tests, overhead benchmarks)
+    threads: int | None = Field(default=None, ge=1)
+    # requests the engine decodes together (continuous batching); 1 runs them one at a time
+    max_batch: int = Field(default=8, ge=1, le=256)
+    # a prompt that starts like a finished request's tokens (an agent loop resending its
+    # history) prefills only the rest; needs max_batch > 1
+    prefix_reuse: bool = True
+    max_tokens_default: int = Field(default=256, ge=1)
+    # max_in_flight / max_queue (AdmissionLimits): the admission gate in front of this provider.
