@@ -14,9 +14,10 @@ WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "worklo
 
 @pytest.fixture(scope="session")
 def tiny_engine():
-    from openalice_runner.engine import Engine
+    """The process's one tiny random engine (the same object `stand_ins.engines.tiny_engine()` gives)."""
+    from stand_ins.engines import tiny_engine as the_tiny_engine
 
-    return Engine.tiny_random(seed=0)
+    return the_tiny_engine()
 
 
 @pytest.fixture(scope="session")

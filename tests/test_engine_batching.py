@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from test_engine_greedy import OracleDrafter
+from stand_ins.drafters import OracleDrafter
+from stand_ins.engines import run_concurrently
 from test_engine_sampling_exact import (
     LENGTH,
     PROMPT,
@@ -49,17 +50,6 @@ SPECS = [
     SpecConfig(method="ngram", gamma=5),
 ]
 
-
-def run_concurrently(engine, jobs):
-    """jobs: (prompt ids, sampling, spec, drafter or None) -> results in order, all at once."""
-    start = threading.Barrier(len(jobs))
-
-    def one(job):
-        start.wait()
-        return engine.generate(job[0], job[1], job[2], drafter=job[3])
-
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(one, jobs))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

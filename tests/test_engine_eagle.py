@@ -11,22 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from stand_ins.eagle_heads import build_tiny_head
 
 from openalice_runner.engine import SamplingParams, SpecConfig
 from openalice_runner.engine.eagle.head import EagleHead, load_head
 from openalice_runner.training.data import builtin_prompts, exclude_prompts, read_prompts
 from openalice_runner.training.pipeline import BuildSettings, build_head
 from openalice_runner.training.train import Trainer, TrainSettings
-
-
-def build_tiny_head(engine, root: Path, feature_layers):
-    """A head trained for 30 steps on 24 built-in prompts; returns (folder, figures, root)."""
-    data = root / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in builtin_prompts(24, seed=3)))
-    settings = BuildSettings(minutes=2.0, max_new_tokens=24, draft_vocab=2048, heldout_every=6, max_steps=30,
-                             progress=False, data_dir=root / "data", feature_layers=feature_layers)
-    folder, figures = build_head(engine, [data], root / "head", settings=settings)
-    return folder, figures, root
 
 
 def assert_eagle_equals_off(engine, folder: Path) -> None:
@@ -103,7 +94,7 @@ def test_fused_head_trains_reloads_and_stays_exact(tiny_engine, tiny_fused_head)
 def test_fused_and_plain_heads_share_a_batch(tiny_engine, tiny_head, tiny_fused_head):
     """One pass taps layers for the fused head's rows; every request (lookup-first ones too) still
     equals its `off` output."""
-    from test_engine_batching import run_concurrently
+    from stand_ins.engines import run_concurrently
 
     sampling = SamplingParams(max_tokens=32)
     prompts = [tiny_engine.encode(t) for t in ("one two three four one two", "def g(y):\n    return y", "a b c")]

@@ -7,23 +7,9 @@ one (proposes tokens the target never picks), n-gram and the self-draft.
 from __future__ import annotations
 
 import pytest
+from stand_ins.drafters import OracleDrafter
 
 from openalice_runner.engine import SamplingParams, SpecConfig
-from openalice_runner.engine.drafters.base import Drafter, Proposal
-
-
-class OracleDrafter(Drafter):
-    """Proposes the reference continuation (all accepted) or a wrong token (all rejected)."""
-
-    def __init__(self, prompt_len: int, reference: list[int], vocab: int, accept: bool):
-        self.prompt_len, self.reference, self.vocab, self.accept = prompt_len, reference, vocab, accept
-
-    def propose(self, history, gamma, sampling, generator):
-        done = len(history) - self.prompt_len
-        upcoming = self.reference[done : done + gamma]
-        if not self.accept:
-            upcoming = [(t + 1) % self.vocab for t in upcoming]
-        return Proposal(upcoming)
 
 
 def check_all_drafters(engine, prompt: list[int], max_tokens: int, gammas=(1, 3, 5, 8)):

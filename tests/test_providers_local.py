@@ -126,7 +126,7 @@ async def test_eagle_without_a_usable_head_runs_without_speculation(caplog):
 
 
 async def test_eagle_decision_drafts_with_the_policys_head(tmp_path):
-    from test_engine_eagle import build_tiny_head
+    from stand_ins.eagle_heads import build_tiny_head
 
     engine = tiny_engine()
     folder, _, _ = build_tiny_head(engine, tmp_path, None)
