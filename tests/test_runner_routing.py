@@ -9,11 +9,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from stand_ins.engines import tiny_engine
+from stand_ins.scripted import scripted_runner
 from stand_ins.sglang_server import SGLangStandIn
 
 from openalice_runner import Runner
 from openalice_runner.policies import PolicyStore
 from openalice_runner.providers.config import load_routing_text
+from openalice_runner.tracing import RunnerTelemetry
 from openalice_runner.types import ChatRequest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +173,7 @@ async def test_policy_decides_each_call_and_observes_its_stats():
 
 async def test_steps_and_spans():
     tracer_provider, exporter = traced()
-    runner = Runner.from_config(engine=tiny_engine(), tracer_provider=tracer_provider, policy=False)
+    runner = scripted_runner(telemetry=RunnerTelemetry(tracer_provider))
     async with runner.turn(conversation_id="c9", turn_type="tool_call", agent="alice") as turn:
         await turn.chat(HI, max_tokens=2)
         async with turn.tool("get_weather", call_id="call_1") as step:
@@ -192,7 +194,7 @@ async def test_steps_and_spans():
 
 async def test_tool_errors_propagate_and_are_recorded():
     tracer_provider, exporter = traced()
-    runner = Runner.from_config(engine=tiny_engine(), tracer_provider=tracer_provider, policy=False)
+    runner = scripted_runner(telemetry=RunnerTelemetry(tracer_provider))
     with pytest.raises(RuntimeError, match="tool blew up"):
         async with runner.turn(turn_type="tool_call") as turn, turn.tool("boom"):
             raise RuntimeError("tool blew up")
@@ -203,9 +205,7 @@ async def test_tool_errors_propagate_and_are_recorded():
 
 def test_sync_facade():
     tracer_provider, exporter = traced()
-    with Runner.from_config(
-        engine=tiny_engine(), tracer_provider=tracer_provider, policy=False
-    ).sync() as runner:
+    with scripted_runner(telemetry=RunnerTelemetry(tracer_provider)).sync() as runner:
         with runner.turn(conversation_id="s1", turn_type="chat", agent="bob") as turn:
             r = turn.chat(HI, max_tokens=2)
             with turn.tool("lookup") as step:
@@ -220,7 +220,7 @@ def test_sync_facade():
 async def test_bad_messages_raise_naming_the_field():
     from pydantic import ValidationError
 
-    runner = Runner.from_config(engine=tiny_engine(), telemetry=False, policy=False)
+    runner = scripted_runner()
     async with runner.turn() as turn:
         with pytest.raises(ValidationError, match="tool_call_id"):
             await turn.chat([{"role": "tool", "content": "x"}])
