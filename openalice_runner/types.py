@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     PrivateAttr,
     StringConstraints,
@@ -33,6 +34,15 @@ TurnType = str  # free-form ("chat", "tool_call", "code_edit", "summarize", ...)
 
 # OpenAI's rule for function names.
 FunctionName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FieldError(ValueError):
+    """A request-level check that knows which field is wrong (`param`, OpenAI's dotted path): a
+    model validator's error has no location of its own, so the sidecar reads it from here."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def new_id(prefix: str) -> str:
@@ -149,6 +159,9 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class SamplingSettings(StrictModel):
     """Decoding settings in OpenAI's terms (top_k is the common extension)."""
 
+    # NaN passes no bound check with a useful message ("less than or equal to 2"): refuse it by name.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
@@ -223,20 +236,24 @@ class ChatRequest(SamplingSettings):
     def _tools_fit_choice(self) -> ChatRequest:
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise ValueError("max_tokens and max_completion_tokens disagree; send one")
+                raise FieldError("max_tokens", "max_tokens and max_completion_tokens disagree; send one")
             self.max_tokens = self.max_completion_tokens
         choice = self.tool_choice
         if choice is not None and choice != "none" and not self.tools:
-            raise ValueError("tool_choice needs tools")
+            raise FieldError("tool_choice", "tool_choice needs tools")
         if isinstance(choice, NamedToolChoice):
             names = {t.function.name for t in self.tools or ()}
             if choice.function.name not in names:
-                raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+                raise FieldError(
+                    "tool_choice", f"tool_choice names {choice.function.name!r}, which is not in tools"
+                )
         if self.tools:
             seen: set[str] = set()
-            for tool in self.tools:
+            for i, tool in enumerate(self.tools):
                 if tool.function.name in seen:
-                    raise ValueError(f"tools: duplicate function name {tool.function.name!r}")
+                    raise FieldError(
+                        f"tools[{i}].function.name", f"duplicate function name {tool.function.name!r}"
+                    )
                 seen.add(tool.function.name)
         return self
 

@@ -6,6 +6,7 @@ exceptions only as "internal error" (the details go to the log, with the trace i
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import structlog
@@ -13,6 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from openalice_runner.types import FieldError
 
 log = structlog.get_logger("openalice_runner.server")
 
@@ -83,6 +86,10 @@ def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     return out or None
 
 
+# pydantic's error types for a body that is not an object at all (a string, a list, ...).
+_NOT_AN_OBJECT = frozenset({"model_attributes_type", "model_type", "dict_type", "missing"})
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
@@ -90,7 +97,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
-    if tuple(first.get("loc", ())) == ("body",):
+    field_error = (first.get("ctx") or {}).get("error")
+    if isinstance(field_error, FieldError):  # a request-level check (types.py) that names its field
+        return APIError(400, f"{field_error.param}: {field_error}", param=field_error.param, code="invalid_value")
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") in _NOT_AN_OBJECT:
         return APIError(
             400, "request body must be a JSON object (Content-Type: application/json)", code="invalid_body"
         )
@@ -104,6 +114,25 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
+def utf8_error(exc: UnicodeDecodeError) -> APIError:
+    """A body that is not UTF-8: where the first bad byte is, and in which field when the rest parses."""
+    raw = exc.object if isinstance(exc.object, bytes) else bytes(exc.object)
+    where = f"byte 0x{raw[exc.start]:02x} at offset {exc.start}" if exc.start < len(raw) else "at the end"
+    param = _field_of_bad_bytes(raw)
+    message = f"request body is not valid UTF-8 ({where})"
+    return APIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_utf8")
+
+
+def _field_of_bad_bytes(raw: bytes) -> str | None:
+    from openalice_runner.server.validation import first_bad_string
+
+    try:  # the bad bytes become lone surrogates, which the Unicode check finds by path
+        parsed = json.loads(raw.decode("utf-8", errors="surrogateescape"))
+    except ValueError:
+        return None
+    return first_bad_string(parsed, "") or None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -115,6 +144,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+            return utf8_error(exc.__cause__).response()
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status_code)
         headers = dict(exc.headers) if exc.headers else None
         return APIError(exc.status_code, str(exc.detail), code=code, headers=headers).response()

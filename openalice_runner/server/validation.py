@@ -56,12 +56,12 @@ def _check_tool_messages(body: ChatRequest) -> None:
 
 
 def _check_unicode(body: ChatRequest) -> None:
-    bad = _first_bad_string(body.model_dump(exclude_none=True, exclude={"timeout"}), "")
+    bad = first_bad_string(body.model_dump(exclude_none=True, exclude={"timeout"}), "")
     if bad is not None:
         raise _invalid(bad or "body", "not valid Unicode (a lone surrogate escape)", code="invalid_unicode")
 
 
-def _first_bad_string(value: Any, path: str) -> str | None:
+def first_bad_string(value: Any, path: str) -> str | None:
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -70,12 +70,12 @@ def _first_bad_string(value: Any, path: str) -> str | None:
         return None
     if isinstance(value, dict):
         for key, item in value.items():
-            found = _first_bad_string(key, path) or _first_bad_string(item, f"{path}.{key}" if path else key)
+            found = first_bad_string(key, path) or first_bad_string(item, f"{path}.{key}" if path else key)
             if found is not None:
                 return found
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            found = _first_bad_string(item, f"{path}[{i}]")
+            found = first_bad_string(item, f"{path}[{i}]")
             if found is not None:
                 return found
     return None
