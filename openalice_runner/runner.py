@@ -34,7 +34,7 @@ from openalice_runner.providers.admission import (
     AdmittedProvider,
 )
 from openalice_runner.providers.base import CallContext, Provider
-from openalice_runner.providers.config import RoutingConfig, load_routing_file
+from openalice_runner.providers.config import CATCH_ALL_MODEL, Route, RoutingConfig, load_routing_file
 from openalice_runner.providers.deciding import PolicyProvider
 from openalice_runner.providers.fallback import FallbackProvider
 from openalice_runner.providers.streams import ChatStream
@@ -154,13 +154,18 @@ class Runner:
     def model_names(self) -> list[str]:
         names: list[str] = []
         for route in self.routing.routes:
-            names += route.match.models or []
+            names += [n for n in route.match.models or [] if n != CATCH_ALL_MODEL]
         for provider in self.providers.values():
             names += provider.model_names
         return list(dict.fromkeys(names))
 
+    def route_for(self, turn_type: str, model: str | None) -> Route:
+        """The route of a request; UnknownModelError when no route takes its model name."""
+        served_by = {name: provider.model_names for name, provider in self.providers.items()}
+        return self.routing.route_for(turn_type, model, served_by)
+
     def chain_for(self, turn_type: str, model: str | None) -> FallbackProvider:
-        return self._chains[self.routing.route_for(turn_type, model).name]
+        return self._chains[self.route_for(turn_type, model).name]
 
     def apply_routing(self, routing: RoutingConfig) -> list[str]:
         """Apply an edited routing config live, as far as that is safe with requests running: routes
@@ -191,7 +196,7 @@ class Runner:
         """The refusal a request would get now if every provider of its chain is full, else None:
         lets the sidecar answer 429 before it opens spans or reads the body further. The gates
         still decide for real when the request runs."""
-        route = self.routing.route_for(turn_type, model)
+        route = self.route_for(turn_type, model)
         gates = [self.gates[name] for name in route.chain]
         if not all(gate.full() for gate in gates):
             return None

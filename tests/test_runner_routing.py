@@ -14,7 +14,7 @@ from stand_ins.sglang_server import SGLangStandIn
 
 from openalice_runner import Runner
 from openalice_runner.policies import PolicyStore
-from openalice_runner.providers.config import load_routing_text
+from openalice_runner.providers.config import UnknownModelError, load_routing_text
 from openalice_runner.tracing import RunnerTelemetry
 from openalice_runner.types import ChatRequest
 
@@ -89,7 +89,7 @@ async def test_routing_by_turn_type_and_model_and_pool_by_policy(sglang_pools):
         summarize = await turn.chat(HI, turn_type="summarize", max_tokens=2)  # no gpu route -> local
         small = await turn.chat(
             HI, turn_type="reasoning", model="tiny", max_tokens=2
-        )  # route by model? no: turn type first
+        )  # gpu-turns takes reasoning, but not the name "tiny" (its chain does not serve it)
     assert (tool_step.provider, tool_step.speculation.pool, tool_step.speculation.rule) == (
         "gpu",
         "ngram",
@@ -98,12 +98,17 @@ async def test_routing_by_turn_type_and_model_and_pool_by_policy(sglang_pools):
     assert (chat_step.speculation.pool, chat_step.speculation.method) == ("eagle3", "eagle")
     assert chat_step.speculation.rule == "chat-small-batch" and chat_step.speculation.target_passes
     assert summarize.provider == "local"
-    assert small.provider == "gpu"  # routes are tried in order: gpu-turns matches reasoning first
-    assert [len(s.requests) for s in sglang_pools.values()] == [2, 1, 0]
+    # A route without `models` takes only the names its chain serves: "tiny" goes to small-model.
+    assert small.provider == "local"
+    assert [len(s.requests) for s in sglang_pools.values()] == [1, 1, 0]
     r = await runner.chat(
         ChatRequest(messages=HI, model="tiny", max_tokens=2)
-    )  # sidecar path, turn type "chat"
-    assert r.provider == "gpu"
+    )  # sidecar path, turn type "chat": the name picks small-model
+    assert r.provider == "local"
+    r = await runner.chat(ChatRequest(messages=HI, model="stand-in/llama-8b", max_tokens=2))
+    assert r.provider == "gpu"  # the name gpu serves: gpu-turns takes it
+    with pytest.raises(UnknownModelError, match="'nope' is not served"):
+        await runner.chat(ChatRequest(messages=HI, model="nope", max_tokens=2))  # no route, no "*"
     await runner.aclose()
 
 

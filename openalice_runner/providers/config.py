@@ -9,7 +9,12 @@
         match: {turn_types: [tool_call, code_edit], models: [...]}   # both optional
         chain: [gpu, cloud]      # fallback order
       - name: default
+        match: {models: ["*"]}   # "*": any model name (without it, only the names the chain serves)
         chain: [local]
+
+A request's model name matches a route that lists it, a route whose `models` holds "*", or a route
+without `models` whose chain serves that name; a request without a model matches a route without
+`models` or with "*". A name no route takes is refused (UnknownModelError: 404 model_not_found).
 
 Validated like the policy: every problem is reported as FILE:LINE:COL (positions from the shared
 YAML loader, openalice_runner/config_files/yaml_nodes.py).
@@ -18,6 +23,7 @@ YAML loader, openalice_runner/config_files/yaml_nodes.py).
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -31,9 +37,17 @@ from openalice_runner.providers.sglang import SGLangConfig
 ProviderConfig = Annotated[LocalConfig | SGLangConfig | HostedConfig, Field(discriminator="type")]
 
 
+CATCH_ALL_MODEL = "*"
+
+
+class UnknownModelError(LookupError):
+    """A request names a model no route serves (the sidecar answers 404 model_not_found)."""
+
+
 class RouteMatch(StrictModel):
     turn_types: list[str] | None = None  # None: any turn type
-    models: list[str] | None = None  # requested model names; None: any (and requests without one)
+    # Requested model names ("*": any). None: requests without a model, or naming one the chain serves.
+    models: list[str] | None = None
 
 
 class Route(StrictModel):
@@ -41,11 +55,14 @@ class Route(StrictModel):
     match: RouteMatch = Field(default_factory=RouteMatch)
     chain: list[str] = Field(min_length=1)
 
-    def matches(self, turn_type: str, model: str | None) -> bool:
+    def matches(self, turn_type: str, model: str | None, served: Sequence[str] | None = None) -> bool:
+        """`served`: the model names this route's chain serves (None: not known, so any name)."""
         m = self.match
         if m.turn_types is not None and turn_type not in m.turn_types:
             return False
-        return not (m.models is not None and model not in m.models)
+        if m.models is not None:
+            return model in m.models or CATCH_ALL_MODEL in m.models
+        return model is None or served is None or model in served
 
 
 class RoutingConfig(StrictModel):
@@ -70,10 +87,19 @@ class RoutingConfig(StrictModel):
                 raise _AtPath(("routes", i, "chain"), f"route {route.name!r} lists a provider twice")
         return self
 
-    def route_for(self, turn_type: str, model: str | None) -> Route:
+    def route_for(
+        self, turn_type: str, model: str | None, served_by: Mapping[str, Sequence[str]] | None = None
+    ) -> Route:
+        """The first route that takes the request. `served_by`: provider name -> model names it serves."""
         for route in self.routes:
-            if route.matches(turn_type, model):
+            served = None if served_by is None else [n for p in route.chain for n in served_by.get(p, ())]
+            if route.matches(turn_type, model, served):
                 return route
+        if model is not None and any(r.matches(turn_type, None) for r in self.routes):
+            raise UnknownModelError(
+                f"model {model!r} is not served here (GET /v1/models lists the models; a route with "
+                f"`models: [\"*\"]` takes any name)"
+            )
         raise LookupError(
             f"no route matches turn_type={turn_type!r}, model={model!r}; add a catch-all route (no `match`)"
         )

@@ -41,7 +41,8 @@ def _api_error_from(exc: BaseException) -> APIError:
         )
     name = type(exc).__name__
     if name == "UnknownModelError" or isinstance(exc, LookupError) and "model" in str(exc).lower():
-        return APIError(404, str(exc), param="model", code="model_not_found")
+        # OpenAI answers an unknown model with 404, type invalid_request_error, code model_not_found.
+        return APIError(404, str(exc), param="model", code="model_not_found", type="invalid_request_error")
     if name == "ContextLengthError":
         return APIError(400, str(exc), param="messages", code="context_length_exceeded")
     if (
