@@ -86,7 +86,7 @@ class Stack:
             f"  cloud: {{type: hosted, model: openai/stand-in, api_base: '{self.standin.url}',"
             " api_key_env: STANDIN_API_KEY, max_retries: 0}\n"
             "routes:\n"
-            "  - {name: tools, match: {turn_types: [tool_call]}, chain: [cloud]}\n"
+            "  - {name: tools, match: {turn_types: [tool_call], models: [\"*\"]}, chain: [cloud]}\n"
             "  - {name: default, chain: [local]}\n"
         )
         self.spans = InMemorySpanExporter()
@@ -100,7 +100,7 @@ class Stack:
         app = create_app(
             self.runner,
             telemetry=telemetry,
-            settings=ServerSettings(api_key=API_KEY, max_body_bytes=64 * 1024),
+            settings=ServerSettings(api_key=API_KEY, max_body_bytes=64 * 1024, metrics_public=True),
             metrics=ServerMetrics(otel_reader=reader),
         )
         self.server = LiveServer(app).start()
@@ -415,7 +415,7 @@ def test_api_key_required(stack):
     bad = openai.OpenAI(base_url=stack.base, api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    # Liveness and scraping stay open.
+    # Liveness stays open; scraping too, with metrics_public (`serve --metrics-public`).
     assert httpx.get(f"{stack.server.url}/health").status_code == 200
     assert httpx.get(f"{stack.server.url}/metrics").status_code == 200
 
@@ -560,7 +560,7 @@ def test_metrics_scrape_counts_the_request(stack):
 
 def test_client_leaving_mid_stream_frees_its_slot_and_ends_its_turn(stack):
     url = stack.server.url
-    labels = {"turn_type": "leaving", "stream": "true"}
+    labels = {"turn_type": "reasoning", "stream": "true"}
     with httpx.stream(
         "POST",
         f"{stack.base}/chat/completions",
@@ -569,7 +569,7 @@ def test_client_leaving_mid_stream_frees_its_slot_and_ends_its_turn(stack):
             "max_tokens": 256,
             "stream": True,
         },
-        headers={"Authorization": f"Bearer {API_KEY}", "X-OpenAlice-Turn-Type": "leaving"},
+        headers={"Authorization": f"Bearer {API_KEY}", "X-OpenAlice-Turn-Type": "reasoning"},
         timeout=60,
     ) as r:
         for line in r.iter_lines():
@@ -588,6 +588,6 @@ def test_client_leaving_mid_stream_frees_its_slot_and_ends_its_turn(stack):
     assert _sample(text, "openalice_requests_in_flight") == 0
     assert _sample(text, "openalice_chat_completions_total", outcome="error", **labels) == 0
     spans = [
-        s for s in stack.spans.get_finished_spans() if s.attributes.get("openalice.turn.type") == "leaving"
+        s for s in stack.spans.get_finished_spans() if s.attributes.get("openalice.turn.type") == "reasoning"
     ]
     assert {s.name.split()[0] for s in spans} == {"invoke_agent", "chat"}  # both ended, none left open

@@ -14,6 +14,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,7 +27,7 @@ from openalice_runner.redaction import register_secret
 from openalice_runner.server.context import caller_trace_context, turn_context
 from openalice_runner.server.deadline import ClientGone, Deadline, DeadlineExceeded, race, request_deadline
 from openalice_runner.server.errors import APIError, install_error_handlers
-from openalice_runner.server.guard import GuardMiddleware
+from openalice_runner.server.guard import PUBLIC_PATHS, GuardMiddleware
 from openalice_runner.server.mapping import api_error_from as _map_error
 from openalice_runner.server.metrics import ServerMetrics
 from openalice_runner.server.routing_watch import RoutingWatcher
@@ -34,6 +35,7 @@ from openalice_runner.server.runner_protocol import ServedRunner
 from openalice_runner.server.streaming import GuardedStreamingResponse, SSEStream
 from openalice_runner.server.turns import Step, TurnTracker
 from openalice_runner.server.validation import ServerChatRequest, check_request
+from openalice_runner.tracing.labels import LabelBounds
 from openalice_runner.tracing.telemetry import RunnerTelemetry
 from openalice_runner.types import ChatChunk
 
@@ -51,6 +53,8 @@ class ServerSettings:
     max_tokens_limit: int = 32_768  # larger max_tokens are refused as absurd (400)
     providers_file: str | None = None  # watched and applied live when it validates (routing_watch.py)
     watch_interval_s: float = 1.0
+    metrics_public: bool = False  # /metrics without the API key even when one is set
+    metrics_max_age_s: float = 0.0  # > 0: scrapes within this long of a render reuse it
 
 
 def create_app(
@@ -70,6 +74,9 @@ def create_app(
     telemetry = telemetry or RunnerTelemetry()
     metrics = metrics or ServerMetrics()
     metrics.track_runner(runner)
+    # Turn types a client sends become metric labels only when configured (policy, routes) or standard.
+    bounds = LabelBounds(turn_types=_ConfiguredTurnTypes(runner))
+    telemetry.label_bounds = bounds
     register_secret(settings.api_key)
     tracker = TurnTracker(
         telemetry, max_open=settings.max_open_turns, idle_timeout_s=settings.turn_idle_timeout_s
@@ -121,7 +128,11 @@ def create_app(
     app.state.runner, app.state.tracker, app.state.metrics = runner, tracker, metrics
     install_error_handlers(app)
     app.add_middleware(
-        GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes, metrics=metrics
+        GuardMiddleware,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        metrics=metrics,
+        public_paths=PUBLIC_PATHS | {"/metrics"} if settings.metrics_public else PUBLIC_PATHS,
     )
 
     @app.post("/v1/chat/completions")
@@ -131,7 +142,7 @@ def create_app(
         check_request(body, max_tokens_limit=settings.max_tokens_limit)
         refused = _refusal(tc.turn_type, body.model)
         if refused is not None:  # every provider of the route is full: 429 before any work
-            labels = {"turn_type": tc.turn_type, "stream": str(body.stream).lower()}
+            labels = {"turn_type": bounds.turn_type(tc.turn_type), "stream": str(body.stream).lower()}
             metrics.chat_completions.labels(**labels, outcome="refused").inc()
             raise api_error_from(refused)
         step = tracker.begin(
@@ -160,8 +171,11 @@ def create_app(
     def _refusal(turn_type: str, model: str | None) -> Exception | None:
         try:
             return runner.refusal(turn_type, model)
-        except LookupError:  # no route: runner.chat says so in its own words
-            return None
+        except LookupError as exc:
+            error = _map_error(exc)
+            if error.code == "model_not_found":  # no route takes the name: 404 before any work
+                raise error from None
+            return None  # any other "no route": runner.chat says so in its own words
 
     def _failed(step: Step, labels: dict[str, str], exc: BaseException) -> None:
         tracker.finish(step, error=exc)
@@ -173,7 +187,7 @@ def create_app(
     async def _complete(
         body: ServerChatRequest, ctx: CallContext, step: Step, deadline: Deadline, request: Request
     ) -> Response:
-        labels = {"turn_type": ctx.turn_type, "stream": "false"}
+        labels = {"turn_type": bounds.turn_type(ctx.turn_type), "stream": "false"}
         metrics.in_flight.inc()
         try:
             with trace.use_span(
@@ -206,7 +220,7 @@ def create_app(
     async def _stream(
         body: ServerChatRequest, ctx: CallContext, step: Step, deadline: Deadline, request: Request
     ) -> Response:
-        labels = {"turn_type": ctx.turn_type, "stream": "true"}
+        labels = {"turn_type": bounds.turn_type(ctx.turn_type), "stream": "true"}
         t0 = time.perf_counter()
         metrics.in_flight.inc()
         opened = runner.stream(body, ctx)
@@ -228,7 +242,7 @@ def create_app(
             chunks=chunks,
             step=step,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            turn_type=ctx.turn_type,
+            turn_type=labels["turn_type"],  # the stream's metric label
             t0=t0,
             tracker=tracker,
             metrics=metrics,
@@ -240,13 +254,16 @@ def create_app(
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         created = int(time.time())
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": created, "owned_by": "openalice-runner"}
-                for name in runner.model_names()
-            ],
-        }
+        return {"object": "list", "data": [_model_object(name, created) for name in runner.model_names()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        if model_id not in runner.model_names():
+            raise APIError(
+                404, f"model {model_id!r} is not served here (GET /v1/models lists the models)",
+                param="model", code="model_not_found", type="invalid_request_error",
+            )  # fmt: skip
+        return _model_object(model_id, int(time.time()))
 
     @app.get("/v1/policy")
     async def policy_in_force() -> dict[str, Any]:
@@ -272,9 +289,15 @@ def create_app(
     async def prometheus_metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        # Rendering walks every series: off the event loop, so a scrape never stalls requests.
+        text = await anyio.to_thread.run_sync(metrics.scrape, settings.metrics_max_age_s)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _model_object(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "openalice-runner"}
 
 
 def api_error_from(exc: BaseException) -> APIError:
@@ -345,6 +368,29 @@ def _policy_view(store: Any) -> dict[str, Any]:
             view["last_error"] = str(value)
             break
     return view
+
+
+class _ConfiguredTurnTypes:
+    """The turn types the policy's rules and the routes name (recomputed when either changes)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self._key: tuple[Any, int] | None = None
+        self._names: frozenset[str] = frozenset()
+
+    def __call__(self) -> frozenset[str]:
+        store = getattr(self.runner, "policy", None)
+        routing = getattr(self.runner, "routing", None)
+        key = (getattr(store, "version", None), id(routing))
+        if key != self._key:
+            names: set[str] = set()
+            for rule in getattr(getattr(store, "policy", None), "rules", None) or ():
+                value = getattr(getattr(rule, "match", None), "turn_type", None)
+                names.update([value] if isinstance(value, str) else value or ())
+            for route in getattr(routing, "routes", None) or ():
+                names.update(route.match.turn_types or ())
+            self._key, self._names = key, frozenset(names)
+        return self._names
 
 
 async def _reap_idle_turns(tracker: TurnTracker, metrics: ServerMetrics) -> None:

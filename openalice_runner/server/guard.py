@@ -19,10 +19,14 @@ from openalice_runner.server.metrics import ServerMetrics
 
 log = structlog.get_logger("openalice_runner.server.access")
 
-# Open without a key: liveness and scraping carry no secrets, and probes rarely hold tokens.
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+# Open without a key: liveness carries no secrets, and probes rarely hold tokens. /metrics joins it
+# with `serve --metrics-public` (it names models, providers and load, so it is keyed by default).
+PUBLIC_PATHS = frozenset({"/health"})
 # Routes as metric labels; anything else is "other" so clients cannot mint label values.
 KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/models", "/v1/policy", "/health", "/metrics"})
+
+
+_MODEL_ROUTE = "/v1/models/{id}"
 
 
 def _too_large(limit: int) -> str:
@@ -35,8 +39,17 @@ class BodyTooLarge(APIError):
 
 
 class GuardMiddleware:
-    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        app: Any,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        metrics: ServerMetrics,
+        public_paths: frozenset[str] = PUBLIC_PATHS,
+    ) -> None:
         self.app = app
+        self.public_paths = public_paths
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
@@ -46,7 +59,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        route = path if path in KNOWN_ROUTES else "other"
+        route = path if path in KNOWN_ROUTES else _MODEL_ROUTE if path.startswith("/v1/models/") else "other"
         t0 = time.perf_counter()
         status_holder = {"status": 500}
         state = scope.setdefault("state", {})
@@ -82,7 +95,7 @@ class GuardMiddleware:
 
     def _check(self, scope: dict, path: str) -> APIError | None:
         headers = _headers(scope)
-        if self.api_key is not None and path not in PUBLIC_PATHS:
+        if self.api_key is not None and path not in self.public_paths:
             auth = headers.get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             # Constant-time compare: the time taken must not tell how much of a guess was right.

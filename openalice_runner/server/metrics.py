@@ -10,6 +10,8 @@ Two sources:
 from __future__ import annotations
 
 import re
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -206,6 +208,10 @@ class ServerMetrics:
             registry=r,
         )
         self._runner_tracked = False
+        self._scrape_cond = threading.Condition()
+        self._rendering = False
+        self._generation = 0  # renders finished
+        self._scraped: tuple[float, bytes] | None = None  # (monotonic time, text) of the last render
         if otel_reader is not None:
             r.register(OtelBridge(otel_reader))
         if dropped_spans is not None:
@@ -221,3 +227,29 @@ class ServerMetrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+    def scrape(self, max_age_s: float = 0.0) -> bytes:
+        """The rendered text. Blocking: the server calls it in a worker thread. One render at a time:
+        a scrape that arrives while one runs waits for it and shares its text, so many scrapers
+        at once cost what one does. `max_age_s` > 0 also reuses a render that recent."""
+        with self._scrape_cond:
+            if self._scraped is not None and time.monotonic() - self._scraped[0] < max_age_s:
+                return self._scraped[1]
+            if self._rendering:
+                generation = self._generation
+                while self._rendering and self._generation == generation:
+                    self._scrape_cond.wait()
+                if self._generation != generation and self._scraped is not None:
+                    return self._scraped[1]
+            self._rendering = True
+        text: bytes | None = None
+        try:
+            text = self.render()
+            return text
+        finally:
+            with self._scrape_cond:
+                self._rendering = False
+                if text is not None:
+                    self._scraped = (time.monotonic(), text)
+                    self._generation += 1
+                self._scrape_cond.notify_all()

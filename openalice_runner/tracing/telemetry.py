@@ -26,6 +26,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from openalice_runner.redaction import redact
 from openalice_runner.speculation import SpeculationOutcome, SpeculationPlan
 from openalice_runner.tracing import attributes as A
+from openalice_runner.tracing.labels import LabelBounds
 from openalice_runner.types import ChatRequest
 
 SCOPE = "openalice_runner"
@@ -221,6 +222,8 @@ class RunnerTelemetry:
         record_content: bool = False,
     ) -> None:
         self.record_content = record_content
+        # Client-chosen label values (turn type, model, tool name) stay bounded; the server narrows it.
+        self.label_bounds = LabelBounds()
         version = _version()
         self.tracer = trace.get_tracer(SCOPE, version, tracer_provider=tracer_provider)
         meter = metrics.get_meter(SCOPE, version, meter_provider=meter_provider)
@@ -316,7 +319,7 @@ class RunnerTelemetry:
         start_ns = getattr(span, "start_time", None)
         span.end(end_time=end_ns)
         if start_ns:
-            self._agent_duration.record((end_ns - start_ns) / _NS_PER_S, labels)
+            self._agent_duration.record((end_ns - start_ns) / _NS_PER_S, self.label_bounds.bound(labels))
 
     @contextmanager
     def turn_span(
@@ -394,7 +397,7 @@ class RunnerTelemetry:
         start_ns = getattr(span, "start_time", None)
         span.end(end_time=end_ns)
         if start_ns:
-            self._tool_duration.record((end_ns - start_ns) / _NS_PER_S, labels)
+            self._tool_duration.record((end_ns - start_ns) / _NS_PER_S, self.label_bounds.bound(labels))
 
     @contextmanager
     def tool_span(
@@ -505,6 +508,7 @@ class RunnerTelemetry:
         speculation: SpeculationOutcome | None = None,
         output_s: float | None = None,
     ) -> None:
+        labels = self.label_bounds.bound(labels)
         self._op_duration.record(duration_s, labels)
         if ttft_s is not None:
             self._ttfc.record(ttft_s, labels)
