@@ -206,7 +206,10 @@ class Runner:
 
     async def chat(self, request: ChatRequest, ctx: CallContext | None = None) -> ChatResult:
         ctx = ctx or CallContext()
-        return await self._accept(request, ctx).chat(request, ctx)
+        result = await self.chain_for(ctx.turn_type, request.model).chat(request, ctx)
+        if self.prompt_log is not None:  # kept once answered: a refused or failed request is no traffic
+            self.prompt_log.record(request, ctx.turn_type)
+        return result
 
     def stream(
         self, request: ChatRequest, ctx: CallContext | None = None
@@ -214,14 +217,23 @@ class Runner:
         """`async with runner.stream(request) as chunks: async for chunk in chunks: ...`; leaving the
         block stops the generation and frees the provider's slot."""
         ctx = ctx or CallContext()
-        return self._accept(request, ctx).stream(request, ctx)
+        chunks = self.chain_for(ctx.turn_type, request.model).stream(request, ctx)
+        if self.prompt_log is None:
+            return chunks
+        return self._logged(chunks, request, ctx)
 
-    def _accept(self, request: ChatRequest, ctx: CallContext) -> FallbackProvider:
-        """The chain that serves `request`; its prompt is kept first where the operator asked."""
-        chain = self.chain_for(ctx.turn_type, request.model)
-        if self.prompt_log is not None:
-            self.prompt_log.record(request, ctx.turn_type)
-        return chain
+    async def _logged(
+        self, chunks: AsyncIterator[ChatChunk], request: ChatRequest, ctx: CallContext
+    ) -> AsyncIterator[ChatChunk]:
+        """`chunks`, with the prompt kept once the stream has ended whole."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        self.prompt_log.record(request, ctx.turn_type)
 
     # ---- what the loop calls ----
 

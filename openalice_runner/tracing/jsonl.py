@@ -17,6 +17,8 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from openalice_runner.private_file import open_private_append
+
 
 def _attrs(attributes: Any) -> dict[str, Any]:
     # Tuples (OTel sequence attributes) become JSON arrays.
@@ -51,9 +53,10 @@ class JsonLinesSpanExporter(SpanExporter):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._file = self.path.open("a", encoding="utf-8")
+        # Spans can carry prompts (--record-content): owner-only, no symlink, not another user's file.
+        fd = open_private_append(self.path, "trace file")
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lines = "".join(json.dumps(span_to_dict(s), default=str, separators=(",", ":")) + "\n" for s in spans)
