@@ -67,6 +67,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--shutdown-grace", type=float, default=30.0, metavar="S",
         help="on SIGTERM, how long requests in flight may take to finish",
     )  # fmt: skip
+    p.add_argument(
+        "--header-timeout", type=float, default=10.0, metavar="S",
+        help="a connection whose request head has not arrived S seconds after it opened (or after "
+        "its previous response) is closed (slow clients hold no connection)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-connections", type=int, default=512, metavar="N",
+        help="open connections allowed; past it a new one gets 503 at once and is closed",
+    )  # fmt: skip
+    p.add_argument(
+        "--metrics-public", action="store_true",
+        help="serve /metrics without the API key (default: /metrics needs it when a key is set)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
 
@@ -75,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+    from openalice_runner.private_file import PrivateFileError
     from openalice_runner.server.app import ServerSettings, create_app
     from openalice_runner.server.metrics import ServerMetrics
     from openalice_runner.tracing.setup import configure_logging, configure_telemetry
@@ -91,7 +105,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     api_key = args.api_key or os.environ.get(ENV_API_KEY) or None
     reader = InMemoryMetricReader()  # /metrics renders the GenAI histograms from it
-    providers = configure_telemetry(exporter, args.trace_file, metric_readers=[reader])
+    try:
+        providers = configure_telemetry(exporter, args.trace_file, metric_readers=[reader])
+    except PrivateFileError as exc:  # a trace file that is a symlink or someone else's
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     telemetry = RunnerTelemetry(
         providers.tracer_provider, providers.meter_provider, record_content=args.record_content
     )
@@ -113,18 +131,12 @@ def run(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout,
             max_tokens_limit=args.max_tokens_limit,
             providers_file=args.providers,
+            metrics_public=args.metrics_public,
         ),
         metrics=metrics,
         on_shutdown=providers.force_flush,
     )
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_config=None,  # structlog owns the log format (configure_logging)
-        access_log=False,  # GuardMiddleware logs each request with its trace id
-        timeout_graceful_shutdown=max(1, round(args.shutdown_grace)),
-    )
+    config = uvicorn_config(app, args)
     # uvicorn re-raises the SIGTERM it handled once it has shut down; a handler of our own takes it,
     # so the process goes on to flush its spans and exits 0 instead of dying by the signal.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
@@ -134,6 +146,24 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         providers.shutdown()  # flush the spans still queued
     return 0
+
+
+def uvicorn_config(app, args: argparse.Namespace):
+    import uvicorn
+
+    from openalice_runner.server.connections import guarded_h11
+
+    return uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,  # structlog owns the log format (configure_logging)
+        access_log=False,  # GuardMiddleware logs each request with its trace id
+        timeout_graceful_shutdown=max(1, round(args.shutdown_grace)),
+        # h11 with a request-head deadline and a connection cap (server/connections.py)
+        http=guarded_h11(args.header_timeout, args.max_connections),
+        timeout_keep_alive=5,  # idle keep-alive connections close after this (uvicorn's default)
+    )
 
 
 def _check_limits(args: argparse.Namespace) -> str | None:
@@ -149,6 +179,10 @@ def _check_limits(args: argparse.Namespace) -> str | None:
         return "--max-tokens-limit must be at least 1"
     if args.shutdown_grace < 0:
         return "--shutdown-grace must be at least 0"
+    if not 0 < args.header_timeout <= 3600:
+        return "--header-timeout must be between 0 and 3600 seconds"
+    if args.max_connections < 1:
+        return "--max-connections must be at least 1"
     return None
 
 
