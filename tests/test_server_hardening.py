@@ -180,8 +180,10 @@ def test_concurrent_scrapes_share_one_render():
     out: list[bytes] = []
     first = threading.Thread(target=lambda: out.append(metrics.scrape()))
     first.start()
-    while not calls:  # the first scrape is rendering; the others arrive while it runs
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:  # the first scrape is rendering; others arrive now
         time.sleep(0.01)
+    assert calls
     threads = [threading.Thread(target=lambda: out.append(metrics.scrape())) for _ in range(5)]
     for t in threads:
         t.start()

@@ -6,6 +6,7 @@ reaches the route when a client disconnects.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -62,9 +63,12 @@ class GuardMiddleware:
         route = path if path in KNOWN_ROUTES else _MODEL_ROUTE if path.startswith("/v1/models/") else "other"
         t0 = time.perf_counter()
         status_holder = {"status": 500}
+        response = _ResponseState()
         state = scope.setdefault("state", {})
+        extra: dict[str, Any] = {}
 
         async def send_wrapper(message: dict) -> None:
+            response.note(message)
             if message["type"] == "http.response.start":
                 status_holder["status"] = message["status"]
             await send(message)
@@ -75,6 +79,14 @@ class GuardMiddleware:
                 await _send_error(send_wrapper, error)
                 return
             await self.app(scope, self._limited(receive), send_wrapper)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs past --shutdown-grace. Answer in OpenAI's terms rather
+            # than leave uvicorn's text/plain 500 or a stream that just stops; the request ends here.
+            if response.complete:
+                raise
+            await _send_cut(send, response)
+            extra = {"cut": "shutdown", "status_sent": status_holder["status"]} if response.started else {}
+            status_holder["status"] = 503
         finally:
             status = status_holder["status"]
             elapsed = time.perf_counter() - t0
@@ -83,7 +95,8 @@ class GuardMiddleware:
             ).inc()
             self.metrics.http_duration.labels(route=route).observe(elapsed)
             ids = state.get("trace_ids")
-            extra = {"trace_id": ids[0], "span_id": ids[1]} if ids else {}
+            if ids:
+                extra.update(trace_id=ids[0], span_id=ids[1])
             log.info(
                 "request",
                 method=scope.get("method"),
@@ -131,6 +144,45 @@ class GuardMiddleware:
             return message
 
         return receive_limited
+
+
+class _ResponseState:
+    """What of the response has gone out: its start (and whether it is SSE), and its end."""
+
+    def __init__(self) -> None:
+        self.started = self.sse = self.complete = False
+
+    def note(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.sse = any(
+                k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                for k, v in message.get("headers", ())
+            )
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
+
+
+SHUTTING_DOWN = APIError(
+    503,
+    "the server is shutting down and stopped this request before it was complete; retry",
+    code="server_shutting_down",
+    headers={"Retry-After": "1"},
+)
+
+
+async def _send_cut(send: Any, response: _ResponseState) -> None:
+    """503 for a request whose answer has not started; an error event ends a stream that has."""
+    try:
+        if not response.started:
+            await _send_error(send, SHUTTING_DOWN)
+        elif response.sse:
+            event = b"data: " + json.dumps(SHUTTING_DOWN.body(), separators=(",", ":")).encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": False})
+        else:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except Exception:  # the client may be gone already; nothing more to tell it
+        log.debug("answering a request cut by shutdown failed", exc_info=True)
 
 
 def _headers(scope: dict) -> dict[bytes, bytes]:
