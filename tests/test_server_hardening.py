@@ -112,7 +112,10 @@ def test_client_turn_types_and_models_do_not_mint_metric_labels(stack):
             body = {"messages": HI, "max_tokens": 1, "metadata": {"turn_type": f"meta-{i}"}}
             r = client.post(f"{stack.url}/v1/chat/completions", json=body, headers=headers)
             assert r.status_code in (200, 408), r.text
+    for i in range(5):  # any token is a method to h11: each would be a label value
+        httpx.request(f"BREW{i}", f"{stack.url}/v1/policy", headers=AUTH, timeout=30)
     text = stack.scrape()
+    assert _label_values(text, "method") <= {"GET", "POST", "other"}
     allowed = STANDARD_TURN_TYPES | {"agentic"}  # the configured set: standard ones plus the routes'
     assert _label_values(text, "turn_type") <= allowed
     assert _label_values(text, "openalice_turn_type") <= allowed  # the GenAI histograms' label

@@ -28,6 +28,8 @@ KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/models", "/v1/policy", "/
 
 
 _MODEL_ROUTE = "/v1/models/{id}"
+# HTTP methods as metric labels; h11 takes any token as a method, so others are "other" too.
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 def _too_large(limit: int) -> str:
@@ -90,8 +92,9 @@ class GuardMiddleware:
         finally:
             status = status_holder["status"]
             elapsed = time.perf_counter() - t0
+            method = scope.get("method", "")
             self.metrics.http_requests.labels(
-                route=route, method=scope.get("method", ""), status=str(status)
+                route=route, method=method if method in KNOWN_METHODS else "other", status=str(status)
             ).inc()
             self.metrics.http_duration.labels(route=route).observe(elapsed)
             ids = state.get("trace_ids")
