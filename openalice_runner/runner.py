@@ -37,7 +37,7 @@ from openalice_runner.providers.base import CallContext, Provider
 from openalice_runner.providers.config import CATCH_ALL_MODEL, Route, RoutingConfig, load_routing_file
 from openalice_runner.providers.deciding import PolicyProvider
 from openalice_runner.providers.fallback import FallbackProvider
-from openalice_runner.providers.streams import ChatStream
+from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, coerce_messages
 
 logger = logging.getLogger(__name__)
@@ -217,23 +217,27 @@ class Runner:
         """`async with runner.stream(request) as chunks: async for chunk in chunks: ...`; leaving the
         block stops the generation and frees the provider's slot."""
         ctx = ctx or CallContext()
-        chunks = self.chain_for(ctx.turn_type, request.model).stream(request, ctx)
-        if self.prompt_log is None:
-            return chunks
-        return self._logged(chunks, request, ctx)
+        opened = self.chain_for(ctx.turn_type, request.model).stream(request, ctx)
+        return opened if self.prompt_log is None else self._logged(opened, request, ctx)
 
+    @contextlib.asynccontextmanager
     async def _logged(
-        self, chunks: AsyncIterator[ChatChunk], request: ChatRequest, ctx: CallContext
-    ) -> AsyncIterator[ChatChunk]:
-        """`chunks`, with the prompt kept once the stream has ended whole."""
-        try:
+        self, opened: AbstractAsyncContextManager[ChatStream], request: ChatRequest, ctx: CallContext
+    ) -> AsyncIterator[ChatStream]:
+        """The stream, with its prompt kept once it was read to its end (a stream left early, cut
+        or failed is not kept: it produced no completion)."""
+        ended = False
+
+        async def through(chunks: ChatStream) -> AsyncGenerator[ChatChunk, None]:
+            nonlocal ended
             async for chunk in chunks:
                 yield chunk
-        finally:
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        self.prompt_log.record(request, ctx.turn_type)
+            ended = True
+
+        async with opened as chunks, chat_stream(through(chunks)) as logged:
+            yield logged
+        if ended:
+            self.prompt_log.record(request, ctx.turn_type)
 
     # ---- what the loop calls ----
 

@@ -21,11 +21,11 @@ from fastapi.responses import StreamingResponse
 from stand_ins.engines import tiny_engine
 
 from openalice_runner import Runner
-from openalice_runner.engine.eagle.data import read_prompts
 from openalice_runner.private_file import PrivateFileError
 from openalice_runner.prompt_log import MAX_ENTRY_BYTES, PromptLog
 from openalice_runner.providers.base import CallContext
 from openalice_runner.tracing.jsonl import JsonLinesSpanExporter
+from openalice_runner.training.data import read_prompts
 from openalice_runner.types import ChatRequest
 from tests.stand_ins.serve import ServerThread
 from tests.test_server_process_faults import TINY, Serve
@@ -85,11 +85,12 @@ async def test_only_requests_that_were_answered_are_logged(tmp_path):
     with pytest.raises(Exception, match="(?i)context"):  # past the tiny model's context: refused
         await runner.chat(ChatRequest(messages=[{"role": "user", "content": "w " * 5000}], max_tokens=2))
     # a stream the client leaves after its first chunk, and one that ends whole
-    chunks = runner.stream(ChatRequest(messages=[{"role": "user", "content": "left"}], max_tokens=8), CallContext())
-    await chunks.__anext__()
-    await chunks.aclose()
-    async for _ in runner.stream(ChatRequest(messages=[{"role": "user", "content": "streamed"}], max_tokens=2)):
-        pass
+    left = ChatRequest(messages=[{"role": "user", "content": "left"}], max_tokens=8)
+    async with runner.stream(left, CallContext()) as chunks:
+        await chunks.__anext__()
+    async with runner.stream(ChatRequest(messages=[{"role": "user", "content": "streamed"}], max_tokens=2)) as chunks:
+        async for _ in chunks:
+            pass
     # a request stopped by its deadline (the sidecar's 408) is cancelled the same way
     task = asyncio.ensure_future(
         runner.chat(ChatRequest(messages=[{"role": "user", "content": "cancelled"}], max_tokens=64))
