@@ -90,6 +90,13 @@ class ProviderTimeout(ProviderUnavailable):
     """No first token (or no response) within the configured timeout."""
 
 
+class ProviderBadResponse(ProviderUnavailable):
+    """Upstream answered 200 with a body the runner cannot read (a required field missing or
+    mistyped). Before the first token this falls back like a 5xx; `code` names the failure."""
+
+    code = "bad_response"
+
+
 class ProviderRateLimited(ProviderError):
     """429 from upstream. Nothing was produced, so another provider may serve."""
 
