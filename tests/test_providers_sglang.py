@@ -409,7 +409,7 @@ async def test_concurrent_requests_spread_over_replicas(servers):
     await p.aclose()
 
 
-def test_config_and_launch_args():
+def test_config():
     with pytest.raises(ValueError, match="default_pool"):
         SGLangConfig.model_validate(
             {"type": "sglang", "model": "m", "pools": {"a": {"replicas": ["http://x"]}}, "default_pool": "b"}
@@ -435,10 +435,11 @@ def test_config_and_launch_args():
         }
     )
     assert cfg.pools["e"].replicas == ["http://x"]
-    assert cfg.pools["e"].launch_args() == [
-        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
-        "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-    ]  # fmt: skip
+    assert cfg.pools["e"].gamma == 3
+    adaptive = {"method": "eagle", "replicas": ["http://x"], "launch": {"num_steps": 3, "adaptive": True,
+                                                                      "candidate_steps": [0, 1, 3, 7]}}  # fmt: skip
+    cfg = SGLangConfig.model_validate({"type": "sglang", "model": "m", "pools": {"e": adaptive}})
+    assert cfg.pools["e"].adaptive and cfg.pools["e"].gamma == 7  # the most one round can draft
 
 
 def test_prometheus_parsing():

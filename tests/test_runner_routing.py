@@ -120,6 +120,21 @@ async def test_batch_size_comes_from_the_provider_load(sglang_pools):
     await runner.aclose()
 
 
+async def test_batch_size_is_what_sglang_counts_running_requests_capped(sglang_pools):
+    """SGLang runs at most --max-running-requests at once (reported by /v1/loads); a request that
+    arrives when the servers are full waits, so the batch it is decoded in is no larger."""
+    for s in sglang_pools.values():
+        s.running, s.waiting, s.max_running_requests = 40, 9, 32
+    policy = PolicyStore.from_file(ROOT / "policies/gpu-sglang.yaml")
+    runner = Runner.from_config(
+        gpu_routing(sglang_pools), policy=policy, engine=tiny_engine(), telemetry=False
+    )
+    async with runner.turn(turn_type="chat") as turn:
+        r = await turn.chat(HI)
+    assert r.speculation.rule == "chat-mid-batch" and r.speculation.pool == "eagle3"  # batch 32
+    await runner.aclose()
+
+
 async def test_fallback_to_local_when_the_gpu_pool_is_down(sglang_pools):
     for s in sglang_pools.values():
         s.stop()

@@ -31,6 +31,9 @@ class ProviderLoad:
 
     batch_size: int | None = None  # requests being decoded now
     queue_depth: int | None = None  # requests waiting
+    # the largest batch the provider decodes (SGLang's --max-running-requests): a request that
+    # arrives when it is full waits, so the batch it joins is no larger
+    max_batch: int | None = None
 
     @property
     def total(self) -> int | None:

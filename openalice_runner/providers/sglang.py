@@ -62,14 +62,13 @@ from openalice_runner.types import (
 
 logger = logging.getLogger(__name__)
 
-_ALGORITHM = {"eagle": "EAGLE3", "ngram": "NGRAM", "draft": "STANDALONE"}
-
-
 # ---------------------------------------------------------------- config
 
 
 class SGLangLaunch(StrictModel):
-    """The speculation flags a pool's servers were (or should be) launched with."""
+    """What the runner must know of the flags a pool's servers were launched with, to read their
+    speculation figures. The flags themselves come from one generator, `policy sglang-args`
+    (policies/sglang_args.py); tests/test_policy_sglang.py checks the example files agree."""
 
     num_steps: int | None = Field(default=None, ge=1)  # --speculative-num-steps
     eagle_topk: int | None = Field(default=None, ge=1)  # --speculative-eagle-topk
@@ -109,23 +108,6 @@ class SGLangPool(StrictModel):
             return self.launch.num_draft_tokens - 1
         return self.launch.num_steps or 0
 
-    def launch_args(self) -> list[str]:
-        """`sglang.launch_server` flags that realise this pool's speculation setting."""
-        if self.method == "off":
-            return []
-        args = ["--speculative-algorithm", _ALGORITHM[self.method]]
-        launch = self.launch
-        for flag, value in (
-            ("--speculative-draft-model-path", launch.draft_model_path),
-            ("--speculative-num-steps", launch.num_steps),
-            ("--speculative-eagle-topk", launch.eagle_topk),
-            ("--speculative-num-draft-tokens", launch.num_draft_tokens),
-            ("--speculative-adaptive-config", launch.adaptive_config),
-        ):
-            if value is not None:
-                args += [flag, str(value)]
-        return args
-
 
 class SGLangConfig(AdmissionLimits):  # max_in_flight / max_queue: the gate in front of it
     type: Literal["sglang"]
@@ -156,6 +138,7 @@ class Replica:
     url: str
     running: int | None = None
     waiting: int | None = None
+    max_running: int | None = None  # --max-running-requests, as /v1/loads reports it
     read_at: float = 0.0  # monotonic time of the last load read
     down_until: float = 0.0
     load_endpoint: str | None = None  # the endpoint that answered last time
@@ -180,7 +163,7 @@ async def read_replica_load(client: httpx.AsyncClient, replica: Replica, timeout
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             figures = None
         if figures is not None:
-            replica.running, replica.waiting = figures
+            replica.running, replica.waiting, replica.max_running = figures
             replica.load_endpoint = endpoint
             replica.read_at = time.monotonic()
             replica.in_flight = 0
@@ -189,25 +172,30 @@ async def read_replica_load(client: httpx.AsyncClient, replica: Replica, timeout
     replica.read_at = time.monotonic()
 
 
-async def _read_v1_loads(client: httpx.AsyncClient, url: str, timeout: float) -> tuple[int, int] | None:
+Figures = tuple[int, int, int | None]  # running, waiting, max running (None: not reported)
+
+
+async def _read_v1_loads(client: httpx.AsyncClient, url: str, timeout: float) -> Figures | None:
     resp = await client.get(f"{url}/v1/loads", params={"include": "core"}, timeout=timeout)
     if resp.status_code != 200:
         return None
     loads = resp.json()["loads"]
+    limits = [int(x["max_running_requests"]) for x in loads if x.get("max_running_requests")]
     return (
         sum(int(x.get("num_running_reqs") or 0) for x in loads),
         sum(int(x.get("num_waiting_reqs") or 0) for x in loads),
+        sum(limits) if limits and len(limits) == len(loads) else None,
     )
 
 
-async def _read_metrics(client: httpx.AsyncClient, url: str, timeout: float) -> tuple[int, int] | None:
+async def _read_metrics(client: httpx.AsyncClient, url: str, timeout: float) -> Figures | None:
     resp = await client.get(f"{url}/metrics", timeout=timeout)
     if resp.status_code != 200:
         return None
     running = parse_prometheus_sum(resp.text, "sglang:num_running_reqs")
     if running is None:
         return None
-    return int(running), int(parse_prometheus_sum(resp.text, "sglang:num_queue_reqs") or 0)
+    return int(running), int(parse_prometheus_sum(resp.text, "sglang:num_queue_reqs") or 0), None
 
 
 _LOAD_READERS = {"v1_loads": _read_v1_loads, "metrics": _read_metrics}
@@ -271,7 +259,9 @@ class SGLangProvider(Provider):
         if not known:
             return ProviderLoad()
         best = min(known, key=lambda r: r.load)
-        return ProviderLoad(batch_size=best.running + best.in_flight, queue_depth=best.waiting)
+        return ProviderLoad(
+            batch_size=best.running + best.in_flight, queue_depth=best.waiting, max_batch=best.max_running
+        )
 
     async def current_load(self) -> ProviderLoad:
         await self.refresh_loads()

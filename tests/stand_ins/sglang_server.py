@@ -27,7 +27,8 @@ SglExt, SpecTokensDetails, ErrorResponse), `openai/sse_utils.py` (the msgspec-bu
   `stream_options.include_usage`, and `data: [DONE]`.
 - errors: HTTP status with `{"object": "error", "message", "type", "param", "code"}`; in a stream an
   SSE `data: {"error": {...}}` event followed by `data: [DONE]`.
-- GET /v1/loads (`v1_loads.py`), GET /metrics only when launched with `--enable-metrics`
+- GET /v1/loads (`v1_loads.py`, `managers/load_snapshot.py`: running requests capped by
+  --max-running-requests), GET /metrics only when launched with `--enable-metrics`
   (`enable_metrics` here; Prometheus `sglang:num_running_reqs`, `sglang:num_queue_reqs`,
   `sglang:spec_accept_length`), GET /health, GET /v1/models. No /get_load: 0.5.23 has no such route.
 `legacy=True` imitates an older server without /v1/loads (404).
@@ -70,6 +71,7 @@ class SGLangStandIn:
     tool_call_parser: str | None = None  # --tool-call-parser: without it tool calls stay text
     enable_metrics: bool = False  # --enable-metrics: without it there is no /metrics
     running: int = 0  # reported num_running_reqs (on top of requests actually in flight)
+    max_running_requests: int = 256  # --max-running-requests: num_running_reqs never exceeds it
     waiting: int = 0
     legacy: bool = False  # no /v1/loads (an older server)
     faults: Faults = field(default_factory=Faults)
@@ -128,19 +130,26 @@ class SGLangStandIn:
             if stand_in.legacy:
                 return JSONResponse({"detail": "Not Found"}, status_code=404)
             stand_in.load_reads += 1
+            # managers/load_snapshot.py LoadSnapshot.to_dict: the "core" keys, in field order
             load = {
-                "dp_rank": 0,
                 "timestamp": time.time(),
-                "num_running_reqs": stand_in.running + stand_in.in_flight,
+                "dp_rank": 0,
+                "num_running_reqs": min(stand_in.running + stand_in.in_flight, stand_in.max_running_requests),
                 "num_waiting_reqs": stand_in.waiting,
+                "num_waiting_uncached_tokens": 0,
                 "num_used_tokens": 1000,
                 "num_total_tokens": 1200,
+                "num_active_tokens": 1200,
+                "num_prealloc_ready_tokens": 0,
                 "max_total_num_tokens": 500000,
+                "max_running_requests": stand_in.max_running_requests,
                 "token_usage": 0.002,
                 "gen_throughput": 0.0,
                 "cache_hit_rate": 0.0,
                 "utilization": 0.0,
-                "max_running_requests": 256,
+                "total_prefill_uncached_tokens": 0,
+                "total_prefill_busy_us": 0,
+                "decode_moments": None,
             }
             if stand_in.method != "off" and include in (None, "all", "spec"):
                 load["speculative"] = {"accept_length": stand_in.accept_length, "accept_rate": 0.5}
