@@ -176,3 +176,14 @@ def test_flags_parse_with_sglang_parser(policy_file, pool, tmp_path):
     if pool == "ngram":
         assert parsed["speculative_ngram_max_bfs_breadth"] == 2
         assert parsed["speculative_ngram_match_type"] == "BFS"
+
+
+def test_docs_launch_lines_are_the_generated_ones():
+    """docs/sglang.md shows each pool's launch line and adaptive JSON: they must be what
+    `policy sglang-args` prints for the example policy."""
+    doc = Path("docs/sglang.md").read_text()
+    for pool in ("eagle3", "ngram", "plain"):
+        launch = compile_pool(gpu_policy(), pool)
+        assert launch.line() in doc, pool
+        if launch.adaptive_config is not None:
+            assert json.dumps(launch.adaptive_config) in doc
