@@ -131,7 +131,7 @@ async def test_streamed_turns_carry_speculation_figures(servers):
     s = servers(method="eagle", num_draft_tokens=4, accept_length=2.0)
     p = provider({"eagle3": {"method": "eagle", "replicas": [s.url], "launch": {"num_draft_tokens": 4}}})
     req = ChatRequest(messages=[{"role": "user", "content": "one two three four five six seven"}])
-    chunks = [c async for c in p.stream(req, CallContext(decision=decision()))]
+    chunks = await read_all(p.stream(req, CallContext(decision=decision())))
     assert s.requests[0]["return_spec_tokens_details"] is True and "return_meta_info" not in s.requests[0]
     ext = [e for e in s.responses if "sglext" in e]
     assert len(ext) == 1 and ext[0]["choices"] == []  # its own chunk, after the finish chunk
@@ -267,12 +267,13 @@ async def test_malformed_stream_event_falls_back_before_the_first_token_and_brea
     )
     early = SGLangProvider("gpu", cfg, client=httpx.AsyncClient(transport=httpx.MockTransport(handler(True))))
     with pytest.raises(ProviderBadResponse, match="content"):
-        _ = [c async for c in early.stream(REQ, CallContext())]
+        _ = await read_all(early.stream(REQ, CallContext()))
     late = SGLangProvider("gpu", cfg, client=httpx.AsyncClient(transport=httpx.MockTransport(handler(False))))
     got = []
     with pytest.raises(StreamBroken):
-        async for c in late.stream(REQ, CallContext()):
-            got.append(c.delta_text)
+        async with late.stream(REQ, CallContext()) as chunks:
+            async for c in chunks:
+                got.append(c.delta_text)
     assert got == ["hi"]
     await early.aclose()
     await late.aclose()
@@ -308,7 +309,7 @@ async def test_tool_calls_and_sampling_fields_pass_through(servers):
     assert (sent["top_k"], sent["seed"], sent["stop"], sent["tool_choice"]) == (5, 1, ["x"], "required")
     assert sent["parallel_tool_calls"] is False
     # streamed: the call's pieces keep their index
-    chunks = [c async for c in p.stream(req, CallContext())]
+    chunks = await read_all(p.stream(req, CallContext()))
     calls = [tc for c in chunks for tc in c.delta.tool_calls or []]
     assert {tc.index for tc in calls} == {0} and calls[0].function.name == "get_weather"
     assert chunks[-1].finish_reason == "tool_calls"

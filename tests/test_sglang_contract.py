@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from stand_ins.sglang_server import SGLangStandIn
+from stand_ins.streams import read_all
 
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, StreamBroken
 from openalice_runner.providers.sglang import SGLangConfig, SGLangProvider
@@ -74,13 +75,13 @@ async def _exercise(stand_in: SGLangStandIn, pool: dict) -> None:
     )
     for req in (plain, tool, auto):
         await p.chat(req, CallContext())
-        _ = [c async for c in p.stream(req, CallContext())]
+        _ = await read_all(p.stream(req, CallContext()))
     stand_in.faults.fail_next = [400]
     with pytest.raises(ProviderBadRequest):
         await p.chat(plain, CallContext())
     stand_in.faults.error_after_chunks = 1
     with pytest.raises(StreamBroken):
-        _ = [c async for c in p.stream(plain, CallContext())]
+        _ = await read_all(p.stream(plain, CallContext()))
     stand_in.faults.error_after_chunks = None
     await p.aclose()
     # a caller that asks for meta_info (the provider does not): the old place of the counters

@@ -114,7 +114,8 @@ def _load(path: str):
 
 
 def _check(args: argparse.Namespace) -> int:
-    from openalice_runner.policies import PolicyError, load_policy_file
+    from openalice_runner.config_files import ConfigError
+    from openalice_runner.policies import load_policy_file
 
     try:
         load_policy_file(args.file)
@@ -123,7 +124,7 @@ def _check(args: argparse.Namespace) -> int:
             from openalice_runner.providers.pool_agreement import check_pools_agree
 
             problems = check_pools_agree(args.file, args.providers)
-    except PolicyError as exc:
+    except ConfigError as exc:  # the policy (PolicyError) or the routing file on its own
         problems = exc.problems
     if problems:
         for problem in problems:

@@ -12,10 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from openalice_runner.policies.errors import PolicyError, Problem
+from openalice_runner.config_files import ConfigError, Problem, load_located
 from openalice_runner.policies.loader import load_policy_file
 from openalice_runner.policies.sglang_args import compile_pool
-from openalice_runner.policies.yaml_nodes import load_located
 from openalice_runner.providers.config import load_routing_text
 from openalice_runner.providers.sglang import SGLangConfig, SGLangPool
 
@@ -23,15 +22,16 @@ _METHOD = {"EAGLE3": "eagle", "EAGLE": "eagle", "NGRAM": "ngram", "NONE": "off"}
 
 
 def check_pools_agree(policy_file: str | Path, routing_file: str | Path) -> list[Problem]:
-    """Problems between the two files; raises PolicyError (RoutingConfigError) if either is invalid."""
+    """Problems between the two files; raises ConfigError (PolicyError, RoutingConfigError) if
+    either is invalid on its own."""
     policy = load_policy_file(policy_file).policy
-    policy_loc = load_located(Path(policy_file).read_text(), str(policy_file))
+    policy_loc = load_located(Path(policy_file).read_text(), str(policy_file), empty="a policy")
     try:
         routing_text = Path(routing_file).read_text()
     except OSError as exc:
-        raise PolicyError([Problem(str(routing_file), 1, 1, f"cannot read: {exc.strerror or exc}")]) from None
+        raise ConfigError([Problem(str(routing_file), 1, 1, f"cannot read: {exc.strerror or exc}")]) from None
     routing = load_routing_text(routing_text, str(routing_file))
-    routing_loc = load_located(routing_text, str(routing_file))
+    routing_loc = load_located(routing_text, str(routing_file), empty="a routing file")
 
     deployed: dict[str, tuple[str, SGLangPool]] = {}
     for provider, cfg in routing.providers.items():
