@@ -244,3 +244,19 @@ async def test_bad_messages_raise_naming_the_field():
         with pytest.raises(TypeError):
             await turn.chat("hello")
     await runner.aclose()
+
+
+def test_load_refuses_a_routing_file_that_disagrees_with_the_policy(tmp_path):
+    from openalice_runner.config_files import ConfigError
+
+    routing = (
+        (ROOT / "providers/gpu-example.yaml")
+        .read_text()
+        .replace("num_draft_tokens: 8", "num_draft_tokens: 6")
+    )
+    drifted = tmp_path / "routing.yaml"
+    drifted.write_text(routing)
+    with pytest.raises(ConfigError) as info:
+        Runner.from_config(str(drifted), policy=str(ROOT / "policies/gpu-sglang.yaml"), telemetry=False)
+    assert [str(p).split(": ", 1)[0] for p in info.value.problems] == [f"{drifted}:31:29"]
+    assert "launch.num_draft_tokens is 6, but the policy launches it with 8" in str(info.value)

@@ -42,8 +42,14 @@ def check_pools_agree(policy_file: str | Path, routing_file: str | Path) -> list
     problems: list[Problem] = []
     decisions: list[tuple[tuple, Any]] = [(("rules", i), r) for i, r in enumerate(policy.rules)]
     decisions.append((("default",), policy.default))
+    sglang_providers = {p for p, cfg in routing.providers.items() if isinstance(cfg, SGLangConfig)}
     for path, d in decisions:
-        if d.pool is not None and d.pool not in deployed:
+        match = getattr(d, "match", None)
+        named = match.provider if match is not None else None
+        named = [named] if isinstance(named, str) else named
+        if named is not None and not sglang_providers & set(named):
+            continue  # the rule only fires for providers this file has not, or that are no SGLang
+        if sglang_providers and d.pool is not None and d.pool not in deployed:
             known = ", ".join(sorted(deployed)) or "none"
             problems.append(
                 policy_loc.problem(
