@@ -120,6 +120,7 @@ class Runner:
             routing = providers
         else:
             routing = load_routing_file(providers)
+            _check_pools_agree(policy, providers)
         store = _policy_store(policy, watch_policy)
         if telemetry is None:
             from openalice_runner.tracing import RunnerTelemetry
@@ -274,6 +275,23 @@ def _limits_of(config: Any) -> AdmissionLimits:
     return AdmissionLimits(
         max_in_flight=getattr(config, "max_in_flight", None), max_queue=getattr(config, "max_queue", None)
     )
+
+
+def _check_pools_agree(policy: Any, providers: str | Path) -> None:
+    """At load, the policy file's SGLang pools against the routing file's (ConfigError if they
+    disagree); a policy given as an object or switched off has no file to compare."""
+    if policy is None:
+        from openalice_runner import defaults
+
+        policy = defaults.path(defaults.POLICY)
+    if not isinstance(policy, str | Path):
+        return
+    from openalice_runner.config_files import ConfigError
+    from openalice_runner.providers.pool_agreement import check_pools_agree
+
+    problems = check_pools_agree(policy, providers)
+    if problems:
+        raise ConfigError(problems)
 
 
 def _policy_store(policy: Any, watch: bool) -> Any:

@@ -72,6 +72,26 @@ def test_request_alpha_leaves_probes_out():
     assert request_alpha(probes_only) is None
 
 
+def test_request_alpha_on_adaptive_pools_comes_from_accepted_per_verify_round():
+    # SGLang's adaptive EAGLE pool (largest candidate 5): 5 verify rounds accepted 0,1,1,1,1; SGLang
+    # reports proposed = 5 × (launch num_draft_tokens 4 - 1) = 15, which is no count of what was drafted
+    o = SpeculationOutcome(
+        method="eagle", gamma=5, gamma_varies=True, proposed=15, accepted=4, target_passes=5,
+        accept_length_histogram=(1, 4, 0, 0, 0, 0),
+    )  # fmt: skip
+    assert request_alpha(o) == pytest.approx(4 / (4 + 5))  # every round stopped early
+    assert request_alpha(o) != pytest.approx(4 / 15)
+    # rounds in the top bucket accepted all they could draft: no rejection in them
+    full = SpeculationOutcome(gamma=3, gamma_varies=True, proposed=6, accepted=7, accept_length_histogram=(0, 1, 0, 2))
+    assert request_alpha(full) == pytest.approx(7 / (7 + 1))
+    # no histogram: accepted per verify round, every round one rejection
+    bare = SpeculationOutcome(gamma=3, gamma_varies=True, proposed=30, accepted=10, target_passes=10)
+    assert request_alpha(bare) == pytest.approx(10 / 20)
+    # nothing accepted: the rounds may all have run 0 steps (large batch), so no evidence
+    idle = SpeculationOutcome(gamma=3, gamma_varies=True, proposed=30, accepted=0, accept_length_histogram=(10,))
+    assert request_alpha(idle) is None
+
+
 def settings(**kw) -> AdaptiveSettings:
     base = {"ema_weight": 0.5, "warmup": 2, "margin": 0.05, "probe_every": 4}
     return AdaptiveSettings(**{**base, **kw})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,32 @@ def test_sglang_args_line_and_json(capsys, tmp_path):
     assert d["adaptive_config"] is None
     code, _, err = run(capsys, "sglang-args", "--policy", "policies/gpu-sglang.yaml", "--pool", "nope")
     assert code == 2 and "unknown pool" in err
+
+
+def test_check_with_providers_compares_the_pools_of_both_files(capsys, tmp_path):
+    for policy in ("policies/gpu-sglang.yaml", "policies/default.yaml"):
+        assert run(capsys, "check", policy, "--providers", "providers/gpu-example.yaml") == (0, "ok\n", "")
+    routing = Path("providers/gpu-example.yaml").read_text()
+    drifted = tmp_path / "routing.yaml"
+    drifted.write_text(
+        routing.replace(
+            "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B", "jamesliu1/sglang-EAGLE3-Llama-3.1-Instruct-8B"
+        )
+        .replace("num_draft_tokens: 8", "num_draft_tokens: 6")
+        .replace("      plain:", "      plainer:")
+        .replace("default_pool: plain", "default_pool: plainer")
+    )
+    code, out, _ = run(capsys, "check", "policies/gpu-sglang.yaml", "--providers", str(drifted))
+    lines = out.splitlines()
+    assert code == 2 and len(lines) == 3, out
+    lines_of = {line.split(": ", 1)[0]: line for line in lines}
+    at = {line.split(": ", 1)[0].split(":", 1)[0] for line in lines}
+    assert at == {"policies/gpu-sglang.yaml", str(drifted)}
+    assert any(
+        "launch.draft_model_path is 'jamesliu1/" in v and k.startswith(f"{drifted}:21:")
+        for k, v in lines_of.items()
+    )
+    assert any("launch.num_draft_tokens is 6, but the policy launches it with 8" in v for v in lines)
+    assert any(
+        "pool 'plain' is no pool of an SGLang provider" in v and k.endswith(":70:9") for k, v in lines_of.items()
+    ), out

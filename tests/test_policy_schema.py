@@ -209,6 +209,33 @@ def test_yaml12_booleans_keep_off_a_string():
             "default: {method: off}\n",
             "p.yaml:7:12: rule 'b' overlaps earlier rule 'a' (line 2) on turn_type=chat|rag, batch_size=8..",
         ),
+        # SGLang parses tool calls only with --tool-call-parser: a pool serving tool_call turns needs one
+        (
+            "pools: {n: {algorithm: NGRAM}}\nrules:\n  - name: t\n    match: {turn_type: [chat, tool_call]}\n"
+            "    method: ngram\n    gamma: 3\n    pool: n\ndefault: {method: off}\n",
+            "p.yaml:7:11: pool 'n' serves tool_call turns but has no tool_call_parser",
+        ),
+        (  # the default decision serves every turn type
+            "pools: {p: {algorithm: NONE}}\ndefault: {method: off, pool: p}\n",
+            "p.yaml:2:30: pool 'p' serves tool_call turns but has no tool_call_parser",
+        ),
+        # an adaptive pool's slot comes from SGLang's running batch, which stops at max_running_requests
+        (
+            "pools: {e: {algorithm: EAGLE3, draft_model_path: h, adaptive: true, max_running_requests: 32}}\n"
+            "rules:\n  - name: big\n    match: {turn_type: chat, batch_size: {min: 33, max: 64}}\n"
+            "    method: off\n    pool: e\ndefault: {method: off}\n",
+            "p.yaml:4:42: batch_size reaches 64, but adaptive pool 'e' runs at most max_running_requests 32",
+        ),
+        (
+            "pools: {e: {algorithm: EAGLE3, draft_model_path: h, adaptive: true, max_running_requests: 32}}\n"
+            "rules:\n  - name: all\n    match: {turn_type: chat}\n    method: eagle\n    gamma: 3\n    pool: e\n"
+            "default: {method: off}\n",
+            "p.yaml:4:12: batch_size has no upper bound, but adaptive pool 'e' runs at most max_running_requests 32",
+        ),
+        (
+            "pools: {e: {algorithm: EAGLE3, draft_model_path: h, adaptive: true}}\ndefault: {method: off}\n",
+            "p.yaml:1:12: an adaptive pool needs max_running_requests",
+        ),
     ],
 )
 def test_errors_name_line_and_column(text: str, expected: str):

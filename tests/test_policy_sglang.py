@@ -1,6 +1,7 @@
 """SGLang launch flags compiled from a policy, checked against SGLang's own argument parser when available.
 
-SGLang is not a dependency (it needs a GPU). To run the parser check, unpack its wheel somewhere:
+SGLang is not a dependency (it needs a GPU). To run the parser check, make the contract venv
+(`scripts/sglang-contract-venv.sh`, then OPENALICE_SGLANG_VENV=/tmp/sglang-contract), or unpack its wheel:
     pip download --no-deps sglang -d /tmp/sgl && cd /tmp/sgl && unzip -q sglang-*.whl 'sglang/*' -d src
 and set OPENALICE_SGLANG_SRC=/tmp/sgl/src. Its import needs a few small packages beyond ours (msgspec,
 orjson, pybase64, pyzmq, IPython, traitlets, triton); install them into a throwaway folder with
@@ -41,14 +42,42 @@ def test_eagle3_adaptive_pool_flags():
     assert cfg["9"]["candidate_steps"] == [1, 2, 3]
     assert cfg["33"]["candidate_steps"] == [0]
     assert steps in {s for k, v in cfg.items() if k.isdigit() for s in v["candidate_steps"]}
-    assert a[-2:] == ["--max-running-requests", "32"]
+    assert a[-4:] == ["--tool-call-parser", "llama3", "--max-running-requests", "64"]
 
 
 def test_ngram_and_plain_pools():
     ngram = compile_pool(gpu_policy(), "ngram").args
     assert ngram[:4] == ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
     assert ngram[ngram.index("--speculative-ngram-max-bfs-breadth") + 1] == "2"
-    assert compile_pool(gpu_policy(), "plain").args == []
+    assert ngram[ngram.index("--tool-call-parser") + 1] == "llama3"  # it serves the tool_call turns
+    assert compile_pool(gpu_policy(), "plain").args == ["--tool-call-parser", "llama3"]
+
+
+def test_routing_example_agrees_with_the_policy_example():
+    """providers/gpu-example.yaml's `launch:` repeats what the runner must know of the servers that
+    `policy sglang-args --policy policies/gpu-sglang.yaml` launches: the two must not drift apart."""
+    from openalice_runner.providers.config import load_routing_file
+
+    policy = gpu_policy()
+    gpu = load_routing_file("providers/gpu-example.yaml").providers["gpu"]
+    assert set(gpu.pools) == set(policy.pools)
+    methods = {"EAGLE3": "eagle", "EAGLE": "eagle", "NGRAM": "ngram", "NONE": "off"}
+    for name, spec in policy.pools.items():
+        routed, launch = gpu.pools[name], compile_pool(policy, name, "/tmp/x.json")
+        a = launch.args
+        flag = lambda f, a=a: a[a.index(f) + 1] if f in a else None  # noqa: E731
+        assert routed.method == methods[spec.algorithm], name
+        assert routed.launch.draft_model_path == flag("--speculative-draft-model-path"), name
+        steps, tokens = flag("--speculative-num-steps"), flag("--speculative-num-draft-tokens")
+        assert routed.launch.num_steps == (int(steps) if steps else None), name
+        assert routed.launch.num_draft_tokens == (int(tokens) if tokens else None), name
+        assert routed.launch.adaptive == ("--speculative-adaptive" in a), name
+        if launch.adaptive_config is not None:
+            union = sorted(
+                {s for k, v in launch.adaptive_config.items() if k.isdigit() for s in v["candidate_steps"]}
+            )
+            assert routed.launch.candidate_steps == union, name
+    assert policy.default.pool == gpu.default_pool
 
 
 def test_fixed_eagle_pool_takes_gamma_from_rules():
@@ -86,28 +115,43 @@ from sglang.srt.speculative.adaptive_spec_params import resolve_candidate_steps_
 parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
 ns = parser.parse_args(["--model-path", "m", *shlex.split(sys.argv[1])])
-out = {k: v for k, v in vars(ns).items() if k.startswith("speculative")}
+out = {k: v for k, v in vars(ns).items()
+       if k.startswith("speculative") or k in ("tool_call_parser", "reasoning_parser", "max_running_requests")}
 if ns.speculative_adaptive_config:
     out["candidate_steps"] = resolve_candidate_steps_from_config(ns.speculative_adaptive_config)
 print(json.dumps(out))
 """
 
 
+_VENV = os.environ.get("OPENALICE_SGLANG_VENV")  # scripts/sglang-contract-venv.sh
+_SRC = os.environ.get("OPENALICE_SGLANG_SRC")
+
+
+def _sglang_python() -> tuple[str, dict] | None:
+    """The interpreter (and environment) that imports SGLang: the contract venv, else unpacked sources."""
+    if _VENV and Path(_VENV, "bin", "python").exists():
+        return str(Path(_VENV, "bin", "python")), dict(os.environ)
+    if _SRC and Path(_SRC, "sglang/srt/server_args.py").exists():
+        paths = [_SRC, os.environ.get("OPENALICE_SGLANG_SITE", "")]
+        return sys.executable, {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    return None
+
+
 @pytest.mark.skipif(
-    not (
-        os.environ.get("OPENALICE_SGLANG_SRC")
-        and Path(os.environ["OPENALICE_SGLANG_SRC"], "sglang/srt/server_args.py").exists()
-    ),
-    reason="SGLang sources not available: set OPENALICE_SGLANG_SRC (see this module's docstring) to parse with SGLang's own parser",
+    _sglang_python() is None,
+    reason="SGLang not available: run scripts/sglang-contract-venv.sh and set OPENALICE_SGLANG_VENV "
+    "(or OPENALICE_SGLANG_SRC, see this module's docstring) to parse with SGLang's own parser",
 )
-@pytest.mark.parametrize("pool", ["eagle3", "ngram", "plain"])
-def test_flags_parse_with_sglang_parser(pool, tmp_path):
-    launch = compile_pool(gpu_policy(), pool, str(tmp_path / "adaptive.json"))
+@pytest.mark.parametrize(("policy_file", "pool"), [
+    ("policies/gpu-sglang.yaml", "eagle3"), ("policies/gpu-sglang.yaml", "ngram"),
+    ("policies/gpu-sglang.yaml", "plain"), ("policies/default.yaml", "eagle3"),
+])  # fmt: skip
+def test_flags_parse_with_sglang_parser(policy_file, pool, tmp_path):
+    launch = compile_pool(PolicyStore.from_file(policy_file).policy, pool, str(tmp_path / "adaptive.json"))
     launch.write_adaptive_config()
-    paths = [os.environ["OPENALICE_SGLANG_SRC"], os.environ.get("OPENALICE_SGLANG_SITE", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    python, env = _sglang_python()  # type: ignore[misc]
     proc = subprocess.run(
-        [sys.executable, "-c", _CHECK, launch.line()],
+        [python, "-c", _CHECK, launch.line()],
         capture_output=True,
         text=True,
         env=env,
@@ -117,6 +161,9 @@ def test_flags_parse_with_sglang_parser(pool, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     parsed = json.loads(proc.stdout.strip().splitlines()[-1])
     a = launch.args
+    assert parsed["tool_call_parser"] == "llama3"
+    if "--max-running-requests" in a:
+        assert parsed["max_running_requests"] == int(a[a.index("--max-running-requests") + 1])
     if pool == "plain":
         assert parsed["speculative_algorithm"] is None
         return
@@ -129,3 +176,14 @@ def test_flags_parse_with_sglang_parser(pool, tmp_path):
     if pool == "ngram":
         assert parsed["speculative_ngram_max_bfs_breadth"] == 2
         assert parsed["speculative_ngram_match_type"] == "BFS"
+
+
+def test_docs_launch_lines_are_the_generated_ones():
+    """docs/sglang.md shows each pool's launch line and adaptive JSON: they must be what
+    `policy sglang-args` prints for the example policy."""
+    doc = Path("docs/sglang.md").read_text()
+    for pool in ("eagle3", "ngram", "plain"):
+        launch = compile_pool(gpu_policy(), pool)
+        assert launch.line() in doc, pool
+        if launch.adaptive_config is not None:
+            assert json.dumps(launch.adaptive_config) in doc

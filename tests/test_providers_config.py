@@ -20,7 +20,7 @@ def test_shipped_files_load():
     assert load_routing_file(ROOT / "providers/default.yaml") == RoutingConfig.default()
     gpu = load_routing_file(ROOT / "providers/gpu-example.yaml")
     assert set(gpu.providers) == {"gpu", "cloud", "local"}
-    assert gpu.providers["gpu"].pools["eagle3"].launch_args()[:2] == ["--speculative-algorithm", "EAGLE3"]
+    assert gpu.providers["gpu"].pools["eagle3"].adaptive and gpu.providers["gpu"].pools["eagle3"].gamma == 7
     assert gpu.providers["gpu"].pools["plain"].method == "off"  # quoted "off" stays a string
     assert gpu.route_for("tool_call", None).name == "tool-steps"
     assert gpu.route_for("chat", "anything").name == "default"

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from stand_ins.serve import refused_url
 from stand_ins.sglang_server import SGLangStandIn
 from stand_ins.streams import read_all
 
+from openalice_runner.policies.adaptive import request_alpha
 from openalice_runner.providers.base import (
     CallContext,
     ProviderBadRequest,
+    ProviderBadResponse,
     ProviderTimeout,
     ProviderUnavailable,
     StreamBroken,
@@ -48,13 +51,14 @@ def decision(method="eagle", pool=None, gamma=3):
 
 async def test_least_loaded_replica_serves_whatever_load_endpoint_it_has(servers):
     busy = servers(method="eagle", running=7)  # /v1/loads
-    idle = servers(method="eagle", running=1, legacy=True)  # /get_load only (0.5.x)
-    metrics = servers(method="eagle", running=3, metrics_only=True)  # /metrics only
-    p = provider({"eagle3": {"method": "eagle", "replicas": [busy.url, idle.url, metrics.url]}})
+    idle = servers(method="eagle", running=1, legacy=True, enable_metrics=True)  # /metrics only
+    metrics = servers(method="eagle", running=3, legacy=True, enable_metrics=True)
+    blind = servers(method="eagle", running=0, legacy=True)  # no load endpoint: unknown load, last
+    p = provider({"eagle3": {"method": "eagle", "replicas": [blind.url, busy.url, idle.url, metrics.url]}})
     result = await p.chat(REQ, CallContext())
-    assert len(idle.requests) == 1 and not busy.requests and not metrics.requests
-    assert [r.load_endpoint for r in p.pools["eagle3"]] == ["v1_loads", "get_load", "metrics"]
-    assert [r.running for r in p.pools["eagle3"]] == [7, 1, 3]
+    assert len(idle.requests) == 1 and not busy.requests and not metrics.requests and not blind.requests
+    assert [r.load_endpoint for r in p.pools["eagle3"]] == [None, "v1_loads", "metrics", "metrics"]
+    assert [r.running for r in p.pools["eagle3"]] == [None, 7, 1, 3]
     assert result.content == "You said: hello there" and result.provider == "gpu"
     # The idle replica gets busier: the next request goes elsewhere once the cache expires.
     idle.running = 10
@@ -62,6 +66,13 @@ async def test_least_loaded_replica_serves_whatever_load_endpoint_it_has(servers
     await p.chat(REQ, CallContext())
     assert len(metrics.requests) == 1
     await p.aclose()
+
+
+async def test_the_stand_in_is_no_more_lenient_than_sglang(servers):
+    s = servers()
+    async with httpx.AsyncClient() as client:
+        assert (await client.get(f"{s.url}/get_load")).status_code == 404  # no such route in 0.5.23
+        assert (await client.get(f"{s.url}/metrics")).status_code == 404  # needs --enable-metrics
 
 
 async def test_load_is_cached_briefly(servers):
@@ -94,12 +105,15 @@ async def test_policy_decision_picks_the_pool(servers):
     await p.aclose()
 
 
-async def test_speculation_figures_come_from_meta_info(servers):
+async def test_speculation_figures_come_from_sglext(servers):
     s = servers(method="eagle", num_draft_tokens=4, accept_length=2.0)
     p = provider({"eagle3": {"method": "eagle", "replicas": [s.url], "launch": {"num_draft_tokens": 4}}})
     req = ChatRequest(messages=[{"role": "user", "content": "one two three four five six seven"}])
     r = await p.chat(req, CallContext(decision=decision()))
-    assert s.requests[0]["return_meta_info"] is True and s.requests[0]["model"] == "stand-in/llama-8b"
+    assert (
+        s.requests[0]["return_spec_tokens_details"] is True and s.requests[0]["model"] == "stand-in/llama-8b"
+    )
+    assert "spec_num_correct_drafts" in s.responses[0]["sglext"]["spec_tokens_details"]  # 0.5.23 names
     spec = r.speculation
     # 9 completion tokens at 2.0 per verify pass -> 5 passes, 15 proposed, 4 accepted.
     assert r.usage.completion_tokens == 9
@@ -107,11 +121,166 @@ async def test_speculation_figures_come_from_meta_info(servers):
     assert spec.acceptance_rate == pytest.approx(4 / 15) and spec.accept_length == pytest.approx(9 / 5)
     assert (spec.rule, spec.policy_version, spec.pool) == ("r1", "v1", "eagle3")
     assert r.outcome.accepted == 4 and r.outcome.method == "eagle"  # for policy.observe
+    # SGLang grows the histogram only to the largest k seen ([1, 4] here): padded to γ + 1 = 4
+    assert s.responses[0]["sglext"]["spec_tokens_details"]["spec_correct_drafts_histogram"] == [1, 4]
+    assert r.outcome.accept_length_histogram == (1, 4, 0, 0) and not r.outcome.gamma_varies
     await p.aclose()
 
 
+async def test_streamed_turns_carry_speculation_figures(servers):
+    s = servers(method="eagle", num_draft_tokens=4, accept_length=2.0)
+    p = provider({"eagle3": {"method": "eagle", "replicas": [s.url], "launch": {"num_draft_tokens": 4}}})
+    req = ChatRequest(messages=[{"role": "user", "content": "one two three four five six seven"}])
+    chunks = await read_all(p.stream(req, CallContext(decision=decision())))
+    assert s.requests[0]["return_spec_tokens_details"] is True and "return_meta_info" not in s.requests[0]
+    ext = [e for e in s.responses if "sglext" in e]
+    assert len(ext) == 1 and ext[0]["choices"] == []  # its own chunk, after the finish chunk
+    final = chunks[-1]
+    assert (final.speculation.target_passes, final.speculation.proposed, final.speculation.accepted) == (
+        5,
+        15,
+        4,
+    )
+    assert final.outcome.accept_length_histogram == (1, 4, 0, 0) and final.outcome.tokens_per_pass == 1.8
+    await p.aclose()
+
+
+async def test_adaptive_pool_reports_varying_gamma(servers):
+    s = servers(method="eagle", num_draft_tokens=4, accept_length=2.0)
+    launch = {"num_steps": 3, "num_draft_tokens": 4, "adaptive": True, "candidate_steps": [0, 1, 3, 5]}
+    p = provider({"eagle3": {"method": "eagle", "replicas": [s.url], "launch": launch}})
+    req = ChatRequest(messages=[{"role": "user", "content": "one two three four five six seven"}])
+    r = await p.chat(req, CallContext(decision=decision()))
+    o = r.outcome
+    assert o.gamma_varies and o.gamma == 5 and o.accept_length_histogram == (1, 4, 0, 0, 0, 0)
+    # α from accepted drafts per verify round, never 4/15 against the launch step count
+    assert request_alpha(o) == pytest.approx(4 / (4 + 5))
+    await p.aclose()
+
+
+async def test_sglang_0_5_23_reply_shapes_parse(servers):
+    """Hand-written 0.5.23 bodies (protocol.py): tool calls with `index`, `content: ""`, dict
+    arguments, unknown extras; the speculation counters in meta_info under the new names."""
+    body = {
+        "id": "abc", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{
+            "index": 0,
+            "message": {
+                "role": "assistant", "content": "", "reasoning_content": None,
+                "tool_calls": [
+                    {"id": "call_1", "index": 0, "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                    {"id": "call_2", "index": 1, "type": "function",
+                     "function": {"name": "get_time", "arguments": {"tz": "CET"}}},
+                ],
+            },
+            "logprobs": None, "finish_reason": "tool_calls", "matched_stop": None, "hidden_future_field": 1,
+            "meta_info": {"id": "abc", "spec_verify_ct": 4, "spec_accept_length": 2.5, "spec_accept_rate": 0.5,
+                          "spec_num_correct_drafts": 6, "spec_num_proposed_drafts": 12,
+                          "spec_correct_drafts_histogram": [1, 1, 1, 1]},
+        }],
+        "usage": {"prompt_tokens": 5, "total_tokens": 15, "completion_tokens": 10, "prompt_tokens_details": None,
+                  "reasoning_tokens": 0, "completion_tokens_details": None},
+        "metadata": {"weight_version": "default"},
+    }  # fmt: skip
+    p = provider(
+        {"eagle3": {"method": "eagle", "replicas": ["http://sglang"], "launch": {"num_draft_tokens": 4}}}
+    )
+    r = p._result(httpx.Response(200, json=body), "eagle3", CallContext())
+    assert [tc.function.name for tc in r.tool_calls] == ["get_weather", "get_time"]
+    assert r.tool_calls[1].function.arguments == '{"tz": "CET"}' and r.tool_calls[0].id == "call_1"
+    assert r.finish_reason == "tool_calls" and r.content is None
+    assert (r.outcome.accepted, r.outcome.proposed, r.outcome.target_passes) == (6, 12, 4)
+    assert r.outcome.accept_length_histogram == (1, 1, 1, 1)
+    await p.aclose()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"id": "x", "choices": []},  # no choice
+        {"id": "x", "choices": [{"index": 0, "finish_reason": "stop"}]},  # no message
+        {
+            "choices": [
+                {"message": {"content": "", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}}
+            ]
+        },
+        {"choices": [{"message": {"content": 5}}]},  # content of the wrong type
+        [1, 2],
+    ],
+)
+async def test_malformed_upstream_body_falls_back_before_the_first_token(body, monkeypatch):
+    from stand_ins.openai_server import OpenAIStandIn
+
+    from openalice_runner.providers.fallback import FallbackProvider
+    from openalice_runner.providers.hosted import HostedConfig, HostedProvider
+
+    p = provider({"off": {"replicas": ["http://sglang"]}})
+    with pytest.raises(ProviderBadResponse) as info:
+        p._result(httpx.Response(200, json=body), "off", CallContext())
+    assert info.value.fallback_ok and info.value.code == "bad_response"
+    await p.aclose()
+
+    # over HTTP: a replica answering 200 with such a body, then the chain's next provider serves
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/loads":
+            return httpx.Response(200, json={"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0}]})
+        return httpx.Response(200, json=body)
+
+    sg = SGLangProvider(
+        "gpu",
+        SGLangConfig.model_validate(
+            {"type": "sglang", "model": "m", "pools": {"off": {"replicas": ["http://sglang"]}}}
+        ),
+        client=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
+    )
+    monkeypatch.setenv("STAND_IN_API_KEY", "k")
+    with OpenAIStandIn() as cloud:
+        hosted = HostedProvider(
+            "cloud",
+            HostedConfig(type="hosted", model="openai/x", api_base=cloud.url, api_key_env="STAND_IN_API_KEY"),
+        )
+        r = await FallbackProvider([sg, hosted]).chat(REQ, CallContext())
+        assert r.provider == "cloud" and r.fallback_from == ["gpu"]
+    await sg.aclose()
+
+
+async def test_malformed_stream_event_falls_back_before_the_first_token_and_breaks_after():
+    events = [
+        'data: {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hi"}}]}',
+        'data: {"id": "x", "choices": [{"index": 0, "delta": {"content": 7}}]}',
+    ]
+
+    def handler(first_bad: bool):
+        def handle(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/v1/loads":
+                return httpx.Response(200, json={"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0}]})
+            lines = events[1:] if first_bad else events
+            return httpx.Response(
+                200, text="\n\n".join(lines) + "\n\n", headers={"content-type": "text/event-stream"}
+            )
+
+        return handle
+
+    cfg = SGLangConfig.model_validate(
+        {"type": "sglang", "model": "m", "pools": {"off": {"replicas": ["http://s"]}}}
+    )
+    early = SGLangProvider("gpu", cfg, client=httpx.AsyncClient(transport=httpx.MockTransport(handler(True))))
+    with pytest.raises(ProviderBadResponse, match="content"):
+        _ = await read_all(early.stream(REQ, CallContext()))
+    late = SGLangProvider("gpu", cfg, client=httpx.AsyncClient(transport=httpx.MockTransport(handler(False))))
+    got = []
+    with pytest.raises(StreamBroken):
+        async with late.stream(REQ, CallContext()) as chunks:
+            async for c in chunks:
+                got.append(c.delta_text)
+    assert got == ["hi"]
+    await early.aclose()
+    await late.aclose()
+
+
 async def test_tool_calls_and_sampling_fields_pass_through(servers):
-    s = servers()
+    s = servers(tool_call_parser="llama3")
     p = provider({"off": {"replicas": [s.url]}})
     tools = [
         {
@@ -126,14 +295,34 @@ async def test_tool_calls_and_sampling_fields_pass_through(servers):
         messages=[{"role": "user", "content": "Paris"}],
         tools=tools,
         tool_choice="required",
+        parallel_tool_calls=False,
         top_k=5,
         seed=1,
         stop="x",
     )
     r = await p.chat(req, CallContext())
     assert r.finish_reason == "tool_calls" and r.tool_calls[0].function.name == "get_weather"
+    got = s.responses[0]["choices"][0]["message"]
+    assert got["content"] == "" and got["tool_calls"][0]["index"] == 0  # SGLang's shape
+    assert r.content is None  # OpenAI's: no text beside the call
     sent = s.requests[0]
     assert (sent["top_k"], sent["seed"], sent["stop"], sent["tool_choice"]) == (5, 1, ["x"], "required")
+    assert sent["parallel_tool_calls"] is False
+    # streamed: the call's pieces keep their index
+    chunks = await read_all(p.stream(req, CallContext()))
+    calls = [tc for c in chunks for tc in c.delta.tool_calls or []]
+    assert {tc.index for tc in calls} == {0} and calls[0].function.name == "get_weather"
+    assert chunks[-1].finish_reason == "tool_calls"
+    await p.aclose()
+
+
+async def test_without_a_tool_call_parser_sglang_answers_text(servers):
+    s = servers()  # launched without --tool-call-parser
+    p = provider({"off": {"replicas": [s.url]}})
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    r = await p.chat(ChatRequest(messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice="required"),
+                     CallContext())  # fmt: skip
+    assert not r.tool_calls and r.finish_reason == "stop" and "get_weather" in r.content
     await p.aclose()
 
 
@@ -148,6 +337,11 @@ async def test_stream_follows_sglang_sse(servers):
     assert final.finish_reason == "stop" and final.usage.completion_tokens == 4
     assert final.speculation.method == "ngram" and final.provider == "gpu"
     assert s.requests[0]["stream"] is True and "return_meta_info" not in s.requests[0]
+    assert s.responses[0]["choices"][0]["delta"] == {
+        "reasoning_content": None,
+        "role": "assistant",
+        "content": "",
+    }
     await p.aclose()
 
 
@@ -216,7 +410,7 @@ async def test_concurrent_requests_spread_over_replicas(servers):
     await p.aclose()
 
 
-def test_config_and_launch_args():
+def test_config():
     with pytest.raises(ValueError, match="default_pool"):
         SGLangConfig.model_validate(
             {"type": "sglang", "model": "m", "pools": {"a": {"replicas": ["http://x"]}}, "default_pool": "b"}
@@ -242,10 +436,11 @@ def test_config_and_launch_args():
         }
     )
     assert cfg.pools["e"].replicas == ["http://x"]
-    assert cfg.pools["e"].launch_args() == [
-        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
-        "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-    ]  # fmt: skip
+    assert cfg.pools["e"].gamma == 3
+    adaptive = {"method": "eagle", "replicas": ["http://x"], "launch": {"num_steps": 3, "adaptive": True,
+                                                                      "candidate_steps": [0, 1, 3, 7]}}  # fmt: skip
+    cfg = SGLangConfig.model_validate({"type": "sglang", "model": "m", "pools": {"e": adaptive}})
+    assert cfg.pools["e"].adaptive and cfg.pools["e"].gamma == 7  # the most one round can draft
 
 
 def test_prometheus_parsing():

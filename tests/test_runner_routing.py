@@ -125,6 +125,21 @@ async def test_batch_size_comes_from_the_provider_load(sglang_pools):
     await runner.aclose()
 
 
+async def test_batch_size_is_what_sglang_counts_running_requests_capped(sglang_pools):
+    """SGLang runs at most --max-running-requests at once (reported by /v1/loads); a request that
+    arrives when the servers are full waits, so the batch it is decoded in is no larger."""
+    for s in sglang_pools.values():
+        s.running, s.waiting, s.max_running_requests = 40, 9, 32
+    policy = PolicyStore.from_file(ROOT / "policies/gpu-sglang.yaml")
+    runner = Runner.from_config(
+        gpu_routing(sglang_pools), policy=policy, engine=tiny_engine(), telemetry=False
+    )
+    async with runner.turn(turn_type="chat") as turn:
+        r = await turn.chat(HI)
+    assert r.speculation.rule == "chat-mid-batch" and r.speculation.pool == "eagle3"  # batch 32
+    await runner.aclose()
+
+
 async def test_fallback_to_local_when_the_gpu_pool_is_down(sglang_pools):
     for s in sglang_pools.values():
         s.stop()
@@ -234,3 +249,19 @@ async def test_bad_messages_raise_naming_the_field():
         with pytest.raises(TypeError):
             await turn.chat("hello")
     await runner.aclose()
+
+
+def test_load_refuses_a_routing_file_that_disagrees_with_the_policy(tmp_path):
+    from openalice_runner.config_files import ConfigError
+
+    routing = (
+        (ROOT / "providers/gpu-example.yaml")
+        .read_text()
+        .replace("num_draft_tokens: 8", "num_draft_tokens: 6")
+    )
+    drifted = tmp_path / "routing.yaml"
+    drifted.write_text(routing)
+    with pytest.raises(ConfigError) as info:
+        Runner.from_config(str(drifted), policy=str(ROOT / "policies/gpu-sglang.yaml"), telemetry=False)
+    assert [str(p).split(": ", 1)[0] for p in info.value.problems] == [f"{drifted}:31:29"]
+    assert "launch.num_draft_tokens is 6, but the policy launches it with 8" in str(info.value)

@@ -23,6 +23,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     check = sub.add_parser("check", help="validate a policy file (exit 2 and FILE:LINE:COL per problem)")
     check.add_argument("file")
+    check.add_argument(
+        "--providers",
+        metavar="FILE",
+        default=None,
+        help="also check the policy's SGLang pools against this routing file's (names, method, launch)",
+    )
     check.set_defaults(func=_check)
 
     explain = sub.add_parser("explain", help="show the decision for one request context")
@@ -108,12 +114,20 @@ def _load(path: str):
 
 
 def _check(args: argparse.Namespace) -> int:
-    from openalice_runner.policies import PolicyError, load_policy_file
+    from openalice_runner.config_files import ConfigError
+    from openalice_runner.policies import load_policy_file
 
     try:
         load_policy_file(args.file)
-    except PolicyError as exc:
-        for problem in exc.problems:
+        problems = []
+        if args.providers:
+            from openalice_runner.providers.pool_agreement import check_pools_agree
+
+            problems = check_pools_agree(args.file, args.providers)
+    except ConfigError as exc:  # the policy (PolicyError) or the routing file on its own
+        problems = exc.problems
+    if problems:
+        for problem in problems:
             print(problem)
         return 2
     print("ok")

@@ -65,6 +65,8 @@ def request_alpha(outcome: SpeculationOutcome) -> float | None:
     with nothing to copy proposes probes only, and must not teach the policy that this turn
     type never copies. (It did: three prose answers to a tool call turned n-gram off for the
     next tool-call turns, which copied.)"""
+    if outcome.gamma_varies:
+        return _varying_gamma_alpha(outcome)
     probes = outcome.probe_proposed
     proposed = outcome.proposed - probes
     if proposed <= 0:
@@ -83,6 +85,29 @@ def request_alpha(outcome: SpeculationOutcome) -> float | None:
         if accepted + early_stops > 0:
             return accepted / (accepted + early_stops)
     return min(1.0, max(0.0, outcome.accepted / proposed))
+
+
+def _varying_gamma_alpha(outcome: SpeculationOutcome) -> float | None:
+    """α when a round drafts a number of tokens that varies per round (SGLang's adaptive EAGLE
+    pools run 0..max steps as the batch changes, and report proposed drafts against the launch
+    step count, which is no count of what was drafted). From accepted drafts per verify round:
+    with k accepted in a round, a round that accepted fewer than the most it could draft (`gamma`,
+    the largest candidate step) counts as one rejection, so α̂ = accepted / (accepted + rounds that
+    stopped early). A round that drafted fewer steps and accepted them all counts as a rejection,
+    so this errs low; with no histogram every round counts as one (accepted / (accepted + rounds)).
+    A request that accepted nothing tells nothing: its rounds may all have run 0 steps."""
+    hist = outcome.accept_length_histogram
+    if hist:
+        rounds = sum(hist)
+        accepted = sum(k * n for k, n in enumerate(hist))
+        full = hist[outcome.gamma] if 0 < outcome.gamma == len(hist) - 1 else 0
+    else:
+        rounds = outcome.target_passes
+        accepted = outcome.accepted
+        full = 0
+    if rounds <= 0 or accepted <= 0:
+        return None
+    return accepted / (accepted + rounds - full)
 
 
 def request_draft_cost(outcome: SpeculationOutcome) -> float | None:

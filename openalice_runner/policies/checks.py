@@ -126,6 +126,42 @@ def _check_decision(d: DecisionSpec, path: Path, policy: Policy, loc: Located) -
                     at("method"), f"method {d.method} cannot be served by pool {d.pool!r} ({pool.algorithm})"
                 )
             )
+        else:
+            problems += _check_routed_to_pool(d, path, d.pool, pool, loc)
+    return problems
+
+
+def _check_routed_to_pool(
+    d: DecisionSpec, path: Path, name: str, pool: SGLangPool, loc: Located
+) -> list[Problem]:
+    """What a pool must offer the turns and batch sizes routed to it."""
+    problems = []
+    match = getattr(d, "match", None)  # the default decision matches every turn and batch size
+    turns = match.turn_type if match is not None else None
+    serves_tools = turns is None or "tool_call" in ([turns] if isinstance(turns, str) else turns)
+    if serves_tools and not pool.tool_call_parser:
+        problems.append(
+            loc.problem(
+                (*path, "pool"),
+                f"pool {name!r} serves tool_call turns but has no tool_call_parser: SGLang returns tool "
+                "calls as text unless launched with --tool-call-parser",
+            )
+        )
+    limit = pool.max_running_requests
+    if pool.adaptive and limit is not None and match is not None:
+        b = match.batch_size
+        top = b.max if b is not None else None
+        if top is None or top > limit:
+            where = (*path, "match", "batch_size") if b is not None else (*path, "match")
+            reach = f"reaches {top}" if top is not None else "has no upper bound"
+            problems.append(
+                loc.problem(
+                    where,
+                    f"batch_size {reach}, but adaptive pool {name!r} runs at most "
+                    f"max_running_requests {limit} (SGLang picks the adaptive slot from its running "
+                    f"requests): bound it with max: {limit} or below",
+                )
+            )
     return problems
 
 
@@ -149,6 +185,14 @@ def _check_pool(pool: SGLangPool, path: Path, loc: Located) -> list[Problem]:
                 )
     if pool.ngram is not None and pool.algorithm != "NGRAM":
         problems.append(loc.problem(at("ngram"), "ngram options only apply to an NGRAM pool", key=True))
+    if pool.adaptive and pool.max_running_requests is None:
+        problems.append(
+            loc.problem(
+                path,
+                "an adaptive pool needs max_running_requests: the largest batch its slots see "
+                "(SGLang's own default depends on GPU memory)",
+            )
+        )
     if pool.adaptive:
         if not eagle:
             problems.append(

@@ -143,6 +143,14 @@ class SGLangPool(_Strict):
     adaptive: bool = False  # SGLang's --speculative-adaptive (EAGLE/EAGLE3 with topk 1 only)
     adaptive_config_path: str | None = None  # where the adaptive JSON is written and read from
     ngram: NgramPoolOptions | None = None
+    # --tool-call-parser (e.g. llama3, qwen25): SGLang parses tool calls out of the text only with
+    # it, so a pool that serves tool_call turns needs one; --reasoning-parser likewise for
+    # reasoning_content (e.g. deepseek-r1, qwen3). Names as SGLang's function_call / parser modules.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    # --max-running-requests: the largest decode batch the server runs, so the largest batch size
+    # an adaptive pool's slots ever see (SGLang picks the slot from its running requests)
+    max_running_requests: int | None = Field(None, ge=1)
     extra_args: list[str] = []  # passed through verbatim after the generated flags
 
 
@@ -156,4 +164,3 @@ class Policy(_Strict):
     pools: dict[str, SGLangPool] = {}
     rules: list[Rule] = []
     default: DecisionSpec
-

@@ -14,6 +14,9 @@ constraints follow SGLang 0.5.x `server_args` (checked against 0.5.23, see tests
   the pool start and end (`batch_table.py`, as for the engine's γ tables), and each piece's key holds
   the candidates of every rule covering it: fixed γ -> [γ], auto -> spread over [min_gamma, max_gamma],
   off -> [0].
+* `--tool-call-parser`, `--reasoning-parser` (serving: SGLang parses tool calls / reasoning out of
+  the text only with them) and `--max-running-requests` (scheduling: the largest running batch,
+  which bounds the adaptive slots a pool's rules can reach) come from the pool as they are.
 * NGRAM drafts a tree: `--speculative-num-draft-tokens` is its size (we use max γ + 1),
   `--speculative-ngram-{min,max}-bfs-breadth|match-type|max-trie-depth|capacity` tune it.
 """
@@ -158,5 +161,12 @@ def compile_pool(policy: Policy, pool_name: str, adaptive_config_path: str | Non
                 value = getattr(ng, field)
                 if value is not None:
                     args += [flag, str(value)]
+    for flag, value in (
+        ("--tool-call-parser", pool.tool_call_parser),
+        ("--reasoning-parser", pool.reasoning_parser),
+        ("--max-running-requests", pool.max_running_requests),
+    ):
+        if value is not None:
+            args += [flag, str(value)]
     args += list(pool.extra_args)
     return SGLangLaunch(pool_name, args, adaptive_cfg, cfg_path)

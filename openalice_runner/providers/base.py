@@ -31,6 +31,9 @@ class ProviderLoad:
 
     batch_size: int | None = None  # requests being decoded now
     queue_depth: int | None = None  # requests waiting
+    # the largest batch the provider decodes (SGLang's --max-running-requests): a request that
+    # arrives when it is full waits, so the batch it joins is no larger
+    max_batch: int | None = None
 
     @property
     def total(self) -> int | None:
@@ -88,6 +91,13 @@ class ProviderUnavailable(ProviderError):
 
 class ProviderTimeout(ProviderUnavailable):
     """No first token (or no response) within the configured timeout."""
+
+
+class ProviderBadResponse(ProviderUnavailable):
+    """Upstream answered 200 with a body the runner cannot read (a required field missing or
+    mistyped). Before the first token this falls back like a 5xx; `code` names the failure."""
+
+    code = "bad_response"
 
 
 class ProviderRateLimited(ProviderError):

@@ -20,12 +20,14 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
+from openalice_runner.providers import openai_wire as wire
 from openalice_runner.providers.admission import AdmissionLimits
 from openalice_runner.providers.base import (
     CallContext,
     Capabilities,
     Provider,
     ProviderBadRequest,
+    ProviderBadResponse,
     ProviderError,
     ProviderRateLimited,
     ProviderTimeout,
@@ -38,14 +40,8 @@ from openalice_runner.types import (
     ChatChunk,
     ChatRequest,
     ChatResult,
-    ChunkChoice,
-    FunctionCall,
-    FunctionCallDelta,
     SpeculationInfo,
-    ToolCall,
-    ToolCallDelta,
     Usage,
-    new_id,
 )
 
 logger = logging.getLogger(__name__)
@@ -101,8 +97,6 @@ class HostedProvider(Provider):
     def _kwargs(self, request: ChatRequest, stream: bool) -> dict[str, Any]:
         cfg = self.config
         kwargs: dict[str, Any] = {
-            "model": cfg.model,
-            "messages": request.message_dicts(),
             "num_retries": 0,  # retries are ours (see module docstring)
             "max_retries": 0,
         }
@@ -118,17 +112,9 @@ class HostedProvider(Provider):
             kwargs["api_base"] = cfg.api_base
         if cfg.extra_headers:
             kwargs["extra_headers"] = dict(cfg.extra_headers)
-        if request.tools:
-            kwargs["tools"] = request.tool_dicts()
-        if request.tool_choice is not None:
-            choice = request.tool_choice
-            kwargs["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
-        for field in ("temperature", "top_p", "seed", "stop", "max_tokens"):
-            value = getattr(request, field)
-            if value is not None:
-                kwargs[field] = value
-        if request.top_k is not None:
-            kwargs["top_k"] = request.top_k  # not an OpenAI param: litellm refuses it where unsupported
+        # messages, tools, tool_choice, parallel_tool_calls, sampling fields; top_k is no OpenAI
+        # param: litellm refuses it where the upstream does not take it
+        kwargs.update(wire.request_body(request, cfg.model))
         if stream:
             kwargs["stream"] = True
             kwargs["stream_options"] = {"include_usage": True}
@@ -173,26 +159,16 @@ class HostedProvider(Provider):
         return self._result(response)
 
     def _result(self, response: Any) -> ChatResult:
-        choice = response.choices[0]
-        message = choice.message
-        tool_calls = [
-            ToolCall(
-                id=tc.id or f"call_{i}",
-                function=FunctionCall(name=tc.function.name, arguments=tc.function.arguments or "{}"),
-            )
-            for i, tc in enumerate(getattr(message, "tool_calls", None) or [])
-        ] or None
-        usage = getattr(response, "usage", None)
-        finish = choice.finish_reason or "stop"
+        body = wire.read_response(response, self.name)
+        choice = body.choices[0]
+        tool_calls = wire.tool_calls_of(choice.message, self.name)
         return ChatResult.single(
-            id=response.id,
-            model=response.model or self.config.model,
-            content=message.content,
+            id=body.id,
+            model=body.model or self.config.model,
+            content=choice.message.content,
             tool_calls=tool_calls,
-            finish_reason=_finish_reason(finish, tool_calls),
-            usage=Usage.of(
-                int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
-            ),
+            finish_reason=wire.finish_reason(choice.finish_reason, bool(tool_calls)),
+            usage=body.usage.usage() if body.usage else Usage(),
             speculation=SpeculationInfo(method="off"),
             provider=self.name,
         )
@@ -239,11 +215,7 @@ class HostedProvider(Provider):
 
     async def _chunks(self, stream: Any, first: Any) -> AsyncGenerator[ChatChunk, None]:
         """litellm's chunks (the first one already read) -> ChatChunks."""
-        chunk_id, model = new_id("chatcmpl"), self.config.model
-        finish: str | None = None
-        usage: Usage | None = None
-        started = False
-        saw_tool_calls = False
+        acc = wire.ChunkAccumulator(self.config.model)
         pending = first
         while True:
             if pending is None:
@@ -253,41 +225,21 @@ class HostedProvider(Provider):
                     break
                 except Exception as exc:
                     err = map_litellm_error(exc, self.name)
-                    if started:
+                    if acc.started:
                         raise StreamBroken(f"stream broke: {err.message}", provider=self.name) from exc
                     raise err from exc
             raw, pending = pending, None
-            chunk_id = getattr(raw, "id", None) or chunk_id
-            model = getattr(raw, "model", None) or model
-            raw_usage = getattr(raw, "usage", None)
-            if raw_usage is not None and getattr(raw_usage, "completion_tokens", None) is not None:
-                usage = Usage.of(int(raw_usage.prompt_tokens or 0), int(raw_usage.completion_tokens or 0))
-            for choice in getattr(raw, "choices", None) or []:
-                if choice.finish_reason:
-                    finish = choice.finish_reason
-                delta = choice.delta
-                content = getattr(delta, "content", None)
-                calls = getattr(delta, "tool_calls", None)
-                if not content and not calls:
-                    continue
-                saw_tool_calls = saw_tool_calls or bool(calls)
-                yield ChatChunk.piece(
-                    chunk_id, model, content or None,
-                    [_tool_call_delta(tc) for tc in calls] if calls else None, first=not started,
-                )
-                started = True
-        if finish is None and not started:
+            try:
+                chunk = wire.read_chunk(raw, self.name)
+            except ProviderBadResponse as exc:
+                if acc.started:
+                    raise StreamBroken(f"stream unreadable: {exc.message}", provider=self.name) from exc
+                raise
+            for piece in acc.feed(chunk):
+                yield piece
+        if acc.finish is None and not acc.started:
             raise ProviderUnavailable("stream ended before any token", provider=self.name)
-        yield ChatChunk(
-            id=chunk_id,
-            model=model,
-            choices=[
-                ChunkChoice(finish_reason=_finish_reason(finish or "stop", [1] if saw_tool_calls else None))
-            ],
-            usage=usage or Usage(),
-            speculation=SpeculationInfo(method="off"),
-            provider=self.name,
-        )
+        yield acc.final(SpeculationInfo(method="off"), self.name)
 
 
 # ---------------------------------------------------------------- error mapping
@@ -317,34 +269,6 @@ def map_litellm_error(exc: BaseException, provider: str) -> ProviderError:
 
 
 def _retry_after(exc: BaseException) -> float | None:
-    headers: Any = None
     response = getattr(exc, "response", None)
-    if response is not None:
-        headers = getattr(response, "headers", None)
-    headers = headers or getattr(exc, "litellm_response_headers", None) or {}
-    try:
-        value = headers.get("retry-after") or headers.get("Retry-After")
-        return float(value) if value is not None else None
-    except (AttributeError, TypeError, ValueError):
-        return None
-
-
-def _finish_reason(finish: str, tool_calls: Any) -> Any:
-    if tool_calls and finish in ("stop", "tool_calls", "function_call"):
-        return "tool_calls"
-    if finish in ("stop", "length", "tool_calls", "content_filter"):
-        return finish
-    return "stop"
-
-
-def _tool_call_delta(tc: Any) -> ToolCallDelta:
-    fn = getattr(tc, "function", None)
-    return ToolCallDelta(
-        index=int(getattr(tc, "index", 0) or 0),
-        id=getattr(tc, "id", None),
-        type="function" if getattr(tc, "id", None) else None,
-        function=FunctionCallDelta(
-            name=getattr(fn, "name", None) if fn else None,
-            arguments=getattr(fn, "arguments", None) if fn else None,
-        ),
-    )
+    headers = getattr(response, "headers", None) if response is not None else None
+    return wire.retry_after(headers or getattr(exc, "litellm_response_headers", None))

@@ -5,14 +5,16 @@ runner realises a policy by routing: the Decision's `pool` (or, failing that, th
 matches the Decision's method, or the default pool) picks the pool; inside it the least-loaded
 replica serves. Replica load comes from the server itself, cached for `load_cache_s`:
   GET /v1/loads?include=core   -> {"loads": [{"dp_rank", "num_running_reqs", "num_waiting_reqs", ...}]}
-  GET /get_load                -> [{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}] (0.5.x, deprecated later)
   GET /metrics                 -> Prometheus `sglang:num_running_reqs`, `sglang:num_queue_reqs`
-the first that answers is remembered per replica.
+                                  (only on servers launched with --enable-metrics)
+the first that answers is remembered per replica (SGLang 0.5.23 has no /get_load route).
+`num_running_reqs` is SGLang's running decode batch, capped by --max-running-requests; it is what
+an adaptive pool picks its `--speculative-adaptive-config` slot by.
 
-Requests go to `/v1/chat/completions` (OpenAI-compatible). Non-streaming requests ask for
-`return_meta_info`, whose per-choice `meta_info` carries the speculation counters (`spec_verify_ct`,
-`spec_accept_length`, `spec_accept_rate`, and the accepted/proposed draft counts under the names
-SGLang versions have used). SGLang errors are `{"object": "error", "message", "type", "param",
+Requests go to `/v1/chat/completions` (OpenAI-compatible, read by `openai_wire`) with
+`return_spec_tokens_details`: SGLang 0.5.23 then sends the speculation counters as
+`sglext.spec_tokens_details` on the response, or on a chunk of its own after the finish chunk when
+streaming (serving_chat.py). SGLang errors are `{"object": "error", "message", "type", "param",
 "code"}` (non-streaming) or an SSE `data: {"error": {...}}` event (streaming).
 """
 
@@ -32,12 +34,14 @@ import httpx
 from pydantic import Field, field_validator, model_validator
 
 from openalice_runner.config_files.models import StrictModel
+from openalice_runner.providers import openai_wire as wire
 from openalice_runner.providers.admission import AdmissionLimits
 from openalice_runner.providers.base import (
     CallContext,
     Capabilities,
     Provider,
     ProviderBadRequest,
+    ProviderBadResponse,
     ProviderError,
     ProviderLoad,
     ProviderRateLimited,
@@ -52,31 +56,27 @@ from openalice_runner.types import (
     ChatChunk,
     ChatRequest,
     ChatResult,
-    ChunkChoice,
-    FunctionCallDelta,
     SpeculationInfo,
-    ToolCall,
-    ToolCallDelta,
     Usage,
-    new_id,
 )
 
 logger = logging.getLogger(__name__)
-
-_ALGORITHM = {"eagle": "EAGLE3", "ngram": "NGRAM", "draft": "STANDALONE"}
-
 
 # ---------------------------------------------------------------- config
 
 
 class SGLangLaunch(StrictModel):
-    """The speculation flags a pool's servers were (or should be) launched with."""
+    """What the runner must know of the flags a pool's servers were launched with, to read their
+    speculation figures. The flags themselves come from one generator, `policy sglang-args`
+    (policies/sglang_args.py); tests/test_policy_sglang.py checks the example files agree."""
 
     num_steps: int | None = Field(default=None, ge=1)  # --speculative-num-steps
     eagle_topk: int | None = Field(default=None, ge=1)  # --speculative-eagle-topk
     num_draft_tokens: int | None = Field(default=None, ge=2)  # --speculative-num-draft-tokens
     draft_model_path: str | None = None  # --speculative-draft-model-path
     adaptive_config: str | None = None  # --speculative-adaptive-config
+    adaptive: bool = False  # --speculative-adaptive: EAGLE steps vary with the running batch
+    candidate_steps: list[int] | None = None  # every slot's candidate_steps (adaptive), joined
 
 
 class SGLangPool(StrictModel):
@@ -93,30 +93,20 @@ class SGLangPool(StrictModel):
         return [u.rstrip("/") for u in v]
 
     @property
+    def adaptive(self) -> bool:
+        return self.method != "off" and self.launch.adaptive
+
+    @property
     def gamma(self) -> int:
-        """Draft tokens per verify round (SGLang counts the target's own token in num_draft_tokens)."""
+        """Draft tokens per verify round (SGLang counts the target's own token in num_draft_tokens);
+        on an adaptive pool the most one round can draft (its largest candidate step)."""
         if self.method == "off":
             return 0
+        if self.adaptive:
+            return max(self.launch.candidate_steps or [self.launch.num_steps or 0])
         if self.launch.num_draft_tokens:
             return self.launch.num_draft_tokens - 1
         return self.launch.num_steps or 0
-
-    def launch_args(self) -> list[str]:
-        """`sglang.launch_server` flags that realise this pool's speculation setting."""
-        if self.method == "off":
-            return []
-        args = ["--speculative-algorithm", _ALGORITHM[self.method]]
-        launch = self.launch
-        for flag, value in (
-            ("--speculative-draft-model-path", launch.draft_model_path),
-            ("--speculative-num-steps", launch.num_steps),
-            ("--speculative-eagle-topk", launch.eagle_topk),
-            ("--speculative-num-draft-tokens", launch.num_draft_tokens),
-            ("--speculative-adaptive-config", launch.adaptive_config),
-        ):
-            if value is not None:
-                args += [flag, str(value)]
-        return args
 
 
 class SGLangConfig(AdmissionLimits):  # max_in_flight / max_queue: the gate in front of it
@@ -148,6 +138,7 @@ class Replica:
     url: str
     running: int | None = None
     waiting: int | None = None
+    max_running: int | None = None  # --max-running-requests, as /v1/loads reports it
     read_at: float = 0.0  # monotonic time of the last load read
     down_until: float = 0.0
     load_endpoint: str | None = None  # the endpoint that answered last time
@@ -162,7 +153,7 @@ class Replica:
 
 async def read_replica_load(client: httpx.AsyncClient, replica: Replica, timeout: float) -> None:
     """Fill `replica.running/waiting` from whichever load endpoint the server offers."""
-    order = ["v1_loads", "get_load", "metrics"]
+    order = ["v1_loads", "metrics"]
     if replica.load_endpoint:
         order.remove(replica.load_endpoint)
         order.insert(0, replica.load_endpoint)
@@ -172,7 +163,7 @@ async def read_replica_load(client: httpx.AsyncClient, replica: Replica, timeout
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             figures = None
         if figures is not None:
-            replica.running, replica.waiting = figures
+            replica.running, replica.waiting, replica.max_running = figures
             replica.load_endpoint = endpoint
             replica.read_at = time.monotonic()
             replica.in_flight = 0
@@ -181,40 +172,33 @@ async def read_replica_load(client: httpx.AsyncClient, replica: Replica, timeout
     replica.read_at = time.monotonic()
 
 
-async def _read_v1_loads(client: httpx.AsyncClient, url: str, timeout: float) -> tuple[int, int] | None:
+Figures = tuple[int, int, int | None]  # running, waiting, max running (None: not reported)
+
+
+async def _read_v1_loads(client: httpx.AsyncClient, url: str, timeout: float) -> Figures | None:
     resp = await client.get(f"{url}/v1/loads", params={"include": "core"}, timeout=timeout)
     if resp.status_code != 200:
         return None
     loads = resp.json()["loads"]
+    limits = [int(x["max_running_requests"]) for x in loads if x.get("max_running_requests")]
     return (
         sum(int(x.get("num_running_reqs") or 0) for x in loads),
         sum(int(x.get("num_waiting_reqs") or 0) for x in loads),
+        sum(limits) if limits and len(limits) == len(loads) else None,
     )
 
 
-async def _read_get_load(client: httpx.AsyncClient, url: str, timeout: float) -> tuple[int, int] | None:
-    resp = await client.get(f"{url}/get_load", timeout=timeout)
-    if resp.status_code != 200:
-        return None
-    data = resp.json()
-    ranks = data if isinstance(data, list) else [data]
-    return (
-        sum(int(x.get("num_reqs") or 0) for x in ranks),
-        sum(int(x.get("num_waiting_reqs") or 0) for x in ranks),
-    )
-
-
-async def _read_metrics(client: httpx.AsyncClient, url: str, timeout: float) -> tuple[int, int] | None:
+async def _read_metrics(client: httpx.AsyncClient, url: str, timeout: float) -> Figures | None:
     resp = await client.get(f"{url}/metrics", timeout=timeout)
     if resp.status_code != 200:
         return None
     running = parse_prometheus_sum(resp.text, "sglang:num_running_reqs")
     if running is None:
         return None
-    return int(running), int(parse_prometheus_sum(resp.text, "sglang:num_queue_reqs") or 0)
+    return int(running), int(parse_prometheus_sum(resp.text, "sglang:num_queue_reqs") or 0), None
 
 
-_LOAD_READERS = {"v1_loads": _read_v1_loads, "get_load": _read_get_load, "metrics": _read_metrics}
+_LOAD_READERS = {"v1_loads": _read_v1_loads, "metrics": _read_metrics}
 
 
 def parse_prometheus_sum(text: str, metric: str) -> float | None:
@@ -275,7 +259,9 @@ class SGLangProvider(Provider):
         if not known:
             return ProviderLoad()
         best = min(known, key=lambda r: r.load)
-        return ProviderLoad(batch_size=best.running + best.in_flight, queue_depth=best.waiting)
+        return ProviderLoad(
+            batch_size=best.running + best.in_flight, queue_depth=best.waiting, max_batch=best.max_running
+        )
 
     async def current_load(self) -> ProviderLoad:
         await self.refresh_loads()
@@ -317,21 +303,14 @@ class SGLangProvider(Provider):
     # ---- requests ----
 
     def _body(self, request: ChatRequest, stream: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.config.model, "messages": request.message_dicts()}
-        if request.tools:
-            body["tools"] = request.tool_dicts()
-        if request.tool_choice is not None:
-            choice = request.tool_choice
-            body["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
-        for field in ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens"):
-            value = getattr(request, field)
-            if value is not None:
-                body[field] = value
+        body = wire.request_body(request, self.config.model)
+        # SGLang 0.5.23 returns the per-request speculation counters as `sglext.spec_tokens_details`
+        # (protocol.py SpecTokensDetails), on the response or, streaming, on a chunk of their own
+        # after the finish chunk (serving_chat.py `_generate_chat_stream`). Nothing when off.
+        body["return_spec_tokens_details"] = True
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-        else:
-            body["return_meta_info"] = True  # per-request speculation counters
         return body
 
     def _timeout(self) -> httpx.Timeout:
@@ -364,7 +343,7 @@ class SGLangProvider(Provider):
                 continue
             if resp.status_code != 200:
                 raise _http_error(resp, self.name)
-            return self._result(resp.json(), pool, ctx)
+            return self._result(resp, pool, ctx)
         raise ProviderUnavailable(
             f"no replica of pool {pool!r} served: {'; '.join(errors)}", provider=self.name
         )
@@ -374,27 +353,29 @@ class SGLangProvider(Provider):
         errors.append(why)
         logger.warning("%s: replica failed before the first token, trying the next: %s", self.name, why)
 
-    def _result(self, data: dict[str, Any], pool: str, ctx: CallContext) -> ChatResult:
+    def _result(self, resp: httpx.Response, pool: str, ctx: CallContext) -> ChatResult:
         try:
-            choice = data["choices"][0]
-            message = choice["message"]
-            finish = choice.get("finish_reason") or "stop"
-        except (KeyError, IndexError, TypeError) as exc:
-            raise ProviderUnavailable(f"malformed response from SGLang: {exc!r}", provider=self.name) from exc
+            data = resp.json()
+        except ValueError as exc:
+            raise ProviderBadResponse(
+                f"SGLang answered 200 with a body that is not JSON: {exc}", provider=self.name
+            ) from None
+        body = wire.read_response(data, self.name)
+        choice = body.choices[0]
+        finish = choice.finish_reason or "stop"
         if finish == "abort":  # the server dropped the request; nothing usable came back
             raise ProviderUnavailable("SGLang aborted the request", provider=self.name)
-        usage_data = data.get("usage") or {}
-        usage = Usage.of(
-            int(usage_data.get("prompt_tokens") or 0), int(usage_data.get("completion_tokens") or 0)
-        )
-        tool_calls = [ToolCall.model_validate(tc) for tc in message.get("tool_calls") or []] or None
-        outcome = self._speculation(choice.get("meta_info"), pool, ctx, usage)
+        usage = body.usage.usage() if body.usage else Usage()
+        tool_calls = wire.tool_calls_of(choice.message, self.name)
+        outcome = self._speculation(_spec_details(body.sglext, choice.meta_info), pool, ctx, usage)
         result = ChatResult.single(
-            id=data.get("id"),
-            model=data.get("model") or self.config.model,
-            content=message.get("content"),
+            id=body.id,
+            model=body.model or self.config.model,
+            # SGLang sends content "" beside tool calls (serving_chat.py: "content should not be
+            # None but empty string"); OpenAI's shape has null there
+            content=choice.message.content or (None if tool_calls else ""),
             tool_calls=tool_calls,
-            finish_reason=_finish_reason(finish, tool_calls),
+            finish_reason=wire.finish_reason(finish, bool(tool_calls)),
             usage=usage,
             speculation=SpeculationInfo.from_outcome(outcome),
             provider=self.name,
@@ -402,27 +383,31 @@ class SGLangProvider(Provider):
         return result.attach_outcome(outcome)
 
     def _speculation(
-        self, meta: dict[str, Any] | None, pool: str, ctx: CallContext, usage: Usage
+        self, spec: wire.WireSpecDetails | None, pool: str, ctx: CallContext, usage: Usage
     ) -> SpeculationOutcome:
+        """The outcome from SGLang 0.5.23's per-request counters (tokenizer_manager.py
+        `_calculate_spec_decoding_metrics`): `spec_verify_ct` verify passes,
+        `spec_num_correct_drafts` accepted drafts, `spec_correct_drafts_histogram[k]` passes that
+        accepted k drafts (as long as the largest k seen + 1), `spec_accept_length` completion
+        tokens per pass, and `spec_num_proposed_drafts` = verify_ct × (launch num_draft_tokens − 1).
+        On an adaptive pool a pass drafts 0..max steps, so that last figure is not what was
+        proposed: the outcome says `gamma_varies` and the policy takes α from the histogram."""
         cfg = self.config.pools[pool]
         decision = ctx.decision
         figures: dict[str, Any] = {}
-        meta = meta or {}
-        verify_ct = meta.get("spec_verify_ct")
-        if cfg.method != "off" and verify_ct:
-            accepted = _first_int(meta, "spec_accepted_drafts", "spec_num_correct_drafts", "spec_accept_token_num")
-            proposed = _first_int(
-                meta, "spec_proposed_drafts", "spec_num_proposed_drafts", "spec_draft_token_num"
-            )
-            if proposed is None and cfg.gamma:
-                proposed = int(verify_ct) * cfg.gamma
-            length = meta.get("spec_accept_length")
-            completion = int(meta.get("completion_tokens") or usage.completion_tokens)
+        if cfg.method != "off" and spec is not None and spec.spec_verify_ct > 0:
+            verify_ct = spec.spec_verify_ct
+            hist = list(spec.spec_correct_drafts_histogram)
+            if hist and cfg.gamma and len(hist) < cfg.gamma + 1:
+                hist += [0] * (cfg.gamma + 1 - len(hist))  # SGLang grows it only as far as seen
+            completion = usage.completion_tokens
             figures = {
-                "target_passes": int(verify_ct),
-                "accepted": accepted or 0,
-                "proposed": proposed or 0,
-                "tokens_per_pass": float(length) if length is not None else completion / int(verify_ct),
+                "target_passes": verify_ct,
+                "accepted": spec.spec_num_correct_drafts,
+                "proposed": spec.spec_num_proposed_drafts,
+                "accept_length_histogram": tuple(hist),
+                "tokens_per_pass": spec.spec_accept_length or (completion / verify_ct),
+                "gamma_varies": cfg.adaptive,
             }
         return SpeculationOutcome(
             method=cfg.method,
@@ -475,73 +460,49 @@ class SGLangProvider(Provider):
 
     async def _chunks(self, resp: httpx.Response, pool: str, ctx: CallContext) -> AsyncIterator[ChatChunk]:
         """SSE events -> ChatChunks. Errors after the first yielded chunk become StreamBroken."""
-        started = False
-        chunk_id = new_id("chatcmpl")
-        model = self.config.model
-        finish: str | None = None
-        usage: Usage | None = None
-        saw_tool_calls = False
+        acc = wire.ChunkAccumulator(self.config.model)
         try:
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
-                    continue
+                    continue  # comments, `event:` lines (SGLang's framed `sglext_ids`), blanks
                 payload = line[5:].strip()
                 if payload == "[DONE]":
                     break
                 data = json.loads(payload)
-                if "error" in data:
+                if isinstance(data, dict) and "error" in data:
                     err = _error_from_body(data["error"], self.name)
-                    if started:
+                    if acc.started:
                         raise StreamBroken(f"SGLang stream error: {err.message}", provider=self.name)
                     raise err
-                chunk_id = data.get("id") or chunk_id
-                model = data.get("model") or model
-                if data.get("usage"):
-                    u = data["usage"]
-                    usage = Usage.of(int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0))
-                for choice in data.get("choices") or []:
-                    if choice.get("finish_reason"):
-                        finish = choice["finish_reason"]
-                    delta = choice.get("delta") or {}
-                    content = delta.get("content")
-                    calls = delta.get("tool_calls")
-                    if not content and not calls:
-                        continue  # role-only opener or finish marker: not a token
-                    saw_tool_calls = saw_tool_calls or bool(calls)
-                    yield ChatChunk.piece(
-                        chunk_id, model, content or None,
-                        [_tool_call_delta(tc) for tc in calls] if calls else None, first=not started,
-                    )
-                    started = True
+                for chunk in acc.feed(wire.read_chunk(data, self.name)):
+                    yield chunk
         except httpx.TimeoutException as exc:
-            if started:
+            if acc.started:
                 raise StreamBroken(f"SGLang stream stalled: {exc!r}", provider=self.name) from exc
             raise ProviderTimeout(f"no first token in time: {exc!r}", provider=self.name) from exc
-        except (httpx.TransportError, json.JSONDecodeError) as exc:
-            if started:
+        except httpx.TransportError as exc:
+            if acc.started:
                 raise StreamBroken(f"SGLang stream broke: {exc!r}", provider=self.name) from exc
             raise ProviderUnavailable(
                 f"SGLang stream failed before the first token: {exc!r}", provider=self.name
             ) from exc
-        if finish is None:
-            if started:
+        except (json.JSONDecodeError, ProviderBadResponse) as exc:
+            if acc.started:
+                raise StreamBroken(f"SGLang stream unreadable: {exc}", provider=self.name) from exc
+            if isinstance(exc, ProviderBadResponse):
+                raise
+            raise ProviderBadResponse(f"SGLang stream event is not JSON: {exc}", provider=self.name) from exc
+        if acc.finish is None:
+            if acc.started:
                 raise StreamBroken("SGLang stream ended without a finish_reason", provider=self.name)
             raise ProviderUnavailable("SGLang stream ended before any token", provider=self.name)
-        if finish == "abort":
-            if started:
+        if acc.finish == "abort":
+            if acc.started:
                 raise StreamBroken("SGLang aborted the request mid-stream", provider=self.name)
             raise ProviderUnavailable("SGLang aborted the request", provider=self.name)
-        usage = usage or Usage()
-        outcome = self._speculation(None, pool, ctx, usage)
-        final = ChatChunk(
-            id=chunk_id,
-            model=model,
-            choices=[ChunkChoice(finish_reason=_finish_reason(finish, [1] if saw_tool_calls else None))],
-            usage=usage,
-            speculation=SpeculationInfo.from_outcome(outcome),
-            provider=self.name,
-        )
-        yield final.attach_outcome(outcome)
+        usage = acc.usage or Usage()
+        outcome = self._speculation(_spec_details(acc.sglext, None), pool, ctx, usage)
+        yield acc.final(SpeculationInfo.from_outcome(outcome), self.name).attach_outcome(outcome)
 
     async def aclose(self) -> None:
         if self._owns_client:
@@ -551,29 +512,18 @@ class SGLangProvider(Provider):
 # ---------------------------------------------------------------- helpers
 
 
-def _first_int(meta: dict[str, Any], *keys: str) -> int | None:
-    for key in keys:
-        if meta.get(key) is not None:
-            return int(meta[key])
-    return None
-
-
-def _finish_reason(finish: str, tool_calls: Any) -> Any:
-    if tool_calls and finish in ("stop", "tool_calls"):
-        return "tool_calls"
-    if finish in ("stop", "length", "tool_calls", "content_filter"):
-        return finish
-    return "stop"
-
-
-def _tool_call_delta(tc: dict[str, Any]) -> ToolCallDelta:
-    fn = tc.get("function") or {}
-    return ToolCallDelta(
-        index=int(tc.get("index") or 0),
-        id=tc.get("id"),
-        type="function" if tc.get("id") else None,
-        function=FunctionCallDelta(name=fn.get("name"), arguments=fn.get("arguments")),
-    )
+def _spec_details(
+    sglext: wire.WireSglExt | None, meta_info: dict[str, Any] | None
+) -> wire.WireSpecDetails | None:
+    """The speculation counters: `sglext.spec_tokens_details` (asked for), else the same names in
+    a choice's `meta_info` (present when a caller set `return_meta_info`)."""
+    spec = sglext.spec() if sglext is not None else None
+    if spec is None and meta_info and meta_info.get("spec_verify_ct"):
+        try:
+            spec = wire.WireSpecDetails.model_validate(meta_info)
+        except ValueError:
+            spec = None
+    return spec
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -587,20 +537,12 @@ def _error_message(resp: httpx.Response) -> str:
     return str(data)[:200]
 
 
-def _retry_after(resp: httpx.Response) -> float | None:
-    value = resp.headers.get("retry-after")
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
 def _http_error(resp: httpx.Response, provider: str) -> ProviderError:
     message = _error_message(resp)
     code = resp.status_code
     if code == 429:
         return ProviderRateLimited(
-            message, provider=provider, status_code=code, retry_after=_retry_after(resp)
+            message, provider=provider, status_code=code, retry_after=wire.retry_after(resp.headers)
         )
     if code in (408, 504):
         return ProviderTimeout(message, provider=provider, status_code=code)
