@@ -120,7 +120,7 @@ class Runner:
             routing = providers
         else:
             routing = load_routing_file(providers)
-            _check_pools_agree(policy, providers)
+            _check_pools(policy, providers)
         store = _policy_store(policy, watch_policy)
         if telemetry is None:
             from openalice_runner.tracing import RunnerTelemetry
@@ -277,9 +277,9 @@ def _limits_of(config: Any) -> AdmissionLimits:
     )
 
 
-def _check_pools_agree(policy: Any, providers: str | Path) -> None:
-    """At load, the policy file's SGLang pools against the routing file's (ConfigError if they
-    disagree); a policy given as an object or switched off has no file to compare."""
+def _check_pools(policy: Any, providers: str | Path) -> None:
+    """At load, the policy file's rules against the SGLang pools the routing file deploys
+    (ConfigError naming each problem); a policy given as an object or switched off has no file."""
     if policy is None:
         from openalice_runner import defaults
 
@@ -287,9 +287,9 @@ def _check_pools_agree(policy: Any, providers: str | Path) -> None:
     if not isinstance(policy, str | Path):
         return
     from openalice_runner.config_files import ConfigError
-    from openalice_runner.providers.pool_agreement import check_pools_agree
+    from openalice_runner.providers.pool_checks import check_pool_files
 
-    problems = check_pools_agree(policy, providers)
+    problems = check_pool_files(policy, providers)
     if problems:
         raise ConfigError(problems)
 

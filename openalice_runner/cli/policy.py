@@ -27,7 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--providers",
         metavar="FILE",
         default=None,
-        help="also check the policy's SGLang pools against this routing file's (names, method, launch)",
+        help="also check the policy's rules against the SGLang pools this routing file deploys "
+        "(pool names, methods, tool-call parsers, batch ranges, launch flags)",
     )
     check.set_defaults(func=_check)
 
@@ -55,19 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     speedup.add_argument("--json", action="store_true")
     speedup.set_defaults(func=_speedup)
 
-    sgl = sub.add_parser("sglang-args", help="SGLang launch flags for one pool, one shell-quoted line")
-    sgl.add_argument("--policy", default=DEFAULT_POLICY)
-    sgl.add_argument("--pool", required=True)
-    sgl.add_argument(
-        "--adaptive-config-out",
-        default=None,
-        help="where to write the --speculative-adaptive-config JSON (default: the pool's adaptive_config_path, "
-        "else ./sglang-adaptive-POOL.json)",
-    )
-    sgl.add_argument(
-        "--json", action="store_true", help='print {"pool", "args", "line", "adaptive_config", ...}'
-    )
-    sgl.set_defaults(func=_sglang_args)
+    from openalice_runner.cli.sglang import add_args_parser
+
+    add_args_parser(sub, "sglang-args")  # the same generator as `sglang args`
 
 
 def _positive_int(text: str) -> int:
@@ -121,9 +112,9 @@ def _check(args: argparse.Namespace) -> int:
         load_policy_file(args.file)
         problems = []
         if args.providers:
-            from openalice_runner.providers.pool_agreement import check_pools_agree
+            from openalice_runner.providers.pool_checks import check_pool_files
 
-            problems = check_pools_agree(args.file, args.providers)
+            problems = check_pool_files(args.file, args.providers)
     except ConfigError as exc:  # the policy (PolicyError) or the routing file on its own
         problems = exc.problems
     if problems:
@@ -177,44 +168,4 @@ def _speedup(args: argparse.Namespace) -> int:
     else:
         best = " (best in range)" if "best_gamma" in out else ""
         print(f"gamma {gamma}{best}: {out['tokens_per_round']:.2f} tokens per round, {out['speedup']:.2f}x")
-    return 0
-
-
-def _sglang_args(args: argparse.Namespace) -> int:
-    from openalice_runner.policies.sglang_args import compile_pool
-
-    store = _load(args.policy)
-    if store is None:
-        return 2
-    try:
-        launch = compile_pool(store.policy, args.pool, args.adaptive_config_out)
-    except KeyError as exc:
-        print(f"error: {exc.args[0]}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if launch.adaptive_config is not None:
-        try:
-            path = launch.write_adaptive_config()
-        except OSError as exc:
-            print(
-                f"error: cannot write {launch.adaptive_config_path}: {exc.strerror or exc}", file=sys.stderr
-            )
-            return 2
-        print(f"wrote {path}", file=sys.stderr)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "pool": launch.pool,
-                    "args": launch.args,
-                    "line": launch.line(),
-                    "adaptive_config": launch.adaptive_config,
-                    "adaptive_config_path": launch.adaptive_config_path,
-                }
-            )
-        )
-    else:
-        print(launch.line())
     return 0

@@ -1,24 +1,17 @@
-"""Checks that span several fields of one rule, decision or pool, each reported at the offending value."""
+"""Checks that span several fields of one rule or decision, each reported at the offending value.
+
+What a rule's `pool:` must find in the routing file (the pool, a method it can serve, a tool-call
+parser, a batch range within max_running_requests) is checked with both files:
+providers/pool_checks.py."""
 
 from __future__ import annotations
 
 from openalice_runner.config_files.errors import Problem
 from openalice_runner.config_files.yaml_nodes import Located, Path
-from openalice_runner.policies.schema import OPTIONS_BY_METHOD, DecisionSpec, Match, Policy, SGLangPool
-
-# Which rule methods each SGLang pool algorithm can serve (`off` everywhere: adaptive steps 0 or no spec).
-POOL_METHODS = {
-    "EAGLE3": {"eagle", "off"},
-    "EAGLE": {"eagle", "off"},
-    "NGRAM": {"ngram", "off"},
-    "NONE": {"off"},
-}
-
+from openalice_runner.policies.schema import OPTIONS_BY_METHOD, DecisionSpec, Match, Policy
 
 def check_policy(policy: Policy, loc: Located) -> list[Problem]:
     problems: list[Problem] = []
-    for name, pool in policy.pools.items():
-        problems += _check_pool(pool, ("pools", name), loc)
     seen: dict[str, int] = {}
     for i, rule in enumerate(policy.rules):
         path: Path = ("rules", i)
@@ -33,8 +26,8 @@ def check_policy(policy: Policy, loc: Located) -> list[Problem]:
         else:
             seen[rule.name] = i
         problems += _check_match(rule.match, (*path, "match"), loc)
-        problems += _check_decision(rule, path, policy, loc)
-    problems += _check_decision(policy.default, ("default",), policy, loc)
+        problems += _check_decision(rule, path, loc)
+    problems += _check_decision(policy.default, ("default",), loc)
     return problems
 
 
@@ -61,7 +54,7 @@ def _check_match(match: Match, path: Path, loc: Located) -> list[Problem]:
     return problems
 
 
-def _check_decision(d: DecisionSpec, path: Path, policy: Policy, loc: Located) -> list[Problem]:
+def _check_decision(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
     problems = []
     at = lambda *sub: (*path, *sub)  # noqa: E731
     if d.method == "off":
@@ -115,121 +108,4 @@ def _check_decision(d: DecisionSpec, path: Path, policy: Policy, loc: Located) -
                 )
             )
 
-    if d.pool is not None:
-        pool = policy.pools.get(d.pool)
-        if pool is None:
-            known = ", ".join(sorted(policy.pools)) or "none defined"
-            problems.append(loc.problem(at("pool"), f"unknown pool {d.pool!r} (pools: {known})"))
-        elif d.method not in POOL_METHODS[pool.algorithm]:
-            problems.append(
-                loc.problem(
-                    at("method"), f"method {d.method} cannot be served by pool {d.pool!r} ({pool.algorithm})"
-                )
-            )
-        else:
-            problems += _check_routed_to_pool(d, path, d.pool, pool, loc)
-    return problems
-
-
-def _check_routed_to_pool(
-    d: DecisionSpec, path: Path, name: str, pool: SGLangPool, loc: Located
-) -> list[Problem]:
-    """What a pool must offer the turns and batch sizes routed to it."""
-    problems = []
-    match = getattr(d, "match", None)  # the default decision matches every turn and batch size
-    turns = match.turn_type if match is not None else None
-    serves_tools = turns is None or "tool_call" in ([turns] if isinstance(turns, str) else turns)
-    if serves_tools and not pool.tool_call_parser:
-        problems.append(
-            loc.problem(
-                (*path, "pool"),
-                f"pool {name!r} serves tool_call turns but has no tool_call_parser: SGLang returns tool "
-                "calls as text unless launched with --tool-call-parser",
-            )
-        )
-    limit = pool.max_running_requests
-    if pool.adaptive and limit is not None and match is not None:
-        b = match.batch_size
-        top = b.max if b is not None else None
-        if top is None or top > limit:
-            where = (*path, "match", "batch_size") if b is not None else (*path, "match")
-            reach = f"reaches {top}" if top is not None else "has no upper bound"
-            problems.append(
-                loc.problem(
-                    where,
-                    f"batch_size {reach}, but adaptive pool {name!r} runs at most "
-                    f"max_running_requests {limit} (SGLang picks the adaptive slot from its running "
-                    f"requests): bound it with max: {limit} or below",
-                )
-            )
-    return problems
-
-
-def _check_pool(pool: SGLangPool, path: Path, loc: Located) -> list[Problem]:
-    problems = []
-    at = lambda *sub: (*path, *sub)  # noqa: E731
-    eagle = pool.algorithm in ("EAGLE", "EAGLE3")
-    if eagle and not pool.draft_model_path:
-        problems.append(loc.problem(path, f"{pool.algorithm} pool needs draft_model_path (the EAGLE head)"))
-    if not eagle:
-        for f in ("draft_model_path", "eagle_topk"):
-            if getattr(pool, f) is not None:
-                problems.append(
-                    loc.problem(at(f), f"{f} does not apply to a {pool.algorithm} pool", key=True)
-                )
-    if pool.algorithm == "NONE":
-        for f in ("num_steps", "num_draft_tokens", "ngram"):
-            if getattr(pool, f) is not None:
-                problems.append(
-                    loc.problem(at(f), f"{f} does not apply to a pool without speculation", key=True)
-                )
-    if pool.ngram is not None and pool.algorithm != "NGRAM":
-        problems.append(loc.problem(at("ngram"), "ngram options only apply to an NGRAM pool", key=True))
-    if pool.adaptive and pool.max_running_requests is None:
-        problems.append(
-            loc.problem(
-                path,
-                "an adaptive pool needs max_running_requests: the largest batch its slots see "
-                "(SGLang's own default depends on GPU memory)",
-            )
-        )
-    if pool.adaptive:
-        if not eagle:
-            problems.append(
-                loc.problem(at("adaptive"), "SGLang's adaptive speculation supports EAGLE/EAGLE3 only")
-            )
-        elif pool.eagle_topk not in (None, 1):
-            problems.append(loc.problem(at("eagle_topk"), "SGLang's adaptive speculation needs eagle_topk 1"))
-        if pool.num_draft_tokens is not None:
-            problems.append(
-                loc.problem(
-                    at("num_draft_tokens"),
-                    "with adaptive, SGLang sets num_draft_tokens to num_steps + 1",
-                    key=True,
-                )
-            )
-    elif pool.adaptive_config_path is not None:
-        problems.append(
-            loc.problem(at("adaptive_config_path"), "adaptive_config_path needs adaptive: true", key=True)
-        )
-    topk = pool.eagle_topk or 1
-    if (
-        eagle
-        and topk == 1
-        and pool.num_steps is not None
-        and pool.num_draft_tokens not in (None, pool.num_steps + 1)
-    ):
-        problems.append(
-            loc.problem(
-                at("num_draft_tokens"),
-                f"with eagle_topk 1 SGLang uses num_draft_tokens = num_steps + 1 = {pool.num_steps + 1}",
-            )
-        )
-    if eagle and topk > 1 and pool.num_draft_tokens is None:
-        problems.append(
-            loc.problem(path, "eagle_topk > 1 builds a draft tree: set num_draft_tokens (its size)")
-        )
-    ng = pool.ngram
-    if ng and ng.min_bfs_breadth and ng.max_bfs_breadth and ng.min_bfs_breadth > ng.max_bfs_breadth:
-        problems.append(loc.problem(at("ngram", "max_bfs_breadth"), "max_bfs_breadth < min_bfs_breadth"))
     return problems

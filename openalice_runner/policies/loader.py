@@ -60,15 +60,28 @@ def parse_policy(text: str, source: str) -> Policy:
     loc = load_located(text, source, empty="a policy needs at least `default:`", error=PolicyError)
     if not isinstance(loc.data, dict):
         raise PolicyError([loc.problem((), "a policy file must be a mapping with at least `default:`")])
+    moved = _moved_keys(loc)
+    data = {k: v for k, v in loc.data.items() if k not in MOVED_TO_ROUTING}
     try:
-        policy = Policy.model_validate(loc.data)
+        policy = Policy.model_validate(data)
     except ValidationError as exc:
-        raise PolicyError(_schema_problems(exc, loc)) from None
-    problems = check_policy(policy, loc)
+        raise PolicyError(moved + _schema_problems(exc, loc)) from None
+    problems = moved + check_policy(policy, loc)
     problems += analyse_rules(policy.rules, loc)
     if problems:
         raise PolicyError(problems)
     return policy
+
+
+# Keys older policy files had, and where their content lives now.
+MOVED_TO_ROUTING = {
+    "pools": "`pools:` moved to the routing file: each pool's replicas and launch settings sit under "
+    "providers.NAME.pools.POOL (type: sglang; docs/sglang.md), and a rule names its pool with `pool:`",
+}
+
+
+def _moved_keys(loc: Located) -> list[Problem]:
+    return [loc.problem((key,), message, key=True) for key, message in MOVED_TO_ROUTING.items() if key in loc.data]
 
 
 # ---- pydantic errors -> positioned problems ---------------------------------------------------

@@ -1,4 +1,7 @@
-"""The policy file's schema (pydantic v2): ordered rules, a required default, adaptive-γ knobs, SGLang pools.
+"""The policy file's schema (pydantic v2): ordered rules, a required default, adaptive-γ knobs.
+
+SGLang pools are deployments: the routing file defines them (replicas and launch settings); a rule
+only names one (`pool:`), and `policy check --providers F` checks the two files together.
 
 Field-level problems (unknown keys, wrong types, out-of-range numbers, missing fields) are caught here;
 relations between fields and between rules are checked in `checks.py` and `analysis.py`, which
@@ -74,7 +77,7 @@ class DecisionSpec(_Strict):
         None, ge=0.0, le=1.0
     )  # only with gamma: auto; overrides adaptive.prior_alpha
     options: MethodOptions = MethodOptions()
-    pool: str | None = None  # SGLang pool (see `pools:`) that serves this decision
+    pool: str | None = None  # SGLang pool (defined in the routing file) that serves this decision
 
     @property
     def auto(self) -> bool:
@@ -122,38 +125,6 @@ class AdaptiveSettings(_Strict):
     prior_draft_cost: DraftCostPriors = DraftCostPriors()
 
 
-class NgramPoolOptions(_Strict):
-    """SGLang NGRAM knobs (`--speculative-ngram-*`); omitted ones keep SGLang's defaults."""
-
-    min_bfs_breadth: int | None = Field(None, ge=1)
-    max_bfs_breadth: int | None = Field(None, ge=1)
-    match_type: Literal["BFS", "PROB"] | None = None
-    max_trie_depth: int | None = Field(None, ge=1)
-    capacity: int | None = Field(None, ge=1)
-
-
-class SGLangPool(_Strict):
-    """One SGLang server pool: its speculation is fixed at launch, so the policy compiles its flags."""
-
-    algorithm: Literal["EAGLE3", "EAGLE", "NGRAM", "NONE"]
-    draft_model_path: str | None = None
-    num_steps: int | None = Field(None, ge=1, le=MAX_GAMMA)
-    eagle_topk: int | None = Field(None, ge=1)
-    num_draft_tokens: int | None = Field(None, ge=2)
-    adaptive: bool = False  # SGLang's --speculative-adaptive (EAGLE/EAGLE3 with topk 1 only)
-    adaptive_config_path: str | None = None  # where the adaptive JSON is written and read from
-    ngram: NgramPoolOptions | None = None
-    # --tool-call-parser (e.g. llama3, qwen25): SGLang parses tool calls out of the text only with
-    # it, so a pool that serves tool_call turns needs one; --reasoning-parser likewise for
-    # reasoning_content (e.g. deepseek-r1, qwen3). Names as SGLang's function_call / parser modules.
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    # --max-running-requests: the largest decode batch the server runs, so the largest batch size
-    # an adaptive pool's slots ever see (SGLang picks the slot from its running requests)
-    max_running_requests: int | None = Field(None, ge=1)
-    extra_args: list[str] = []  # passed through verbatim after the generated flags
-
-
 class Policy(_Strict):
     """A whole policy file."""
 
@@ -161,6 +132,5 @@ class Policy(_Strict):
     name: str | None = None
     description: str | None = None
     adaptive: AdaptiveSettings = AdaptiveSettings()
-    pools: dict[str, SGLangPool] = {}
     rules: list[Rule] = []
     default: DecisionSpec

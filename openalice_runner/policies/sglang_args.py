@@ -1,8 +1,11 @@
-"""Compile an SGLang pool of a policy into the server's launch flags.
+"""An SGLang pool's launch flags: the routing file's launch settings plus the policy rules routed to it.
 
 SGLang fixes speculation per server at launch, so the runner realises a policy by routing requests
-among pools and by generating each pool's flags from the rules that route to it. Flag names and
-constraints follow SGLang 0.5.x `server_args` (checked against 0.5.23, see tests/test_policy_sglang.py):
+among pools. The routing file owns each pool's launch settings (`providers.P.pools.NAME.launch`,
+providers/sglang_launch.py); what only the policy knows comes from the rules that name the pool:
+the adaptive pool's per-batch step candidates, and γ where the launch leaves it out. This is the one
+flag generator (`openalice-runner sglang args`). Flag names and constraints follow SGLang 0.5.x
+`server_args` (checked against 0.5.23, see tests/test_policy_sglang.py):
 
 * `--speculative-algorithm EAGLE3|EAGLE|NGRAM`, `--speculative-draft-model-path` (EAGLE head).
 * EAGLE with `--speculative-eagle-topk 1` is a chain: SGLang forces num_draft_tokens = num_steps + 1.
@@ -14,9 +17,10 @@ constraints follow SGLang 0.5.x `server_args` (checked against 0.5.23, see tests
   the pool start and end (`batch_table.py`, as for the engine's γ tables), and each piece's key holds
   the candidates of every rule covering it: fixed γ -> [γ], auto -> spread over [min_gamma, max_gamma],
   off -> [0].
-* `--tool-call-parser`, `--reasoning-parser` (serving: SGLang parses tool calls / reasoning out of
-  the text only with them) and `--max-running-requests` (scheduling: the largest running batch,
-  which bounds the adaptive slots a pool's rules can reach) come from the pool as they are.
+* `--model-path` is the provider's `model`; `--tool-call-parser`, `--reasoning-parser` (serving:
+  SGLang parses tool calls / reasoning out of the text only with them) and `--max-running-requests`
+  (scheduling: the largest running batch, which bounds the adaptive slots a pool's rules can reach)
+  come from the launch settings as they are.
 * NGRAM drafts a tree: `--speculative-num-draft-tokens` is its size (we use max γ + 1),
   `--speculative-ngram-{min,max}-bfs-breadth|match-type|max-trie-depth|capacity` tune it.
 """
@@ -27,9 +31,13 @@ import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from openalice_runner.policies.batch_table import batch_segments
-from openalice_runner.policies.schema import DecisionSpec, Policy, Rule
+from openalice_runner.policies.schema import AdaptiveSettings, DecisionSpec, Policy, Rule
+
+if TYPE_CHECKING:
+    from openalice_runner.providers.sglang_launch import SGLangLaunch as LaunchSettings
 
 
 @dataclass(frozen=True)
@@ -82,15 +90,21 @@ def _steps_of(d: DecisionSpec | Rule) -> list[int]:
     return gamma_candidates(lo, hi) if d.auto else [lo]
 
 
-def compile_pool(policy: Policy, pool_name: str, adaptive_config_path: str | None = None) -> SGLangLaunch:
-    """Launch flags for one pool. Raises KeyError for an unknown pool, ValueError if nothing sets γ."""
-    if pool_name not in policy.pools:
-        raise KeyError(f"unknown pool {pool_name!r} (pools: {', '.join(sorted(policy.pools)) or 'none'})")
-    pool = policy.pools[pool_name]
-    routed = _routed(policy, pool_name)
+def compile_pool(
+    pool: LaunchSettings,
+    pool_name: str,
+    policy: Policy | None,
+    adaptive_config_path: str | None = None,
+    model: str | None = None,
+) -> SGLangLaunch:
+    """Launch flags for one pool, from its launch settings (routing file) and the rules of `policy`
+    that name it (None: no rules). `model` leads the line as --model-path. Raises ValueError where
+    neither the settings nor the rules set γ, or where the settings contradict the rules."""
+    routed = _routed(policy, pool_name) if policy is not None else []
+    ema_weight = (policy.adaptive if policy is not None else AdaptiveSettings()).ema_weight
     all_steps = sorted({s for _, _, d in routed for s in _steps_of(d)})
     positive = [s for s in all_steps if s > 0]
-    args: list[str] = []
+    args: list[str] = ["--model-path", model] if model else []
     adaptive_cfg: dict | None = None
     cfg_path: str | None = None
 
@@ -116,7 +130,7 @@ def compile_pool(policy: Policy, pool_name: str, adaptive_config_path: str | Non
                 raise ValueError(
                     f"pool {pool_name!r}: num_steps {steps} is not among the rules' candidates {union}"
                 )
-            adaptive_cfg = {"ema_alpha": policy.adaptive.ema_weight}
+            adaptive_cfg = {"ema_alpha": ema_weight}
             for lo in sorted(slots):
                 adaptive_cfg[str(lo)] = {"candidate_steps": sorted(slots[lo])}
             cfg_path = (

@@ -33,6 +33,7 @@ from openalice_runner.config_files import ConfigError, Located, Problem, StrictM
 from openalice_runner.providers.hosted import HostedConfig
 from openalice_runner.providers.local_config import LocalConfig
 from openalice_runner.providers.sglang import SGLangConfig
+from openalice_runner.providers.sglang_launch import launch_problems
 
 ProviderConfig = Annotated[LocalConfig | SGLangConfig | HostedConfig, Field(discriminator="type")]
 
@@ -148,8 +149,23 @@ def load_routing_text(text: str, source: str = "<providers>") -> RoutingConfig:
         config = RoutingConfig.model_validate(loc.data)
     except ValidationError as exc:
         raise RoutingConfigError(_problems(exc, loc)) from None
+    _check_sglang_launch(config, loc)
     _check_engine_extra(config, loc)
     return config
+
+
+def _check_sglang_launch(config: RoutingConfig, loc: Located) -> None:
+    """Each SGLang pool's launch settings, checked where they sit (they become its servers' flags)."""
+    problems = []
+    for name, provider in config.providers.items():
+        if not isinstance(provider, SGLangConfig):
+            continue
+        for pool_name, pool in provider.pools.items():
+            at = ("providers", name, "pools", pool_name, "launch")
+            for sub, message, key in launch_problems(pool.launch):
+                problems.append(loc.problem((*at, *sub), f"pool {pool_name!r}: {message}", key=key))
+    if problems:
+        raise RoutingConfigError(problems)
 
 
 def _check_engine_extra(config: RoutingConfig, loc: Located) -> None:

@@ -36,6 +36,7 @@ from pydantic import Field, field_validator, model_validator
 from openalice_runner.config_files.models import StrictModel
 from openalice_runner.providers import openai_wire as wire
 from openalice_runner.providers.admission import AdmissionLimits
+from openalice_runner.providers.sglang_launch import SGLangLaunch
 from openalice_runner.providers.base import (
     CallContext,
     Capabilities,
@@ -65,23 +66,11 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------- config
 
 
-class SGLangLaunch(StrictModel):
-    """What the runner must know of the flags a pool's servers were launched with, to read their
-    speculation figures. The flags themselves come from one generator, `policy sglang-args`
-    (policies/sglang_args.py); tests/test_policy_sglang.py checks the example files agree."""
-
-    num_steps: int | None = Field(default=None, ge=1)  # --speculative-num-steps
-    eagle_topk: int | None = Field(default=None, ge=1)  # --speculative-eagle-topk
-    num_draft_tokens: int | None = Field(default=None, ge=2)  # --speculative-num-draft-tokens
-    draft_model_path: str | None = None  # --speculative-draft-model-path
-    adaptive_config: str | None = None  # --speculative-adaptive-config
-    adaptive: bool = False  # --speculative-adaptive: EAGLE steps vary with the running batch
-    candidate_steps: list[int] | None = None  # every slot's candidate_steps (adaptive), joined
-
-
 class SGLangPool(StrictModel):
+    """One pool of a routing file: where its servers are, and every flag they are launched with
+    (`openalice-runner sglang args --pool P` prints them; the routing file is their one source)."""
+
     replicas: list[str] = Field(min_length=1)  # base URLs, e.g. http://10.0.0.5:30000
-    method: SpecMethod = "off"
     launch: SGLangLaunch = Field(default_factory=SGLangLaunch)
 
     @field_validator("replicas")
@@ -93,20 +82,39 @@ class SGLangPool(StrictModel):
         return [u.rstrip("/") for u in v]
 
     @property
+    def method(self) -> SpecMethod:
+        return self.launch.method
+
+    @property
     def adaptive(self) -> bool:
         return self.method != "off" and self.launch.adaptive
 
-    @property
-    def gamma(self) -> int:
-        """Draft tokens per verify round (SGLang counts the target's own token in num_draft_tokens);
-        on an adaptive pool the most one round can draft (its largest candidate step)."""
+    def gamma_for(self, decision: Any = None) -> int:
+        """Draft tokens per verify round (SGLang counts the target's own token in num_draft_tokens).
+        Where the launch leaves it to the rules (an adaptive pool's steps vary per running batch;
+        a pool without num_steps/num_draft_tokens took its γ from the rules routed to it), the
+        deciding rule's γ: its upper bound, the most one round can draft for this request."""
         if self.method == "off":
             return 0
-        if self.adaptive:
-            return max(self.launch.candidate_steps or [self.launch.num_steps or 0])
-        if self.launch.num_draft_tokens:
-            return self.launch.num_draft_tokens - 1
-        return self.launch.num_steps or 0
+        launch = self.launch
+        if not self.adaptive:
+            if launch.num_draft_tokens:
+                return launch.num_draft_tokens - 1
+            if launch.num_steps:
+                return launch.num_steps
+        plan_gamma = _decision_gamma(decision)
+        return plan_gamma if plan_gamma is not None else (launch.num_steps or 0)
+
+
+def _decision_gamma(decision: Any) -> int | None:
+    """The deciding rule's largest γ (an auto rule's range even where auto chose off: the pool's
+    servers draft regardless); None without a decision or with one that never speculates."""
+    if decision is None:
+        return None
+    bounds = getattr(decision, "gamma_range", None)
+    if bounds:
+        return int(bounds[1])
+    return int(getattr(decision, "gamma", 0) or 0) or None
 
 
 class SGLangConfig(AdmissionLimits):  # max_in_flight / max_queue: the gate in front of it
@@ -394,12 +402,13 @@ class SGLangProvider(Provider):
         proposed: the outcome says `gamma_varies` and the policy takes α from the histogram."""
         cfg = self.config.pools[pool]
         decision = ctx.decision
+        gamma = cfg.gamma_for(decision)
         figures: dict[str, Any] = {}
         if cfg.method != "off" and spec is not None and spec.spec_verify_ct > 0:
             verify_ct = spec.spec_verify_ct
             hist = list(spec.spec_correct_drafts_histogram)
-            if hist and cfg.gamma and len(hist) < cfg.gamma + 1:
-                hist += [0] * (cfg.gamma + 1 - len(hist))  # SGLang grows it only as far as seen
+            if hist and gamma and len(hist) < gamma + 1:
+                hist += [0] * (gamma + 1 - len(hist))  # SGLang grows it only as far as seen
             completion = usage.completion_tokens
             figures = {
                 "target_passes": verify_ct,
@@ -411,7 +420,7 @@ class SGLangProvider(Provider):
             }
         return SpeculationOutcome(
             method=cfg.method,
-            gamma=cfg.gamma,
+            gamma=gamma,
             completion_tokens=usage.completion_tokens,
             rule=decision.rule if decision is not None else None,
             policy_version=decision.policy_version if decision is not None else None,

@@ -1,0 +1,183 @@
+"""Cross-file checks: a policy's rules against the SGLang pools a routing file deploys.
+
+The routing file owns each pool (replicas and launch settings); a policy rule only names one
+(`pool:`). What a rule needs of the pool it names is checked with both files, at load
+(`Runner.from_config` with both as files) and by `policy check POLICY --providers F`, each problem
+at the offending value (FILE:LINE:COL):
+
+- the pool exists in an SGLang provider of the routing file (rules that only fire for providers
+  the file lacks, or that are no SGLang, are not held against it);
+- the rule's method is one the pool's algorithm serves;
+- a pool serving tool_call turns (a rule naming it whose `turn_type` includes `tool_call` or is
+  absent, the policy's default decision, or a provider's default_pool) has a tool_call_parser;
+- on an adaptive pool, a rule's batch range stays within max_running_requests (SGLang picks the
+  adaptive slot from its running requests, which never pass it);
+- the pool's flags can be generated (policies/sglang_args.py), e.g. num_steps among the candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from openalice_runner.config_files import ConfigError, Located, Problem, load_located
+from openalice_runner.policies.errors import PolicyError
+from openalice_runner.policies.loader import parse_policy
+from openalice_runner.policies.schema import Policy
+from openalice_runner.policies.sglang_args import SGLangLaunch, compile_pool
+from openalice_runner.providers.config import RoutingConfig, RoutingConfigError, load_routing_text
+from openalice_runner.providers.sglang import SGLangConfig, SGLangPool
+from openalice_runner.providers.sglang_launch import SERVES
+
+
+@dataclass(frozen=True)
+class DeployedPool:
+    provider: str
+    name: str
+    pool: SGLangPool
+    model: str
+
+    @property
+    def path(self) -> tuple:
+        return ("providers", self.provider, "pools", self.name)
+
+
+def deployed_pools(routing: RoutingConfig) -> list[DeployedPool]:
+    return [
+        DeployedPool(provider, name, pool, cfg.model)
+        for provider, cfg in routing.providers.items()
+        if isinstance(cfg, SGLangConfig)
+        for name, pool in cfg.pools.items()
+    ]
+
+
+def find_pool(routing: RoutingConfig, pool: str, provider: str | None = None) -> DeployedPool:
+    """The pool named `pool` (of `provider`, when given). KeyError naming what there is otherwise."""
+    pools = deployed_pools(routing)
+    found = [p for p in pools if p.name == pool and provider in (None, p.provider)]
+    if not found:
+        known = ", ".join(sorted({f"{p.provider}.{p.name}" for p in pools})) or "none"
+        raise KeyError(f"unknown pool {pool!r} (SGLang pools in the routing file: {known})")
+    if len(found) > 1:
+        raise KeyError(
+            f"pool {pool!r} is in several SGLang providers ({', '.join(p.provider for p in found)}): "
+            "name one with --provider"
+        )
+    return found[0]
+
+
+def pool_launch(
+    deployed: DeployedPool, policy: Policy | None, adaptive_config_path: str | None = None
+) -> SGLangLaunch:
+    """The one flag generator's output for a deployed pool (ValueError where it cannot be made)."""
+    return compile_pool(deployed.pool.launch, deployed.name, policy, adaptive_config_path, deployed.model)
+
+
+def check_pool_files(policy_file: str | Path, routing_file: str | Path) -> list[Problem]:
+    """Problems between the two files; raises ConfigError (PolicyError, RoutingConfigError) if
+    either is invalid on its own."""
+    policy_text = _read(policy_file, PolicyError)
+    routing_text = _read(routing_file, RoutingConfigError)
+    policy = parse_policy(policy_text, str(policy_file))
+    routing = load_routing_text(routing_text, str(routing_file))
+    policy_loc = load_located(policy_text, str(policy_file), empty="a policy")
+    routing_loc = load_located(routing_text, str(routing_file), empty="a routing file")
+    return check_pools(policy, policy_loc, routing, routing_loc)
+
+
+def check_pools(policy: Policy, policy_loc: Located, routing: RoutingConfig, routing_loc: Located) -> list[Problem]:
+    pools = deployed_pools(routing)
+    if not pools:
+        return []  # no SGLang provider: the rules' pools never come into play
+    sglang_providers = {p.provider for p in pools}
+    problems: list[Problem] = []
+    decisions: list[tuple[tuple, Any]] = [(("rules", i), r) for i, r in enumerate(policy.rules)]
+    decisions.append((("default",), policy.default))
+    for path, d in decisions:
+        if d.pool is None:
+            continue
+        match = getattr(d, "match", None)  # the default decision matches every request
+        named = match.provider if match is not None else None
+        named = [named] if isinstance(named, str) else named
+        if named is not None and not sglang_providers & set(named):
+            continue  # the rule only fires for providers this file has not, or that are no SGLang
+        targets = [p for p in pools if p.name == d.pool and (named is None or p.provider in named)]
+        if not targets:
+            known = ", ".join(sorted({p.name for p in pools}))
+            problems.append(
+                policy_loc.problem(
+                    (*path, "pool"),
+                    f"unknown pool {d.pool!r}: no SGLang provider in {routing_loc.source} has it "
+                    f"(pools there: {known})",
+                )
+            )
+            continue
+        for target in targets:
+            problems += _routed_problems(d, path, match, target, policy_loc)
+    for target in pools:
+        launch = target.pool.launch
+        cfg = routing.providers[target.provider]
+        if cfg.default_pool == target.name and not launch.tool_call_parser:  # type: ignore[union-attr]
+            at = ("providers", target.provider, "default_pool")
+            if at not in routing_loc.values:
+                at = target.path
+            problems.append(
+                routing_loc.problem(
+                    at,
+                    f"pool {target.name!r} is provider {target.provider!r}'s default_pool, so it serves "
+                    "tool_call turns, but has no launch.tool_call_parser: SGLang returns tool calls as text "
+                    "unless launched with --tool-call-parser",
+                )
+            )
+        try:
+            pool_launch(target, policy, "adaptive.json")
+        except ValueError as exc:
+            problems.append(routing_loc.problem((*target.path, "launch"), str(exc)))
+    return problems
+
+
+def _routed_problems(d, path: tuple, match, target: DeployedPool, loc: Located) -> list[Problem]:
+    """What the pool a rule (or the default) names must offer the turns and batch sizes it sends."""
+    launch = target.pool.launch
+    name = target.name
+    if d.method not in SERVES[launch.algorithm]:
+        return [
+            loc.problem(
+                (*path, "method"), f"method {d.method} cannot be served by pool {name!r} ({launch.algorithm})"
+            )
+        ]
+    problems = []
+    turns = match.turn_type if match is not None else None
+    serves_tools = turns is None or "tool_call" in ([turns] if isinstance(turns, str) else turns)
+    if serves_tools and not launch.tool_call_parser:
+        problems.append(
+            loc.problem(
+                (*path, "pool"),
+                f"pool {name!r} serves tool_call turns but has no tool_call_parser: SGLang returns tool "
+                "calls as text unless launched with --tool-call-parser",
+            )
+        )
+    limit = launch.max_running_requests
+    if launch.adaptive and limit is not None and match is not None:
+        b = match.batch_size
+        top = b.max if b is not None else None
+        if top is None or top > limit:
+            where = (*path, "match", "batch_size") if b is not None else (*path, "match")
+            reach = f"reaches {top}" if top is not None else "has no upper bound"
+            problems.append(
+                loc.problem(
+                    where,
+                    f"batch_size {reach}, but adaptive pool {name!r} runs at most "
+                    f"max_running_requests {limit} (SGLang picks the adaptive slot from its running "
+                    f"requests): bound it with max: {limit} or below",
+                )
+            )
+    return problems
+
+
+def _read(path: str | Path, error: type[ConfigError]) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise error([Problem(str(path), 1, 1, f"cannot read: {exc.strerror or exc}")]) from None
