@@ -10,6 +10,7 @@ import pytest
 from openalice_runner.policies import PolicyStore, RequestContext, load_policy_text
 from openalice_runner.policies.batch_table import batch_segments
 from openalice_runner.policies.sglang_args import compile_pool
+from openalice_runner.providers.sglang_launch import SGLangLaunch
 from openalice_runner.speculation import GammaTable, SpeculationPlan
 
 INF = float("inf")
@@ -98,9 +99,8 @@ def test_an_auto_rule_fills_its_pieces_from_the_estimates():
 
 
 def test_sglang_adaptive_config_comes_from_the_same_pieces():
+    pool = SGLangLaunch(algorithm="EAGLE3", draft_model_path="/h", adaptive=True, num_steps=3)
     policy = load_policy_text(textwrap.dedent("""\
-        pools:
-          e: {algorithm: EAGLE3, draft_model_path: /h, adaptive: true, num_steps: 3}
         rules:
           - name: small
             match: {turn_type: chat, batch_size: {max: 8}}
@@ -119,7 +119,7 @@ def test_sglang_adaptive_config_comes_from_the_same_pieces():
             pool: e
         default: {method: off}
         """), "p.yaml").policy
-    cfg = compile_pool(policy, "e", "/tmp/a.json").adaptive_config
+    cfg = compile_pool(pool, "e", policy, "/tmp/a.json").adaptive_config
     slots = {k: v["candidate_steps"] for k, v in cfg.items() if k.isdigit()}
     # 1-8: chat 5 and reasoning 4; 9-12: chat 3 and reasoning 4; 13-16: chat 3; past 16: none
     assert slots == {"1": [4, 5], "9": [3, 4], "13": [3]}

@@ -30,8 +30,6 @@ def store(text: str) -> PolicyStore:
 
 def test_every_rule_field_decides():
     s = store("""\
-        pools:
-          e3: {algorithm: EAGLE3, draft_model_path: /heads/e3}
         rules:
           - name: by-turn
             match: {turn_type: tool_call}
@@ -163,26 +161,10 @@ def test_yaml12_booleans_keep_off_a_string():
         ),
         ("default: {method: eagle, gamma: 3}\n", "p.yaml:1:10: method eagle needs options.eagle_head"),
         ("default: {method: draft, gamma: 3}\n", "p.yaml:1:10: method draft needs options.draft_model"),
-        ("default: {method: off, pool: nope}\n", "p.yaml:1:30: unknown pool 'nope'"),
-        (
-            "pools: {n: {algorithm: NGRAM}}\ndefault: {method: eagle, gamma: 2, pool: n}\n",
-            "p.yaml:2:19: method eagle cannot be served by pool 'n' (NGRAM)",
-        ),
-        (
-            "pools: {e: {algorithm: EAGLE3}}\ndefault: {method: off}\n",
-            "p.yaml:1:12: EAGLE3 pool needs draft_model_path",
-        ),
-        (
-            "pools: {n: {algorithm: NGRAM, adaptive: true}}\ndefault: {method: off}\n",
-            "p.yaml:1:41: SGLang's adaptive speculation supports EAGLE/EAGLE3 only",
-        ),
-        (
-            "pools: {e: {algorithm: EAGLE, draft_model_path: h, adaptive: true, eagle_topk: 4}}\ndefault: {method: off}\n",
-            "p.yaml:1:80: SGLang's adaptive speculation needs eagle_topk 1",
-        ),
-        (
-            "pools: {e: {algorithm: EAGLE, draft_model_path: h, num_steps: 3, num_draft_tokens: 8}}\ndefault: {method: off}\n",
-            "p.yaml:1:84: with eagle_topk 1 SGLang uses num_draft_tokens = num_steps + 1 = 4",
+        (  # pools are the routing file's now (tests/test_providers_config.py checks them there)
+            "version: 1\npools: {e: {algorithm: EAGLE3}}\ndefault: {method: off}\n",
+            "p.yaml:2:1: `pools:` moved to the routing file: each pool's replicas and launch settings sit "
+            "under providers.NAME.pools.POOL",
         ),
         (
             "rules:\n  - name: a\n    match: {}\n    method: off\ndefault: {method: off}\n",
@@ -208,33 +190,6 @@ def test_yaml12_booleans_keep_off_a_string():
             "  - name: b\n    match: {batch_size: {min: 8}}\n    method: off\n"
             "default: {method: off}\n",
             "p.yaml:7:12: rule 'b' overlaps earlier rule 'a' (line 2) on turn_type=chat|rag, batch_size=8..",
-        ),
-        # SGLang parses tool calls only with --tool-call-parser: a pool serving tool_call turns needs one
-        (
-            "pools: {n: {algorithm: NGRAM}}\nrules:\n  - name: t\n    match: {turn_type: [chat, tool_call]}\n"
-            "    method: ngram\n    gamma: 3\n    pool: n\ndefault: {method: off}\n",
-            "p.yaml:7:11: pool 'n' serves tool_call turns but has no tool_call_parser",
-        ),
-        (  # the default decision serves every turn type
-            "pools: {p: {algorithm: NONE}}\ndefault: {method: off, pool: p}\n",
-            "p.yaml:2:30: pool 'p' serves tool_call turns but has no tool_call_parser",
-        ),
-        # an adaptive pool's slot comes from SGLang's running batch, which stops at max_running_requests
-        (
-            "pools: {e: {algorithm: EAGLE3, draft_model_path: h, adaptive: true, max_running_requests: 32}}\n"
-            "rules:\n  - name: big\n    match: {turn_type: chat, batch_size: {min: 33, max: 64}}\n"
-            "    method: off\n    pool: e\ndefault: {method: off}\n",
-            "p.yaml:4:42: batch_size reaches 64, but adaptive pool 'e' runs at most max_running_requests 32",
-        ),
-        (
-            "pools: {e: {algorithm: EAGLE3, draft_model_path: h, adaptive: true, max_running_requests: 32}}\n"
-            "rules:\n  - name: all\n    match: {turn_type: chat}\n    method: eagle\n    gamma: 3\n    pool: e\n"
-            "default: {method: off}\n",
-            "p.yaml:4:12: batch_size has no upper bound, but adaptive pool 'e' runs at most max_running_requests 32",
-        ),
-        (
-            "pools: {e: {algorithm: EAGLE3, draft_model_path: h, adaptive: true}}\ndefault: {method: off}\n",
-            "p.yaml:1:12: an adaptive pool needs max_running_requests",
         ),
     ],
 )

@@ -1,4 +1,5 @@
-"""SGLang launch flags compiled from a policy, checked against SGLang's own argument parser when available.
+"""SGLang launch flags compiled from a routing file's pool and the policy rules naming it, checked against
+SGLang's own argument parser when available.
 
 SGLang is not a dependency (it needs a GPU). To run the parser check, make the contract venv
 (`scripts/sglang-contract-venv.sh`, then OPENALICE_SGLANG_VENV=/tmp/sglang-contract), or unpack its wheel:
@@ -21,14 +22,25 @@ import pytest
 
 from openalice_runner.policies import PolicyStore, load_policy_text
 from openalice_runner.policies.sglang_args import compile_pool, gamma_candidates
+from openalice_runner.providers.config import load_routing_file
+from openalice_runner.providers.pool_checks import find_pool, pool_launch
+from openalice_runner.providers.sglang_launch import SGLangLaunch
+
+ROUTING = "providers/gpu-example.yaml"
+MODEL = ["--model-path", "meta-llama/Llama-3.1-8B-Instruct"]
 
 
 def gpu_policy():
     return PolicyStore.from_file("policies/gpu-sglang.yaml").policy
 
 
+def launch_of(pool: str, adaptive_config_path: str | None = None, policy_file: str = "policies/gpu-sglang.yaml"):
+    deployed = find_pool(load_routing_file(ROUTING), pool)
+    return pool_launch(deployed, PolicyStore.from_file(policy_file).policy, adaptive_config_path)
+
+
 def test_eagle3_adaptive_pool_flags():
-    launch = compile_pool(gpu_policy(), "eagle3", "/tmp/x.json")
+    launch = launch_of("eagle3", "/tmp/x.json")
     a = launch.args
     assert a[a.index("--speculative-algorithm") + 1] == "EAGLE3"
     steps = int(a[a.index("--speculative-num-steps") + 1])
@@ -46,45 +58,35 @@ def test_eagle3_adaptive_pool_flags():
 
 
 def test_ngram_and_plain_pools():
-    ngram = compile_pool(gpu_policy(), "ngram").args
-    assert ngram[:4] == ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
+    ngram = launch_of("ngram").args
+    assert ngram[:2] == MODEL  # the provider's model is the servers' --model-path
+    assert ngram[2:6] == ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
     assert ngram[ngram.index("--speculative-ngram-max-bfs-breadth") + 1] == "2"
     assert ngram[ngram.index("--tool-call-parser") + 1] == "llama3"  # it serves the tool_call turns
-    assert compile_pool(gpu_policy(), "plain").args == ["--tool-call-parser", "llama3"]
+    assert launch_of("plain").args == [*MODEL, "--tool-call-parser", "llama3"]
 
 
-def test_routing_example_agrees_with_the_policy_example():
-    """providers/gpu-example.yaml's `launch:` repeats what the runner must know of the servers that
-    `policy sglang-args --policy policies/gpu-sglang.yaml` launches: the two must not drift apart."""
-    from openalice_runner.providers.config import load_routing_file
-
+def test_the_example_files_name_the_same_pools():
+    """The policy example's rules name only pools the routing example deploys, and its default pool
+    is the routing file's (the one pool definition is the routing file's; there is nothing to drift)."""
     policy = gpu_policy()
-    gpu = load_routing_file("providers/gpu-example.yaml").providers["gpu"]
-    assert set(gpu.pools) == set(policy.pools)
-    methods = {"EAGLE3": "eagle", "EAGLE": "eagle", "NGRAM": "ngram", "NONE": "off"}
-    for name, spec in policy.pools.items():
-        routed, launch = gpu.pools[name], compile_pool(policy, name, "/tmp/x.json")
-        a = launch.args
-        flag = lambda f, a=a: a[a.index(f) + 1] if f in a else None  # noqa: E731
-        assert routed.method == methods[spec.algorithm], name
-        assert routed.launch.draft_model_path == flag("--speculative-draft-model-path"), name
-        steps, tokens = flag("--speculative-num-steps"), flag("--speculative-num-draft-tokens")
-        assert routed.launch.num_steps == (int(steps) if steps else None), name
-        assert routed.launch.num_draft_tokens == (int(tokens) if tokens else None), name
-        assert routed.launch.adaptive == ("--speculative-adaptive" in a), name
-        if launch.adaptive_config is not None:
-            union = sorted(
-                {s for k, v in launch.adaptive_config.items() if k.isdigit() for s in v["candidate_steps"]}
-            )
-            assert routed.launch.candidate_steps == union, name
+    gpu = load_routing_file(ROUTING).providers["gpu"]
+    named = {r.pool for r in policy.rules} | {policy.default.pool}
+    assert named == set(gpu.pools)
     assert policy.default.pool == gpu.default_pool
+    assert gpu.pools["eagle3"].method == "eagle" and gpu.pools["ngram"].method == "ngram"
+    assert gpu.pools["plain"].method == "off"
+
+
+def test_extra_args_and_reasoning_parser_follow_the_generated_flags():
+    launch = SGLangLaunch(algorithm="NONE", reasoning_parser="qwen3", extra_args=["--mem-fraction-static", "0.8"])
+    assert compile_pool(launch, "p", None).args == ["--reasoning-parser", "qwen3", "--mem-fraction-static", "0.8"]
 
 
 def test_fixed_eagle_pool_takes_gamma_from_rules():
+    launch = SGLangLaunch(algorithm="EAGLE", draft_model_path="/h", eagle_topk=4, num_draft_tokens=16)
     policy = load_policy_text(
         textwrap.dedent("""\
-        pools:
-          e: {algorithm: EAGLE, draft_model_path: /h, eagle_topk: 4, num_draft_tokens: 16}
         rules:
           - name: chat
             match: {turn_type: chat}
@@ -94,7 +96,7 @@ def test_fixed_eagle_pool_takes_gamma_from_rules():
         default: {method: off}
         """)
     ).policy
-    a = compile_pool(policy, "e").args
+    a = compile_pool(launch, "e", policy).args
     assert a[a.index("--speculative-num-steps") + 1] == "5"
     assert a[a.index("--speculative-eagle-topk") + 1] == "4"
     assert a[a.index("--speculative-num-draft-tokens") + 1] == "16"
@@ -116,7 +118,8 @@ parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
 ns = parser.parse_args(["--model-path", "m", *shlex.split(sys.argv[1])])
 out = {k: v for k, v in vars(ns).items()
-       if k.startswith("speculative") or k in ("tool_call_parser", "reasoning_parser", "max_running_requests")}
+       if k.startswith("speculative") or k in ("tool_call_parser", "reasoning_parser", "max_running_requests",
+                                                "model_path")}
 if ns.speculative_adaptive_config:
     out["candidate_steps"] = resolve_candidate_steps_from_config(ns.speculative_adaptive_config)
 print(json.dumps(out))
@@ -147,7 +150,7 @@ def _sglang_python() -> tuple[str, dict] | None:
     ("policies/gpu-sglang.yaml", "plain"), ("policies/default.yaml", "eagle3"),
 ])  # fmt: skip
 def test_flags_parse_with_sglang_parser(policy_file, pool, tmp_path):
-    launch = compile_pool(PolicyStore.from_file(policy_file).policy, pool, str(tmp_path / "adaptive.json"))
+    launch = launch_of(pool, str(tmp_path / "adaptive.json"), policy_file)
     launch.write_adaptive_config()
     python, env = _sglang_python()  # type: ignore[misc]
     proc = subprocess.run(
@@ -167,7 +170,8 @@ def test_flags_parse_with_sglang_parser(policy_file, pool, tmp_path):
     if pool == "plain":
         assert parsed["speculative_algorithm"] is None
         return
-    assert parsed["speculative_algorithm"] == a[1]
+    assert parsed["model_path"] == MODEL[1]
+    assert parsed["speculative_algorithm"] == a[a.index("--speculative-algorithm") + 1]
     assert parsed["speculative_num_draft_tokens"] == int(a[a.index("--speculative-num-draft-tokens") + 1])
     if pool == "eagle3":
         assert parsed["speculative_adaptive"] is True
@@ -180,10 +184,10 @@ def test_flags_parse_with_sglang_parser(policy_file, pool, tmp_path):
 
 def test_docs_launch_lines_are_the_generated_ones():
     """docs/sglang.md shows each pool's launch line and adaptive JSON: they must be what
-    `policy sglang-args` prints for the example policy."""
+    `sglang args` prints for the example files."""
     doc = Path("docs/sglang.md").read_text()
     for pool in ("eagle3", "ngram", "plain"):
-        launch = compile_pool(gpu_policy(), pool)
+        launch = launch_of(pool)
         assert launch.line() in doc, pool
         if launch.adaptive_config is not None:
             assert json.dumps(launch.adaptive_config) in doc
