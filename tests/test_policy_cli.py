@@ -11,7 +11,11 @@ from openalice_runner.cli import main
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(["policy", *argv])
+    return run_top(capsys, "policy", *argv)
+
+
+def run_top(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -83,40 +87,48 @@ def test_speedup_rejects_bad_numbers(capsys):
 
 def test_sglang_args_line_and_json(capsys, tmp_path):
     cfg = tmp_path / "adaptive.json"
-    code, out, _ = run(
-        capsys,
-        "sglang-args",
-        "--policy",
-        "policies/gpu-sglang.yaml",
-        "--pool",
-        "eagle3",
-        "--adaptive-config-out",
-        str(cfg),
-    )
+    files = ("--providers", "providers/gpu-example.yaml", "--policy", "policies/gpu-sglang.yaml")
+    code, out, _ = run(capsys, "sglang-args", *files, "--pool", "eagle3", "--adaptive-config-out", str(cfg))
     assert code == 0 and out.count("\n") == 1
-    assert out.startswith("--speculative-algorithm EAGLE3 --speculative-draft-model-path ")
+    assert out.startswith(
+        "--model-path meta-llama/Llama-3.1-8B-Instruct --speculative-algorithm EAGLE3 --speculative-draft-model-path "
+    )
     assert f"--speculative-adaptive --speculative-adaptive-config {cfg}" in out
     assert json.loads(cfg.read_text())["1"]["candidate_steps"] == [1, 3, 5, 7]
-    code, out, _ = run(
-        capsys, "sglang-args", "--policy", "policies/gpu-sglang.yaml", "--pool", "ngram", "--json"
-    )
+    # `sglang args` is the same generator
+    code2, out2, _ = run_top(capsys, "sglang", "args", *files, "--pool", "eagle3", "--adaptive-config-out", str(cfg))
+    assert (code2, out2) == (code, out)
+    code, out, _ = run(capsys, "sglang-args", *files, "--pool", "ngram", "--json")
     d = json.loads(out)
-    assert d["args"][:4] == ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
+    assert d["args"][2:6] == ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
     assert d["adaptive_config"] is None
-    code, _, err = run(capsys, "sglang-args", "--policy", "policies/gpu-sglang.yaml", "--pool", "nope")
+    code, _, err = run(capsys, "sglang-args", *files, "--pool", "nope")
     assert code == 2 and "unknown pool" in err
+    with pytest.raises(SystemExit) as info:  # the pools are the routing file's: it must be named
+        main(["policy", "sglang-args", "--policy", "policies/gpu-sglang.yaml", "--pool", "eagle3"])
+    assert info.value.code == 2
 
 
-def test_check_with_providers_compares_the_pools_of_both_files(capsys, tmp_path):
+def test_sglang_args_refuses_files_that_do_not_fit(capsys, tmp_path):
+    routing = tmp_path / "routing.yaml"
+    routing.write_text(
+        Path("providers/gpu-example.yaml").read_text().replace("max_running_requests: 64", "max_running_requests: 32")
+    )
+    code, out, err = run_top(
+        capsys, "sglang", "args", "--providers", str(routing), "--policy", "policies/gpu-sglang.yaml", "--pool", "eagle3"
+    )
+    assert code == 2 and out == ""
+    assert err.startswith("policies/gpu-sglang.yaml:41:") and "max_running_requests 32" in err
+
+
+def test_check_with_providers_checks_the_rules_against_the_pools(capsys, tmp_path):
     for policy in ("policies/gpu-sglang.yaml", "policies/default.yaml"):
         assert run(capsys, "check", policy, "--providers", "providers/gpu-example.yaml") == (0, "ok\n", "")
     routing = Path("providers/gpu-example.yaml").read_text()
     drifted = tmp_path / "routing.yaml"
     drifted.write_text(
-        routing.replace(
-            "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B", "jamesliu1/sglang-EAGLE3-Llama-3.1-Instruct-8B"
-        )
-        .replace("num_draft_tokens: 8", "num_draft_tokens: 6")
+        routing.replace("tool_call_parser: llama3           # this pool serves", "# this pool serves")
+        .replace("max_running_requests: 64", "max_running_requests: 32")
         .replace("      plain:", "      plainer:")
         .replace("default_pool: plain", "default_pool: plainer")
     )
@@ -124,13 +136,18 @@ def test_check_with_providers_compares_the_pools_of_both_files(capsys, tmp_path)
     lines = out.splitlines()
     assert code == 2 and len(lines) == 3, out
     lines_of = {line.split(": ", 1)[0]: line for line in lines}
-    at = {line.split(": ", 1)[0].split(":", 1)[0] for line in lines}
-    assert at == {"policies/gpu-sglang.yaml", str(drifted)}
-    assert any(
-        "launch.draft_model_path is 'jamesliu1/" in v and k.startswith(f"{drifted}:21:")
-        for k, v in lines_of.items()
-    )
-    assert any("launch.num_draft_tokens is 6, but the policy launches it with 8" in v for v in lines)
-    assert any(
-        "pool 'plain' is no pool of an SGLang provider" in v and k.endswith(":70:9") for k, v in lines_of.items()
-    ), out
+    assert {k.split(":", 1)[0] for k in lines_of} == {"policies/gpu-sglang.yaml"}  # each at the rule
+    assert "pool 'ngram' serves tool_call turns but has no tool_call_parser" in lines_of["policies/gpu-sglang.yaml:25:11"]
+    assert "batch_size reaches 64, but adaptive pool 'eagle3'" in lines_of["policies/gpu-sglang.yaml:41:55"]
+    assert "unknown pool 'plain'" in lines_of["policies/gpu-sglang.yaml:47:9"], out
+    # a routing file wrong on its own: its own positions
+    drifted.write_text(routing.replace("algorithm: NGRAM", "algorithm: NGRAM\n          eagle_topk: 2"))
+    code, out, _ = run(capsys, "check", "policies/gpu-sglang.yaml", "--providers", str(drifted))
+    assert code == 2 and out.startswith(f"{drifted}:36:11: pool 'ngram': eagle_topk does not apply to a NGRAM pool")
+
+
+def test_leftover_pools_key_says_where_pools_live_now(capsys, tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("pools:\n  e: {algorithm: EAGLE3}\ndefault: {method: off}\n")
+    code, out, _ = run(capsys, "check", str(old))
+    assert code == 2 and out.startswith(f"{old}:1:1: `pools:` moved to the routing file")
