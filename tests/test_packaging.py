@@ -71,7 +71,7 @@ providers:
   gpu:
     type: sglang
     model: m
-    pools: {plain: {method: "off", replicas: ["http://127.0.0.1:30000"]}}
+    pools: {plain: {replicas: ["http://127.0.0.1:30000"]}}
   cpu:
     type: local
 routes:

@@ -45,8 +45,13 @@ def provider(pools: dict, **kw) -> SGLangProvider:
     return SGLangProvider("gpu", cfg)
 
 
-def decision(method="eagle", pool=None, gamma=3):
-    return SimpleNamespace(method=method, gamma=gamma, pool=pool, rule="r1", policy_version="v1")
+def decision(method="eagle", pool=None, gamma=3, gamma_range=None):
+    return SimpleNamespace(
+        method=method, gamma=gamma, pool=pool, rule="r1", policy_version="v1", gamma_range=gamma_range
+    )
+
+
+EAGLE3 = {"algorithm": "EAGLE3", "draft_model_path": "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B"}
 
 
 async def test_least_loaded_replica_serves_whatever_load_endpoint_it_has(servers):
@@ -54,7 +59,7 @@ async def test_least_loaded_replica_serves_whatever_load_endpoint_it_has(servers
     idle = servers(method="eagle", running=1, legacy=True, enable_metrics=True)  # /metrics only
     metrics = servers(method="eagle", running=3, legacy=True, enable_metrics=True)
     blind = servers(method="eagle", running=0, legacy=True)  # no load endpoint: unknown load, last
-    p = provider({"eagle3": {"method": "eagle", "replicas": [blind.url, busy.url, idle.url, metrics.url]}})
+    p = provider({"eagle3": {"replicas": [blind.url, busy.url, idle.url, metrics.url], "launch": EAGLE3}})
     result = await p.chat(REQ, CallContext())
     assert len(idle.requests) == 1 and not busy.requests and not metrics.requests and not blind.requests
     assert [r.load_endpoint for r in p.pools["eagle3"]] == [None, "v1_loads", "metrics", "metrics"]
@@ -90,9 +95,9 @@ async def test_policy_decision_picks_the_pool(servers):
     eagle, ngram, plain = servers(method="eagle"), servers(method="ngram"), servers()
     p = provider(
         {
-            "eagle3": {"method": "eagle", "replicas": [eagle.url], "launch": {"num_draft_tokens": 4}},
-            "ngram": {"method": "ngram", "replicas": [ngram.url], "launch": {"num_draft_tokens": 8}},
-            "plain": {"method": "off", "replicas": [plain.url]},
+            "eagle3": {"replicas": [eagle.url], "launch": {**EAGLE3, "num_draft_tokens": 4}},
+            "ngram": {"replicas": [ngram.url], "launch": {"algorithm": "NGRAM", "num_draft_tokens": 8}},
+            "plain": {"replicas": [plain.url]},  # algorithm NONE
         },
         default_pool="plain",
     )
@@ -107,7 +112,7 @@ async def test_policy_decision_picks_the_pool(servers):
 
 async def test_speculation_figures_come_from_sglext(servers):
     s = servers(method="eagle", num_draft_tokens=4, accept_length=2.0)
-    p = provider({"eagle3": {"method": "eagle", "replicas": [s.url], "launch": {"num_draft_tokens": 4}}})
+    p = provider({"eagle3": {"replicas": [s.url], "launch": {**EAGLE3, "num_draft_tokens": 4}}})
     req = ChatRequest(messages=[{"role": "user", "content": "one two three four five six seven"}])
     r = await p.chat(req, CallContext(decision=decision()))
     assert (
@@ -129,7 +134,7 @@ async def test_speculation_figures_come_from_sglext(servers):
 
 async def test_streamed_turns_carry_speculation_figures(servers):
     s = servers(method="eagle", num_draft_tokens=4, accept_length=2.0)
-    p = provider({"eagle3": {"method": "eagle", "replicas": [s.url], "launch": {"num_draft_tokens": 4}}})
+    p = provider({"eagle3": {"replicas": [s.url], "launch": {**EAGLE3, "num_draft_tokens": 4}}})
     req = ChatRequest(messages=[{"role": "user", "content": "one two three four five six seven"}])
     chunks = await read_all(p.stream(req, CallContext(decision=decision())))
     assert s.requests[0]["return_spec_tokens_details"] is True and "return_meta_info" not in s.requests[0]
@@ -147,10 +152,11 @@ async def test_streamed_turns_carry_speculation_figures(servers):
 
 async def test_adaptive_pool_reports_varying_gamma(servers):
     s = servers(method="eagle", num_draft_tokens=4, accept_length=2.0)
-    launch = {"num_steps": 3, "num_draft_tokens": 4, "adaptive": True, "candidate_steps": [0, 1, 3, 5]}
-    p = provider({"eagle3": {"method": "eagle", "replicas": [s.url], "launch": launch}})
+    launch = {**EAGLE3, "num_steps": 3, "adaptive": True, "max_running_requests": 8}
+    p = provider({"eagle3": {"replicas": [s.url], "launch": launch}})
     req = ChatRequest(messages=[{"role": "user", "content": "one two three four five six seven"}])
-    r = await p.chat(req, CallContext(decision=decision()))
+    # the deciding rule is auto over 1..5: its slot's candidates reach 5, the most one round can draft
+    r = await p.chat(req, CallContext(decision=decision(gamma_range=(1, 5))))
     o = r.outcome
     assert o.gamma_varies and o.gamma == 5 and o.accept_length_histogram == (1, 4, 0, 0, 0, 0)
     # α from accepted drafts per verify round, never 4/15 against the launch step count
@@ -184,7 +190,7 @@ async def test_sglang_0_5_23_reply_shapes_parse(servers):
         "metadata": {"weight_version": "default"},
     }  # fmt: skip
     p = provider(
-        {"eagle3": {"method": "eagle", "replicas": ["http://sglang"], "launch": {"num_draft_tokens": 4}}}
+        {"eagle3": {"replicas": ["http://sglang"], "launch": {**EAGLE3, "num_draft_tokens": 4}}}
     )
     r = p._result(httpx.Response(200, json=body), "eagle3", CallContext())
     assert [tc.function.name for tc in r.tool_calls] == ["get_weather", "get_time"]
@@ -328,7 +334,7 @@ async def test_without_a_tool_call_parser_sglang_answers_text(servers):
 
 async def test_stream_follows_sglang_sse(servers):
     s = servers(method="ngram")
-    p = provider({"ngram": {"method": "ngram", "replicas": [s.url], "launch": {"num_draft_tokens": 8}}})
+    p = provider({"ngram": {"replicas": [s.url], "launch": {"algorithm": "NGRAM", "num_draft_tokens": 8}}})
     chunks = await read_all(p.stream(REQ, CallContext()))
     assert "".join(c.delta_text for c in chunks) == "You said: hello there"
     assert chunks[0].delta.role == "assistant"  # the empty role opener is folded into the first token
@@ -423,9 +429,9 @@ def test_config():
             "model": "m",
             "pools": {
                 "e": {
-                    "method": "eagle",
                     "replicas": ["http://x/"],
                     "launch": {
+                        "algorithm": "EAGLE3",
                         "draft_model_path": "d",
                         "num_steps": 3,
                         "eagle_topk": 1,
@@ -436,11 +442,18 @@ def test_config():
         }
     )
     assert cfg.pools["e"].replicas == ["http://x"]
-    assert cfg.pools["e"].gamma == 3
-    adaptive = {"method": "eagle", "replicas": ["http://x"], "launch": {"num_steps": 3, "adaptive": True,
-                                                                      "candidate_steps": [0, 1, 3, 7]}}  # fmt: skip
+    assert cfg.pools["e"].gamma_for() == 3 and cfg.pools["e"].method == "eagle"
+    assert cfg.pools["e"].gamma_for(decision(gamma=5)) == 3  # the launch's γ, whatever the rule says
+    adaptive = {"replicas": ["http://x"], "launch": {**EAGLE3, "num_steps": 3, "adaptive": True}}
     cfg = SGLangConfig.model_validate({"type": "sglang", "model": "m", "pools": {"e": adaptive}})
-    assert cfg.pools["e"].adaptive and cfg.pools["e"].gamma == 7  # the most one round can draft
+    assert cfg.pools["e"].adaptive
+    assert cfg.pools["e"].gamma_for(decision(gamma=2, gamma_range=(1, 7))) == 7  # the most one round can draft
+    assert cfg.pools["e"].gamma_for(decision(gamma=4)) == 4  # a fixed rule: its γ
+    assert cfg.pools["e"].gamma_for() == 3  # no decision: the launch's num_steps
+    # a pool whose launch leaves γ to the rules takes the deciding rule's
+    rules_gamma = {"replicas": ["http://x"], "launch": {"algorithm": "NGRAM"}}
+    cfg = SGLangConfig.model_validate({"type": "sglang", "model": "m", "pools": {"n": rules_gamma}})
+    assert cfg.pools["n"].gamma_for(decision(method="ngram", gamma=6)) == 6
 
 
 def test_prometheus_parsing():

@@ -128,7 +128,10 @@ provider_entries = st.one_of(
         {"type": st.just("sglang"), "model": st.just("m")},
         optional={"pools": st.dictionaries(st.sampled_from(["e", "n"]), st.fixed_dictionaries(
             {"replicas": st.lists(st.sampled_from(["http://127.0.0.1:1", "ftp://x", "nope"]), max_size=2)},
-            optional={"method": st.sampled_from(["off", "eagle", "ngram", "magic"])}), max_size=2),
+            optional={"launch": st.fixed_dictionaries({}, optional={
+                "algorithm": st.sampled_from(["NONE", "EAGLE3", "NGRAM", "magic"]),
+                "draft_model_path": st.just("h"), "adaptive": st.booleans(),
+                "num_steps": st.integers(0, 3)})}), max_size=2),
             "default_pool": st.sampled_from(["e", "z"])},
     ),
     st.fixed_dictionaries({"type": st.sampled_from(["gpu", "", "LOCAL"])}),

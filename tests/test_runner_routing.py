@@ -43,9 +43,9 @@ providers:
     default_pool: plain
     load_cache_s: 0
     pools:
-      eagle3: {{method: eagle, replicas: [{servers["eagle3"].url}], launch: {{num_draft_tokens: 4}}}}
-      ngram: {{method: ngram, replicas: [{servers["ngram"].url}], launch: {{num_draft_tokens: 8}}}}
-      plain: {{method: "off", replicas: [{servers["plain"].url}]}}
+      eagle3: {{replicas: [{servers["eagle3"].url}], launch: {{algorithm: EAGLE3, draft_model_path: h, num_steps: 3}}}}
+      ngram: {{replicas: [{servers["ngram"].url}], launch: {{algorithm: NGRAM, num_draft_tokens: 8}}}}
+      plain: {{replicas: [{servers["plain"].url}]}}
   local: {{type: local, tiny_random: true}}
 routes:
   - name: gpu-turns
@@ -251,17 +251,18 @@ async def test_bad_messages_raise_naming_the_field():
     await runner.aclose()
 
 
-def test_load_refuses_a_routing_file_that_disagrees_with_the_policy(tmp_path):
+def test_load_refuses_a_routing_file_whose_pools_do_not_fit_the_policy(tmp_path):
     from openalice_runner.config_files import ConfigError
 
-    routing = (
-        (ROOT / "providers/gpu-example.yaml")
-        .read_text()
-        .replace("num_draft_tokens: 8", "num_draft_tokens: 6")
-    )
+    routing = (ROOT / "providers/gpu-example.yaml").read_text()
     drifted = tmp_path / "routing.yaml"
-    drifted.write_text(routing)
+    drifted.write_text(routing.replace("tool_call_parser: llama3           # this pool serves", "# this pool serves"))
+    policy = str(ROOT / "policies/gpu-sglang.yaml")
     with pytest.raises(ConfigError) as info:
-        Runner.from_config(str(drifted), policy=str(ROOT / "policies/gpu-sglang.yaml"), telemetry=False)
-    assert [str(p).split(": ", 1)[0] for p in info.value.problems] == [f"{drifted}:31:29"]
-    assert "launch.num_draft_tokens is 6, but the policy launches it with 8" in str(info.value)
+        Runner.from_config(str(drifted), policy=policy, telemetry=False)
+    assert [str(p).split(": ", 1)[0] for p in info.value.problems] == [f"{policy}:25:11"]
+    assert "pool 'ngram' serves tool_call turns but has no tool_call_parser" in str(info.value)
+    # the shipped default policy (policy None) is checked too: its eagle3 rules stop at batch 32
+    drifted.write_text(routing.replace("max_running_requests: 64", "max_running_requests: 16"))
+    with pytest.raises(ConfigError, match="adaptive pool 'eagle3' runs at most max_running_requests 16"):
+        Runner.from_config(str(drifted), telemetry=False)

@@ -106,7 +106,8 @@ def _split(stand_in: SGLangStandIn) -> dict:
 @pytest.mark.parametrize("method", ["off", "eagle"])
 async def test_stand_in_bodies_are_sglang_0_5_23_bodies(method):
     with SGLangStandIn(method=method, tool_call_parser="llama3") as s:
-        await _exercise(s, {"method": method, "replicas": [s.url], "launch": {"num_draft_tokens": 4}})
+        launch = {"algorithm": "EAGLE3", "draft_model_path": "h", "num_steps": 3} if method == "eagle" else {}
+        await _exercise(s, {"replicas": [s.url], "launch": launch})
         async with httpx.AsyncClient() as client:
             err = await client.post(f"{s.url}/v1/chat/completions", json={"messages": []})
         payload = _split(s)

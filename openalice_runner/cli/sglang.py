@@ -47,9 +47,9 @@ def add_args_parser(sub: argparse._SubParsersAction, name: str) -> None:
 
 def sglang_args(args: argparse.Namespace) -> int:
     from openalice_runner.config_files import ConfigError
-    from openalice_runner.providers.pool_checks import check_pool_files, find_pool, pool_launch
     from openalice_runner.policies import load_policy_file
     from openalice_runner.providers.config import load_routing_file
+    from openalice_runner.providers.pool_checks import check_pool_files, find_pool, pool_launch
 
     try:
         problems = check_pool_files(args.policy, args.providers)

@@ -10,6 +10,7 @@ from openalice_runner.config_files.errors import Problem
 from openalice_runner.config_files.yaml_nodes import Located, Path
 from openalice_runner.policies.schema import OPTIONS_BY_METHOD, DecisionSpec, Match, Policy
 
+
 def check_policy(policy: Policy, loc: Located) -> list[Problem]:
     problems: list[Problem] = []
     seen: dict[str, int] = {}

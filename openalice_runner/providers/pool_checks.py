@@ -12,7 +12,8 @@ at the offending value (FILE:LINE:COL):
   absent, the policy's default decision, or a provider's default_pool) has a tool_call_parser;
 - on an adaptive pool, a rule's batch range stays within max_running_requests (SGLang picks the
   adaptive slot from its running requests, which never pass it);
-- the pool's flags can be generated (policies/sglang_args.py), e.g. num_steps among the candidates.
+- the flags of a pool the rules route to can be generated (policies/sglang_args.py), e.g. an
+  adaptive pool's num_steps among the rules' candidates.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def check_pools(policy: Policy, policy_loc: Located, routing: RoutingConfig, rou
         return []  # no SGLang provider: the rules' pools never come into play
     sglang_providers = {p.provider for p in pools}
     problems: list[Problem] = []
+    named_pools: set[tuple[str, str]] = set()  # (provider, pool) some rule sends requests to
     decisions: list[tuple[tuple, Any]] = [(("rules", i), r) for i, r in enumerate(policy.rules)]
     decisions.append((("default",), policy.default))
     for path, d in decisions:
@@ -114,6 +116,7 @@ def check_pools(policy: Policy, policy_loc: Located, routing: RoutingConfig, rou
             )
             continue
         for target in targets:
+            named_pools.add((target.provider, target.name))
             problems += _routed_problems(d, path, match, target, policy_loc)
     for target in pools:
         launch = target.pool.launch
@@ -130,6 +133,8 @@ def check_pools(policy: Policy, policy_loc: Located, routing: RoutingConfig, rou
                     "unless launched with --tool-call-parser",
                 )
             )
+        if (target.provider, target.name) not in named_pools:
+            continue  # no rule of this policy routes there: its flags come from the launch alone
         try:
             pool_launch(target, policy, "adaptive.json")
         except ValueError as exc:

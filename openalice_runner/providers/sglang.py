@@ -36,7 +36,6 @@ from pydantic import Field, field_validator, model_validator
 from openalice_runner.config_files.models import StrictModel
 from openalice_runner.providers import openai_wire as wire
 from openalice_runner.providers.admission import AdmissionLimits
-from openalice_runner.providers.sglang_launch import SGLangLaunch
 from openalice_runner.providers.base import (
     CallContext,
     Capabilities,
@@ -50,6 +49,7 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
+from openalice_runner.providers.sglang_launch import SGLangLaunch
 from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.redaction import register_secret
 from openalice_runner.speculation import SpecMethod, SpeculationOutcome
