@@ -266,3 +266,25 @@ def test_load_refuses_a_routing_file_whose_pools_do_not_fit_the_policy(tmp_path)
     drifted.write_text(routing.replace("max_running_requests: 64", "max_running_requests: 16"))
     with pytest.raises(ConfigError, match="adaptive pool 'eagle3' runs at most max_running_requests 16"):
         Runner.from_config(str(drifted), telemetry=False)
+
+
+async def test_routing_reload_is_checked_against_the_served_policy(tmp_path, monkeypatch):
+    """The providers watcher runs the load-time pool checks on an edit: one that no longer fits the
+    policy is rejected with its positions, and the last good routing stays in force."""
+    from openalice_runner.server.routing_watch import RoutingWatcher
+
+    monkeypatch.setenv("SGLANG_API_KEY", "k")
+    monkeypatch.setenv("OPENAI_API_KEY", "k")
+    routing = (ROOT / "providers/gpu-example.yaml").read_text()
+    path = tmp_path / "routing.yaml"
+    path.write_text(routing)
+    policy = str(ROOT / "policies/gpu-sglang.yaml")
+    runner = Runner.from_config(str(path), policy=policy, engine=tiny_engine(), telemetry=False)
+    watcher = RoutingWatcher(runner, path)
+    before = runner.routing
+    path.write_text(routing.replace("max_running_requests: 64", "max_running_requests: 32") + "\n")
+    assert watcher.check() is False and runner.routing is before
+    assert f"{policy}:41:55: batch_size reaches 64" in (watcher.last_error or "")
+    path.write_text(routing + "\n\n")  # fits again: applied
+    assert watcher.check() is True and watcher.last_error is None
+    await runner.aclose()

@@ -58,6 +58,7 @@ class RoutingWatcher:
 
         try:
             routing = load_routing_file(self.path)
+            self._check_pools()
         except Exception as exc:  # RoutingConfigError names each problem; anything else is as bad
             self.last_error = str(exc)
             log.error("providers file rejected; the last good one stays in force", source=str(self.path),
@@ -72,6 +73,18 @@ class RoutingWatcher:
         self.last_error = None
         log.info("providers file reloaded", source=str(self.path), needs_restart=self.needs_restart)
         return True
+
+    def _check_pools(self) -> None:
+        """The served policy's rules against the edited file's SGLang pools, as at load (ConfigError)."""
+        policy_path = getattr(getattr(self.runner, "policy", None), "path", None)
+        if policy_path is None:
+            return  # no policy file (switched off, or given as an object)
+        from openalice_runner.config_files import ConfigError
+        from openalice_runner.providers.pool_checks import check_pool_files
+
+        problems = check_pool_files(policy_path, self.path)
+        if problems:
+            raise ConfigError(problems)
 
     async def run(self) -> None:
         while True:
