@@ -3,7 +3,7 @@
 A policy's rules carry batch ranges. Cut the batch axis where any range starts or ends, and each
 piece is covered by the same rules throughout. The embedded engine takes the first covering
 rule's γ for the request's method (`SpeculationPlan.per_batch`, looked up at every decode step);
-`policy sglang-args` takes the union of the covering rules' γ candidates for a pool
+`sglang args` takes the union of the covering rules' γ candidates for a pool
 (`--speculative-adaptive-config`, whose keys are the pieces' first batch sizes).
 """
 
