@@ -31,13 +31,28 @@ import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from openalice_runner.policies.batch_table import batch_segments
 from openalice_runner.policies.schema import AdaptiveSettings, DecisionSpec, Policy, Rule
 
-if TYPE_CHECKING:
-    from openalice_runner.providers.sglang_launch import SGLangLaunch as LaunchSettings
+
+class LaunchSettings(Protocol):
+    """A pool's launch settings as the routing file holds them (providers/sglang_launch.py's
+    SGLangLaunch; named by shape here, as policies/ does not import providers/)."""
+
+    algorithm: str
+    draft_model_path: str | None
+    num_steps: int | None
+    eagle_topk: int | None
+    num_draft_tokens: int | None
+    adaptive: bool
+    adaptive_config_path: str | None
+    ngram: Any
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    max_running_requests: int | None
+    extra_args: list[str]
 
 
 @dataclass(frozen=True)
