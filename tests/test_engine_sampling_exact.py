@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 from openalice_runner.engine import rejection
 from openalice_runner.engine.drafters.base import Drafter, Proposal
 from openalice_runner.engine.generator import new_sequence, run_sequence
-from openalice_runner.engine.sampling import processed_probs
+from openalice_runner.engine.sampling import TokenDraws, processed_probs, stream
 from openalice_runner.engine.types import SamplingParams, SpecConfig
 
 VOCAB = 4
@@ -154,9 +154,10 @@ def test_accepting_everything_is_caught(monkeypatch):
     # Another broken sampler: accept every draft token (the output would follow q, not p).
     real = rejection.verify_sampled
 
-    def accept_all(p, q, draft, generator):
-        real(p, q, draft, generator)  # keep the random stream's use alike
-        return rejection.Verdict(len(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator)))
+    def accept_all(p, q, draft, draws, position=0):
+        real(p, q, draft, draws, position)  # keep the random streams' use alike
+        bonus = stream(draws, position + len(draft), TokenDraws.TARGET)
+        return rejection.Verdict(len(draft), int(torch.multinomial(p[len(draft)], 1, generator=bonus)))
 
     monkeypatch.setattr("openalice_runner.engine.generator.verify_sampled", accept_all)
     target, draft = random_chain(1), random_chain(2)
@@ -268,7 +269,8 @@ def test_broken_tree_sampler_is_caught(monkeypatch):
     from openalice_runner.engine import generator, tree
     from openalice_runner.engine.drafters.eagle import EagleDrafter
 
-    def broken(p, tokens, parents, gen):
+    def broken(p, tokens, parents, draws, position=0):
+        gen = stream(draws, position, TokenDraws.TARGET)
         kids = tree.children(parents)
         path, row = [], 0
         while True:

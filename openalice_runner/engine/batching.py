@@ -75,7 +75,7 @@ class BatchRequest:
         if self.seq.drafter is None:
             return 0
         table = self.seq.spec.gamma_by_batch
-        if table is None:
+        if table is None or self.seq.fixed_draft_length:
             return self.seq.spec.gamma
         # waiting requests join the batch within a step or two: γ for the batch they make
         return table.at(batch + waiting)

@@ -22,7 +22,7 @@ from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter, Proposal, observed_rows, taps_for
 from openalice_runner.engine.llama import KVCache, LlamaModel
 from openalice_runner.engine.rejection import Verdict, verify_greedy, verify_sampled
-from openalice_runner.engine.sampling import make_generator, processed_probs
+from openalice_runner.engine.sampling import TokenDraws, processed_probs, sample, stream
 from openalice_runner.engine.stopping import TextStream
 from openalice_runner.engine.tree import (
     TreeMask,
@@ -57,18 +57,24 @@ class Sequence:
     text: TextStream
     eos_ids: frozenset[int]
     context_length: int
-    generator: torch.Generator | None = None
+    draws: TokenDraws | None = None  # None: greedy
     tokens: list[int] = field(default_factory=list)  # prompt + generated (EOS excluded)
     finish_reason: str | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     accept_lengths: list[int] = field(default_factory=list)
-    emitted_by_passes: int = 0
+    emitted_by_passes: int = 0  # tokens the decode passes produced, a stop token included
     started: float = 0.0
     costs: PassCostModel | None = None  # where target pass times are recorded
 
     @property
     def generated(self) -> int:
         return len(self.tokens) - len(self.prompt)
+
+    @property
+    def fixed_draft_length(self) -> bool:
+        """A seeded sampled request whose drafter draws its drafts: γ every round (Drafter.samples)."""
+        return (self.drafter is not None and self.drafter.samples and self.draws is not None
+                and self.sampling.seed is not None)
 
     @property
     def finished(self) -> bool:
@@ -78,8 +84,8 @@ class Sequence:
 def choose_token(logits: torch.Tensor, seq: Sequence) -> int:
     if seq.sampling.greedy:
         return int(logits.argmax())
-    probs = processed_probs(logits, seq.sampling)
-    return int(torch.multinomial(probs, 1, generator=seq.generator).item())
+    # the token lands at position len(seq.tokens): it draws from that position's stream
+    return sample(processed_probs(logits, seq.sampling), stream(seq.draws, len(seq.tokens), TokenDraws.TARGET))
 
 
 def prefill(model: LlamaModel, seq: Sequence) -> list[int]:
@@ -110,7 +116,8 @@ def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
     proposal = Proposal([])
     if seq.drafter is not None and max_draft > 0:
         t0 = time.perf_counter()
-        proposal = seq.drafter.propose(seq.tokens, max_draft, seq.sampling, seq.generator)
+        generator = None if seq.draws is None else seq.draws.stream(len(seq.tokens), TokenDraws.DRAFT)
+        proposal = seq.drafter.propose(seq.tokens, max_draft, seq.sampling, generator)
         seq.stats.draft_s += time.perf_counter() - t0
         # a tree may hold more tokens than γ: they must fit the context and the cache
         proposal = proposal.cut(max_draft, min(room_context, seq.cache.max_len - len(seq.tokens)))
@@ -190,18 +197,21 @@ def verify(logits: torch.Tensor, proposal: Proposal, draft: list[int], seq: Sequ
     if proposal.parents is not None:
         if seq.sampling.greedy:
             return verify_tree_greedy(logits.argmax(dim=-1).tolist(), draft, proposal.parents)
-        return verify_tree_sampled(processed_probs(logits, seq.sampling), draft, proposal.parents, seq.generator)
+        return verify_tree_sampled(processed_probs(logits, seq.sampling), draft, proposal.parents, seq.draws,
+                                   len(seq.tokens))
     if seq.sampling.greedy:
         return verify_greedy(logits.argmax(dim=-1).tolist(), draft)
     p = processed_probs(logits, seq.sampling)
     q = None if proposal.q is None else proposal.q[: len(draft)]
-    return verify_sampled(p, q, draft, seq.generator)
+    return verify_sampled(p, q, draft, seq.draws, len(seq.tokens))
 
 
 def accept_tokens(seq: Sequence, tokens: list[int], from_pass: bool = False) -> list[int]:
     """Append emitted tokens, applying EOS, the token budget and the context limit."""
     kept: list[int] = []
+    produced = 0  # tokens of this pass up to where the sequence ends, its stop token included
     for token in tokens:
+        produced += 1
         if token in seq.eos_ids:
             seq.finish_reason = "stop"
             break
@@ -214,7 +224,9 @@ def accept_tokens(seq: Sequence, tokens: list[int], from_pass: bool = False) -> 
             break
     seq.tokens.extend(kept)
     if from_pass:
-        seq.emitted_by_passes += len(kept)
+        # A pass that ends the reply on its stop token still produced a token: counting only the kept
+        # ones put a plain reply that stops below one token per pass.
+        seq.emitted_by_passes += produced
     return kept
 
 
@@ -298,7 +310,7 @@ def new_sequence(
             f"prompt has {len(prompt)} tokens; the model's context is {context_length} tokens "
             "and at least one must be left for the reply"
         )
-    generator = None if sampling.greedy else make_generator(sampling.seed)
+    draws = None if sampling.greedy else TokenDraws(sampling.seed)
     return Sequence(
         prompt=list(prompt),
         sampling=sampling,
@@ -309,6 +321,6 @@ def new_sequence(
         text=TextStream(tokenizer, sampling.stop),
         eos_ids=eos_ids,
         context_length=context_length,
-        generator=generator,
+        draws=draws,
         costs=costs,
     )

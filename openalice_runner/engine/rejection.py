@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from openalice_runner.engine.sampling import Draws, TokenDraws, sample, stream
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -57,27 +59,33 @@ def verify_sampled(
     p: torch.Tensor,
     q: torch.Tensor | None,
     draft: list[int],
-    generator: torch.Generator | None,
+    draws: Draws,
+    position: int = 0,
 ) -> Verdict:
     """Exact rejection sampling.
 
     p: (k+1, V) processed target probabilities; row i is the target's distribution for the
        token after draft[:i].
     q: (k, V) processed draft probabilities, or None when the draft is deterministic (one-hot).
+    draws: where the randomness comes from (sampling.TokenDraws: row i draws from the streams of
+       `position + i`, the position its token lands at).
+
+    A one-hot draft is verified by the target's own sample for each row, accepted while it is
+    the drafted token: x is accepted with probability p(x), and a rejected row emits a sample
+    of p without x, the residual; the same rule as drawing u < p(x), but the emitted tokens are
+    then the ones plain decoding draws from the same streams, whatever was drafted.
     """
     k = len(draft)
-    if k:
-        index = torch.tensor(draft).unsqueeze(1)
-        p_draft = p[:k].gather(1, index).squeeze(1)
-        q_draft = torch.ones(k) if q is None else q.gather(1, index).squeeze(1)
-        uniforms = torch.rand(k, generator=generator)
+    if q is None:
+        for i in range(k + 1):
+            token = sample(p[i], stream(draws, position + i, TokenDraws.TARGET))
+            if i == k or token != draft[i]:
+                return Verdict(i, token)
+    for i, x in enumerate(draft):
+        u = float(torch.rand((), generator=stream(draws, position + i, TokenDraws.ACCEPT)))
         # accept iff u * q(x) < p(x): the same as u < p/q without dividing, so q(x) = 0
         # (the draft proposed a token it gave no mass) accepts only where p(x) > 0.
-        accept = (uniforms * q_draft) < p_draft
-        rejected = (~accept).nonzero()
-        if rejected.numel():
-            i = int(rejected[0, 0])
-            residual = residual_distribution(p[i], None if q is None else q[i], draft[i])
-            return Verdict(i, int(torch.multinomial(residual, 1, generator=generator).item()))
-    bonus = int(torch.multinomial(p[k], 1, generator=generator).item())
-    return Verdict(k, bonus)
+        if not u * float(q[i, x]) < float(p[i, x]):
+            residual = residual_distribution(p[i], q[i], x)
+            return Verdict(i, sample(residual, stream(draws, position + i, TokenDraws.TARGET)))
+    return Verdict(k, sample(p[k], stream(draws, position + k, TokenDraws.TARGET)))

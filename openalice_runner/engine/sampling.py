@@ -7,6 +7,9 @@ exactly a sample of the processed target distribution.
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+
 import torch
 
 from openalice_runner.engine.types import SamplingParams
@@ -42,10 +45,33 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    gen = torch.Generator()
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
-    return gen
+class TokenDraws:
+    """Where a sequence's randomness comes from: one stream per (token position, use), derived
+    from the request's seed (a fresh random one without a seed).
+
+    Keying the streams by position, not drawing them in turn from one generator, keeps what a
+    token draws independent of how the rounds before it went: how long their drafts were (the
+    drafters size them by measured pass costs and the batch's load) and how many draws their
+    verification took. The same seed therefore gives the same tokens alone or in a batch."""
+
+    TARGET = 0  # the target's own sample for a position (plain, bonus or recovered token)
+    ACCEPT = 1  # the uniform that accepts or rejects a sampled draft token
+    DRAFT = 2  # a drafter's draws for the round whose first token lands at this position
+
+    def __init__(self, seed: int | None):
+        self.seed = secrets.randbits(63) if seed is None else seed
+
+    def stream(self, position: int, use: int) -> torch.Generator:
+        digest = hashlib.blake2b(f"{self.seed}:{position}:{use}".encode(), digest_size=8).digest()
+        generator = torch.Generator()
+        generator.manual_seed(int.from_bytes(digest, "little"))
+        return generator
+
+
+Draws = TokenDraws | torch.Generator | None
+
+
+def stream(draws: Draws, position: int, use: int) -> torch.Generator | None:
+    """The generator for one draw: a TokenDraws' stream for (position, use); a plain generator
+    (or None, torch's global one) serves every draw in turn, as tests of one verification use."""
+    return draws.stream(position, use) if isinstance(draws, TokenDraws) else draws

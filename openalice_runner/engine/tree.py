@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from openalice_runner.engine.sampling import Draws, TokenDraws, sample, stream
+
 MAX_NODES = 63  # a row's visible tree nodes are bits of one int64
 
 
@@ -119,27 +121,23 @@ def verify_tree_greedy(target_argmax: list[int], tokens: list[int], parents: lis
         row = nxt + 1
 
 
-def verify_tree_sampled(p: torch.Tensor, tokens: list[int], parents: list[int],
-                        generator: torch.Generator | None) -> TreeVerdict:
+def verify_tree_sampled(p: torch.Tensor, tokens: list[int], parents: list[int], draws: Draws,
+                        position: int = 0) -> TreeVerdict:
     """Exact multi-candidate rejection sampling for one-hot drafts. p: (N+1, V) processed target
-    probabilities, row 0 after the root and row 1 + i after node i."""
+    probabilities, row 0 after the root and row 1 + i after node i; the token at depth d draws
+    from the streams of `position + d` (see sampling.TokenDraws).
+
+    At each node the target draws its own sample and the path follows the child that drafted
+    it: child x is taken with probability p(x), and where no child matches, the sample is a draw
+    of p without the children's tokens, the residual of trying them in turn (verify_sampled's
+    rule for one draft, for several)."""
     kids = children(parents)
     path: list[int] = []
     row = 0
     while True:
-        residual = p[row]
-        accepted = None
-        for c in kids[row]:
-            x = tokens[c]
-            if float(torch.rand((), generator=generator)) < float(residual[x]):
-                accepted = c
-                break
-            residual = residual.clone()
-            residual[x] = 0.0
-            total = residual.sum()
-            # p(x) == 1 was rejected only through rounding: keep drawing from p itself
-            residual = residual / total if total > 0 else p[row]
-        if accepted is None:
-            return TreeVerdict(path, int(torch.multinomial(residual, 1, generator=generator).item()))
-        path.append(accepted)
-        row = accepted + 1
+        token = sample(p[row], stream(draws, position + len(path), TokenDraws.TARGET))
+        nxt = next((c for c in kids[row] if tokens[c] == token), None)
+        if nxt is None:
+            return TreeVerdict(path, token)
+        path.append(nxt)
+        row = nxt + 1

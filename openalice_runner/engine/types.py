@@ -123,7 +123,9 @@ class GenerationStats:
     probe_proposed: int = 0
     probe_accepted: int = 0
     acceptance_rate: float = 0.0  # accepted / proposed (0 when nothing was proposed)
-    mean_tokens_per_pass: float = 0.0  # completion tokens / target passes (prefill's token counted)
+    # tokens the target passes produced / target passes: >= 1, exactly 1 for plain decoding (a stop token
+    # a pass produced counts; the first token, from the prefill, does not)
+    mean_tokens_per_pass: float = 0.0
     accept_length_histogram: list[int] = field(default_factory=list)  # [n rounds that accepted k drafts]
     ttft_s: float = 0.0
     prefill_s: float = 0.0

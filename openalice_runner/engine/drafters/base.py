@@ -58,6 +58,10 @@ class Drafter(ABC):
     # Target layers (indices) whose residual stream the drafter also reads (EAGLE-3 fuses low,
     # middle and high layers): `observe` then gets those, in this order, before the final state.
     feature_layers: tuple[int, ...] = ()
+    # Drafters that draw their drafts from their own distribution when the request samples (q is
+    # not one-hot). A seeded request then drafts γ tokens every round, whatever the load: how
+    # many drafts a round drew decides which streams its verification reads, and so the output.
+    samples: bool = False
 
     def start(self, prompt: list[int]) -> None:  # noqa: B027 - optional hook
         """Called once with the prompt before the first proposal."""
@@ -87,6 +91,12 @@ class Drafter(ABC):
         reads, at the tokens it was just fed and kept: the prompt after each prefill chunk, then
         each round's input token and accepted drafts. Called before `update`. With
         `feature_layers`, rows are (rows, (len(feature_layers) + 1) * H): see `observed_rows`."""
+
+
+def seeded_sampling(sampling: SamplingParams) -> bool:
+    """A sampled request with a seed: drafters that draw their drafts (`Drafter.samples`) size
+    them without the measured pass costs, which vary from run to run."""
+    return not sampling.greedy and sampling.seed is not None
 
 
 def taps_for(drafters) -> tuple[int, ...]:

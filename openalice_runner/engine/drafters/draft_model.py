@@ -17,6 +17,7 @@ from openalice_runner.engine.types import SamplingParams
 
 
 class DraftModelDrafter(Drafter):
+    samples = True
     name = "draft"
 
     def __init__(self, model: LlamaModel, cache: KVCache):

@@ -32,7 +32,7 @@ import torch
 
 from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters import eagle_tree
-from openalice_runner.engine.drafters.base import Drafter, Proposal
+from openalice_runner.engine.drafters.base import Drafter, Proposal, seeded_sampling
 from openalice_runner.engine.sampling import processed_probs
 from openalice_runner.engine.types import SamplingParams
 
@@ -41,6 +41,7 @@ STEP_EMA = 0.1
 
 
 class EagleDrafter(Drafter):
+    samples = True
     name = "eagle"
     wants_hidden = True
 
@@ -119,7 +120,9 @@ class EagleDrafter(Drafter):
         out = rt.step(self.cache, self.feats[start : last + 1], history[start + 1 : last + 2], positions)
         self.seen = last + 1
         feat = out[-1:]
-        length = _DraftLength(self.costs, getattr(rt, "draft_step_s", None), self._batch, self._rows, len(history))
+        # a sampled chain's length decides which streams verification reads: not timed when seeded
+        costs = None if seeded_sampling(sampling) and not self.tree_nodes else self.costs
+        length = _DraftLength(costs, getattr(rt, "draft_step_s", None), self._batch, self._rows, len(history))
         if self.tree_nodes:
             return self._propose_tree(feat, last, gamma, length)
         tokens: list[int] = []

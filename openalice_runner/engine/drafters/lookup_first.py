@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from openalice_runner.engine.drafters.base import Drafter, Proposal
+from openalice_runner.engine.drafters.base import Drafter, Proposal, seeded_sampling
 from openalice_runner.engine.drafters.eagle import EagleDrafter
 from openalice_runner.engine.drafters.ngram import NgramDrafter
 from openalice_runner.engine.types import SamplingParams
 
 
 class LookupFirstDrafter(Drafter):
+    samples = True
     name = "eagle"
     wants_hidden = True
 
@@ -49,7 +50,10 @@ class LookupFirstDrafter(Drafter):
 
     def propose(self, history: list[int], gamma: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
-        found = self.lookup.propose(history, gamma, sampling, generator)
+        if seeded_sampling(sampling):  # whether the head drafts must not hang on timing
+            found = self.lookup.lookup(history, gamma)
+        else:
+            found = self.lookup.propose(history, gamma, sampling, generator)
         if found.tokens and not found.probe:
             self._source = self.lookup
             self.rounds["lookup"] += 1

@@ -135,13 +135,10 @@ class NgramDrafter(Drafter):
 
     def propose(self, history: list[int], gamma: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
-        if len(history) > len(self.index.tokens):
-            self.index.extend(history[len(self.index.tokens) :])
-        tokens, n = self.index.match(gamma)
-        self._context = len(history)
-        self._last_match = n
+        found = self.lookup(history, gamma)
+        tokens, n = found.tokens, self._last_match
         if not tokens or self.costs is None:
-            return Proposal(tokens)
+            return found
         k, value = self._best_length(n, len(tokens))
         self._probing = value <= 1.0
         if self._probing:
@@ -150,6 +147,16 @@ class NgramDrafter(Drafter):
                 return Proposal([])
             return Proposal(tokens[: min(len(tokens), 2)], probe=True)  # a cheap probe
         return Proposal(tokens[:k])
+
+    def lookup(self, history: list[int], gamma: int) -> Proposal:
+        """The longest match's continuation, up to `gamma` tokens, not sized by pass costs."""
+        if len(history) > len(self.index.tokens):
+            self.index.extend(history[len(self.index.tokens) :])
+        tokens, n = self.index.match(gamma)
+        self._context = len(history)
+        self._last_match = n
+        self._probing = False
+        return Proposal(tokens)
 
     def _best_length(self, n: int, k_max: int) -> tuple[int, float]:
         """The draft length with the most expected tokens per unit of pass cost, and that value
