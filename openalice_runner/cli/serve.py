@@ -32,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--trace-exporter",
         choices=("none", "console", "file", "otlp"),
-        help="span exporter (default: file with --trace-file, else none; otlp reads OTEL_EXPORTER_OTLP_*)",
+        help="span exporter (default: OTEL_TRACES_EXPORTER, else file with --trace-file, else none; otlp reads "
+        "OTEL_EXPORTER_OTLP_*; metrics are pushed as OTEL_METRICS_EXPORTER says, by default with otlp)",
     )
     p.add_argument(
         "--record-content", action="store_true", help="record message content in spans (off: privacy)"
@@ -91,11 +92,15 @@ def run(args: argparse.Namespace) -> int:
     from openalice_runner.private_file import PrivateFileError
     from openalice_runner.server.app import ServerSettings, create_app
     from openalice_runner.server.metrics import ServerMetrics
-    from openalice_runner.tracing.setup import configure_logging, configure_telemetry
+    from openalice_runner.tracing.setup import configure_logging, configure_telemetry, exporters_from_env
     from openalice_runner.tracing.telemetry import RunnerTelemetry
 
     configure_logging(json_logs=True, level=args.log_level)
-    exporter = args.trace_exporter or ("file" if args.trace_file else "none")
+    try:
+        exporter, metrics_exporter = exporters_from_env(args.trace_exporter, args.trace_file)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if exporter == "file" and not args.trace_file:
         print("error: --trace-exporter file needs --trace-file", file=sys.stderr)
         return 2
@@ -106,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(ENV_API_KEY) or None
     reader = InMemoryMetricReader()  # /metrics renders the GenAI histograms from it
     try:
-        providers = configure_telemetry(exporter, args.trace_file, metric_readers=[reader])
+        providers = configure_telemetry(
+            exporter, args.trace_file, metric_readers=[reader], metrics_exporter=metrics_exporter
+        )
     except PrivateFileError as exc:  # a trace file that is a symlink or someone else's
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -5,12 +5,18 @@ configure_telemetry() builds a TracerProvider and a MeterProvider with the chose
   console  one JSON block per span on stdout (the SDK's ConsoleSpanExporter)
   file     a JSON-lines trace file (tracing/jsonl.py), what `trace report` reads
   otlp     OTLP over HTTP; endpoint, headers, timeout from the standard OTEL_EXPORTER_OTLP_* variables
+           (the generic endpoint gets /v1/traces or /v1/metrics appended, a per-signal one is used as is)
+Metrics are pushed over OTLP only with metrics exporter `otlp` (`exporters_from_env`: OTEL_METRICS_EXPORTER,
+by default `otlp` where spans go over OTLP); the /metrics scrape is there either way.
 Spans go through a BatchSpanProcessor with a bounded queue; what it cannot keep is counted, not hidden.
+Flush and shutdown are bounded (`FLUSH_BOUND_S`, `SHUTDOWN_BOUND_S`): a collector that refuses or does
+not answer costs exports, never a stuck shutdown.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -31,7 +37,64 @@ from openalice_runner.tracing.telemetry import current_trace_ids
 
 ExporterName = Literal["none", "console", "file", "otlp"]
 EXPORTERS: tuple[str, ...] = ("none", "console", "file", "otlp")
+# OTEL_METRICS_EXPORTER: `prometheus` is the /metrics endpoint, which is always served: nothing to push
+METRIC_EXPORTERS: tuple[str, ...] = ("none", "otlp", "console", "prometheus")
 SERVICE_NAME = "openalice-runner"
+EXPORT_TIMEOUT_S = 5.0  # one OTLP export, retries included, unless OTEL_EXPORTER_OTLP_*TIMEOUT says otherwise
+FLUSH_BOUND_S = 3.0  # the server's flush at shutdown, then the providers' shutdown: 7 s at most
+SHUTDOWN_BOUND_S = 4.0
+
+logger = logging.getLogger(__name__)
+
+
+def exporters_from_env(cli_exporter: str | None, trace_file: str | None) -> tuple[str, str]:
+    """(span exporter, metrics exporter) for an application: the CLI's choice, else OTEL_TRACES_EXPORTER,
+    else `file` with a trace file, else `none`; OTEL_METRICS_EXPORTER, else `otlp` where spans go over
+    OTLP (a collector usually takes both), else `none`. ValueError naming the variable for other values."""
+    traces = cli_exporter or _env_choice("OTEL_TRACES_EXPORTER", EXPORTERS) or ("file" if trace_file else "none")
+    metrics = _env_choice("OTEL_METRICS_EXPORTER", METRIC_EXPORTERS) or ("otlp" if traces == "otlp" else "none")
+    return traces, metrics
+
+
+def _env_choice(name: str, allowed: tuple[str, ...]) -> str | None:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return None
+    if raw not in allowed:
+        raise ValueError(f"{name}={raw!r} is not supported; use one of {', '.join(allowed)}")
+    return raw
+
+
+def _export_timeout(signal: str) -> float:
+    """The OTLP exporter's own timeout (its retries stop at it): the standard variables where set."""
+    for name in (f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"):
+        raw = os.environ.get(name)
+        if raw:
+            try:
+                return float(raw)
+            except ValueError:
+                raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    return EXPORT_TIMEOUT_S
+
+
+def _bounded(what: str, work: Any, bound_s: float) -> bool:
+    """Run `work` on a daemon thread and wait at most `bound_s` for it: an exporter stuck on a collector
+    must not hold the process. False (and a warning) where it did not finish in time."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            work()
+        except Exception:  # telemetry must not break the shutdown it is part of
+            logger.warning("telemetry %s failed", what, exc_info=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"telemetry-{what}", daemon=True).start()
+    if done.wait(bound_s):
+        return True
+    logger.warning("telemetry %s did not finish within %.0f s; going on without it", what, bound_s)
+    return False
 
 
 class DropCounter:
@@ -120,14 +183,25 @@ class TelemetryProviders:
     drops: DropCounter = field(default_factory=DropCounter)
     trace_file: str | None = None
 
-    def force_flush(self, timeout_millis: int = 10_000) -> bool:
-        ok = self.tracer_provider.force_flush(timeout_millis)
-        return self.meter_provider.force_flush(timeout_millis) and ok
+    def force_flush(self, timeout_millis: int = int(FLUSH_BOUND_S * 1000)) -> bool:
+        """Push what is queued, within `timeout_millis` in all."""
+        results: list[bool] = []
 
-    def shutdown(self) -> None:
-        """Flush and stop: spans still queued are written before this returns."""
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
+        def flush() -> None:
+            results.append(self.tracer_provider.force_flush(timeout_millis))
+            results.append(self.meter_provider.force_flush(timeout_millis))
+
+        return _bounded("flush", flush, timeout_millis / 1000) and all(results)
+
+    def shutdown(self, bound_s: float = SHUTDOWN_BOUND_S) -> None:
+        """Flush and stop: spans still queued are written before this returns, unless the exporters take
+        longer than `bound_s` (a collector that does not answer)."""
+
+        def stop() -> None:
+            self.tracer_provider.shutdown()
+            self.meter_provider.shutdown(timeout_millis=bound_s * 1000)
+
+        _bounded("shutdown", stop, bound_s)
 
 
 def _span_exporter(exporter: str, trace_file: str | None) -> SpanExporter | None:
@@ -146,7 +220,8 @@ def _span_exporter(exporter: str, trace_file: str | None) -> SpanExporter | None
     if exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        return OTLPSpanExporter()  # reads OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT/HEADERS/TIMEOUT
+        # reads OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT/HEADERS
+        return OTLPSpanExporter(timeout=_export_timeout("TRACES"))
     raise ValueError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")
 
 
@@ -158,9 +233,15 @@ def configure_telemetry(
     max_queue_size: int = 4096,
     schedule_delay_millis: float = 500,
     set_global: bool = True,
+    metrics_exporter: str | None = None,
 ) -> TelemetryProviders:
     """Build tracer and meter providers for an application. `set_global` installs them as the global
-    providers (the server and CLI do; tests usually pass False and hand the providers over explicitly)."""
+    providers (the server and CLI do; tests usually pass False and hand the providers over explicitly).
+    `metrics_exporter`: one of METRIC_EXPORTERS (None: `otlp` where `exporter` is, else `none`)."""
+    if metrics_exporter is None:
+        metrics_exporter = "otlp" if exporter == "otlp" else "none"
+    if metrics_exporter not in METRIC_EXPORTERS:
+        raise ValueError(f"metrics exporter must be one of {METRIC_EXPORTERS}, got {metrics_exporter!r}")
     resource = Resource.create(
         {"service.name": SERVICE_NAME}
     )  # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES win
@@ -178,11 +259,18 @@ def configure_telemetry(
             )
         )
     readers = list(metric_readers)
-    if exporter == "otlp":
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    if metrics_exporter in ("otlp", "console"):
+        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
 
-        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+        if metrics_exporter == "otlp":
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+            timeout = _export_timeout("METRICS")
+            metric_exporter: Any = OTLPMetricExporter(timeout=timeout)
+        else:
+            timeout, metric_exporter = EXPORT_TIMEOUT_S, ConsoleMetricExporter()
+        # interval from OTEL_METRIC_EXPORT_INTERVAL; one export never runs past the exporter's timeout
+        readers.append(PeriodicExportingMetricReader(metric_exporter, export_timeout_millis=timeout * 1000))
     # No exemplars: nothing here reads them, and sampling them costs every histogram record.
     meter_provider = MeterProvider(
         resource=resource, metric_readers=readers, exemplar_filter=AlwaysOffExemplarFilter()
