@@ -53,6 +53,26 @@ def test_eos_ends_generation(tiny_engine):
     assert r.token_ids == first[:cut] and r.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("method", ["off", "ngram"])
+def test_a_reply_ending_on_its_stop_token_reports_at_least_one_token_per_pass(tiny_engine, method):
+    """Every target pass produces at least one token; the one whose token is the stop token too (a
+    plain reply of 30 passes and 30 tokens once reported 0.967 tokens per pass)."""
+    prompt = tiny_engine.encode("x")
+    first = tiny_engine.generate(prompt, SamplingParams(max_tokens=30)).token_ids
+    cut = next(i for i, t in enumerate(first) if i > 3 and t not in first[:i])
+    original = tiny_engine.eos_token_ids
+    try:
+        tiny_engine.eos_token_ids = frozenset({first[cut]})
+        r = tiny_engine.generate(prompt, SamplingParams(max_tokens=30), SpecConfig(method=method, gamma=3))
+    finally:
+        tiny_engine.eos_token_ids = original
+    s = r.stats
+    assert r.finish_reason == "stop" and r.token_ids == first[:cut]
+    assert s.mean_tokens_per_pass >= 1.0
+    if method == "off":
+        assert s.target_passes == cut and s.mean_tokens_per_pass == 1.0  # the prefill gave the first token
+
+
 def test_context_limit(tiny_engine):
     ctx = tiny_engine.context_length
     with pytest.raises(ContextLengthError):

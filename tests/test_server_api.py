@@ -516,6 +516,26 @@ def test_policy_endpoint_and_hot_reload(stack):
     assert "last_error" not in restored
 
 
+def test_health_shows_a_broken_policy_edit_without_paths_or_texts_unless_authenticated(stack):
+    health_url = f"{stack.server.url}/health"
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    text = stack.policy_path.read_text()
+    assert "last_error" not in httpx.get(health_url).json()["policy"]
+    try:
+        stack.policy_path.write_text(text + "\nrules: [oops\n")
+        public = _wait_for(lambda: httpx.get(health_url).json()["policy"], lambda v: "last_error" in v)
+        assert public["source"] == "policy.yaml"
+        assert public["last_error"].startswith("policy.yaml:")  # where, FILE:LINE:COL
+        assert str(stack.policy_path.parent) not in json.dumps(httpx.get(health_url).json())
+        full = httpx.get(health_url, headers=h).json()["policy"]
+        assert full["source"] == str(stack.policy_path)
+        assert full["last_error"] == str(stack.runner.policy.last_error)  # the problems' text, with the key
+        assert full["last_error"] not in public["last_error"]
+    finally:
+        stack.policy_path.write_text(text)
+    _wait_for(lambda: httpx.get(health_url).json()["policy"], lambda v: "last_error" not in v)
+
+
 def _wait_for(fetch, done, timeout: float = 15.0):
     deadline = time.monotonic() + timeout
     while True:

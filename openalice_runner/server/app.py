@@ -28,6 +28,7 @@ from openalice_runner.server.context import caller_trace_context, turn_context
 from openalice_runner.server.deadline import ClientGone, Deadline, DeadlineExceeded, race, request_deadline
 from openalice_runner.server.errors import APIError, install_error_handlers
 from openalice_runner.server.guard import PUBLIC_PATHS, GuardMiddleware
+from openalice_runner.server.health import authenticated, file_status
 from openalice_runner.server.mapping import api_error_from as _map_error
 from openalice_runner.server.metrics import ServerMetrics
 from openalice_runner.server.routing_watch import RoutingWatcher
@@ -273,16 +274,22 @@ def create_app(
         return _policy_view(store)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health(request: Request) -> dict[str, Any]:
         store = runner.policy
+        full = authenticated(request.headers.get("authorization"), settings.api_key)
         out = {
             "status": "ok",
             "models": runner.model_names(),
             "policy_version": getattr(store, "version", None),
             "open_turns": len(tracker),
         }
+        source = getattr(store, "path", None)
+        if source is not None:  # a rejected edit shows here, as the providers file's does
+            out["policy"] = file_status(source, getattr(store, "last_error", None), full=full)
         if routing_watch is not None:
-            out["providers"] = routing_watch.status()  # a rejected edit says why here
+            watched = routing_watch.status()
+            out["providers"] = file_status(watched["source"], watched.get("last_error"), full=full,
+                                           needs_restart=watched.get("needs_restart"))  # fmt: skip
         return out
 
     @app.get("/metrics")
@@ -308,17 +315,30 @@ def api_error_from(exc: BaseException) -> APIError:
 
 
 def _turn_parent(request: Request, *, tracked: bool) -> Any:
-    """Parent of a new turn span. A conversation's turn outlives the request that opens it, so it hangs
-    off the caller's span (traceparent) or starts a trace of its own; a one-request turn sits under the
-    request's HTTP server span when there is one (which itself continues the caller's trace)."""
+    """Parent of a new turn span: the request's HTTP server span where there is one (it continues the
+    caller's traceparent), so the two share a trace. A conversation's turn outlives the request that
+    opens it and stays a child of that request's server span. Without a server span: the caller's
+    span (traceparent), or a trace of its own."""
     from opentelemetry import context as otel_context
 
+    server = _server_span(request)
+    if server is not None:
+        return trace.set_span_in_context(server)
     caller = caller_trace_context(request.headers)
     if tracked:
         return caller or otel_context.Context()
     if trace.get_current_span().get_span_context().is_valid:
-        return None  # the current context: the HTTP server span
+        return None  # the current context
     return caller
+
+
+def _server_span(request: Request) -> Any:
+    """FastAPI's HTTP server span of this request (its telemetry keeps it in the scope without making it
+    current), or None where tracing is off."""
+    span = getattr(request.scope.get("fastapi.telemetry"), "span", None)
+    if span is None or not span.get_span_context().is_valid:
+        return None
+    return span
 
 
 def _outcome(exc: BaseException) -> str:
