@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Load test of the embedded default: `openalice-runner serve` with its defaults (SmolLM2-135M-Instruct,
-# admission 1 in flight + 16 queued), then `openalice-runner loadtest` for DURATION seconds at each
-# concurrency. Writes one JSON report per run and a Markdown table (sent/ok/429/failed/5xx, latency
-# and time-to-first-token percentiles, the server's peak RSS from /proc/PID/status VmHWM).
+# admission 8 in flight + 16 queued), then `openalice-runner loadtest` for DURATION seconds at each
+# concurrency, then the memory check: four long prompts with deeply nested tool schemas and max_tokens
+# 4000 at once (scripts/deep_tools_workload.py; DEEP_TOOLS=0 skips it). Writes one JSON report per run
+# and a Markdown table (sent/ok/429/failed/5xx, latency and time-to-first-token percentiles, the
+# server's peak RSS from /proc/PID/status VmHWM, over every run).
 #
 #   scripts/loadtest.sh [OUT.md]            # default OUT: loadtest-results.md
 #   DURATION=60 CONCURRENCY="1 4 16" PORT=8765 scripts/loadtest.sh /tmp/results.md
@@ -14,6 +16,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${1:-loadtest-results.md}"
 DURATION="${DURATION:-60}"
 CONCURRENCY="${CONCURRENCY:-1 4 16}"
+DEEP_TOOLS="${DEEP_TOOLS:-1}"
 PORT="${PORT:-8765}"
 PY="${PY:-$ROOT/.venv/bin/python}"
 SERVE_ARGS="${SERVE_ARGS:-}"  # e.g. "--providers tiny.yaml" to try the script on the tiny model
@@ -38,6 +41,14 @@ for c in $CONCURRENCY; do
   "$PY" -m openalice_runner loadtest --url "http://127.0.0.1:$PORT" --concurrency "$c" \
     --duration "$DURATION" --server-pid "$SERVER" --json "$WORK/c$c.json" || true
 done
+LEVELS="$CONCURRENCY"
+if [ "$DEEP_TOOLS" != 0 ]; then
+  echo "== memory check: 4 long prompts with deep tool schemas at once, ${DURATION}s"
+  "$PY" "$ROOT/scripts/deep_tools_workload.py" "$WORK/deep_tools.jsonl"
+  "$PY" -m openalice_runner loadtest --url "http://127.0.0.1:$PORT" --concurrency 4 --workload "$WORK/deep_tools.jsonl" \
+    --duration "$DURATION" --server-pid "$SERVER" --json "$WORK/cdeep-tools.json" || true
+  LEVELS="$CONCURRENCY deep-tools"
+fi
 curl -s "http://127.0.0.1:$PORT/metrics" >"$WORK/metrics.txt"
 
 kill -TERM "$SERVER"
@@ -47,7 +58,7 @@ EXIT=$?
 set -e
 trap - EXIT
 
-"$PY" - "$WORK" "$OUT" "$EXIT" "$CONCURRENCY" <<'EOF'
+"$PY" - "$WORK" "$OUT" "$EXIT" "$LEVELS" <<'EOF'
 import json, sys
 from pathlib import Path
 
@@ -70,7 +81,9 @@ text = "\n".join([
     "# Load test: `openalice-runner serve` defaults (embedded SmolLM2-135M-Instruct, bf16, CPU)",
     "",
     f"Each row: `openalice-runner loadtest` for {levels and json.loads((work / f'c{levels[0]}.json').read_text())['duration_s']:g} s, "
-    "half the requests streamed, max_tokens 32, six short chat prompts; latency and TTFT in ms (p50 / p95 / p99).",
+    "half the requests streamed, max_tokens 32, six short chat prompts; latency and TTFT in ms (p50 / p95 / p99). "
+    "Row `deep-tools` (the memory check): concurrency 4, four ~3.5k-token prompts with deeply nested tool "
+    "schemas, max_tokens 4000.",
     "",
     "| concurrency | s | sent | ok | 429 | failed | 5xx | latency ms | TTFT ms | req/s | tokens/s |",
     "|---|---|---|---|---|---|---|---|---|---|---|",

@@ -207,3 +207,49 @@ def test_full_waiting_line_is_refused_at_once():
     engine.scheduler.max_waiting = 0
     with pytest.raises(EngineOverloaded):
         engine.generate(engine.encode("hi"), SamplingParams(max_tokens=4))
+
+
+def _drain(scheduler, request):
+    return [e.result for e in scheduler.events(request) if e.result is not None][0]
+
+
+def test_kv_cache_is_sized_by_the_prompt_and_grows_with_the_reply_not_by_max_tokens(tiny_engine):
+    """Four long prompts asking for max_tokens 1500 once held every slot at 2048 positions from
+    admission on (a real server peaked past 2 GB on replies that stopped after a few tokens); the
+    cache holds what is written and grows a granule at a time."""
+    scheduler = BatchScheduler(tiny_engine.model, max_batch=4)
+    prompt = tiny_engine.encode("word " * 400)[:300]
+    sampling = SamplingParams(max_tokens=1500)
+    try:
+        requests = []
+        for _ in range(4):
+            seq = new_sequence(prompt, sampling, SpecConfig(method="off"), None, scheduler.cache,
+                               tiny_engine.tokenizer, frozenset(), tiny_engine.context_length, slot=-1)  # fmt: skip
+            requests.append(scheduler.submit(seq))
+        for request in requests:
+            next(e for e in scheduler.events(request) if e.token_ids)  # each has started its reply
+            assert scheduler.cache.max_len == 512
+            request.cancel.set()
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(method="off"), SpecConfig(method="ngram", gamma=4)])
+def test_a_reply_past_the_first_granule_grows_the_cache_and_matches_serial_decoding(tiny_engine, spec):
+    prompt = tiny_engine.encode("one two three four " * 200)[:500]
+    sampling = SamplingParams(max_tokens=600)
+    serial = new_sequence(prompt, sampling, SpecConfig(method="off"), None, tiny_engine.model.new_cache(1, 1200),
+                          tiny_engine.tokenizer, frozenset(), tiny_engine.context_length)  # fmt: skip
+    from openalice_runner.engine.generator import run_sequence
+
+    want = [e.result for e in run_sequence(tiny_engine.model, serial) if e.result is not None][0].token_ids
+    scheduler = BatchScheduler(tiny_engine.model, max_batch=2)
+    try:
+        drafter = tiny_engine._make_drafter(spec, 1200, own_cache=True) if spec.method != "off" else None
+        seq = new_sequence(prompt, sampling, spec, drafter, scheduler.cache, tiny_engine.tokenizer, frozenset(),
+                           tiny_engine.context_length, slot=-1)  # fmt: skip
+        got = _drain(scheduler, scheduler.submit(seq)).token_ids
+        assert scheduler.cache.max_len == 1536  # 500 + 600 tokens and a round, in granules of 512
+    finally:
+        scheduler.close()
+    assert len(want) == 600 and got == want

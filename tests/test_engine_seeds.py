@@ -16,6 +16,7 @@ import pytest
 from stand_ins.engines import tiny_engine
 
 from openalice_runner.engine import SamplingParams, SpecConfig
+from openalice_runner.engine.drafters.base import Drafter, Proposal
 
 PROMPT = "one two three four five one two three four five one two three"
 OTHER = "def f(x):\n    return x + 1\n\ndef g(x):\n    return"
@@ -26,16 +27,26 @@ SPECS = {
 }
 
 
+class GuessDrafter(Drafter):
+    """A one-hot drafter that guesses the last token again, γ times (γ set by the step policy): on the
+    random model its drafts are rejected, and how many it drafted varies with the batch."""
+
+    def propose(self, history, gamma, sampling, generator):
+        return Proposal([history[-1]] * gamma)
+
+
 def load_dependent_gamma(batch: int, waiting: int) -> int:
     # as the server's step policy does: shorter drafts when more sequences share a pass
     return 4 if batch == 1 else 1
 
 
-def run(engine, spec, sampling, prompt=PROMPT):
-    return engine.generate(engine.encode(prompt), sampling, spec, step_policy=load_dependent_gamma).token_ids
+def run(engine, spec, sampling, prompt=PROMPT, guess=False):
+    drafter = GuessDrafter() if guess else None
+    return engine.generate(engine.encode(prompt), sampling, spec, drafter=drafter,
+                           step_policy=load_dependent_gamma).token_ids
 
 
-def run_beside(engine, spec, sampling):
+def run_beside(engine, spec, sampling, guess=False):
     """The request batched with another (unseeded, sampled) one, both submitted at once."""
     start = threading.Barrier(2)
     other = SamplingParams(temperature=1.0, max_tokens=40)
@@ -45,17 +56,18 @@ def run_beside(engine, spec, sampling):
         return run(engine, *job)
 
     with ThreadPoolExecutor(2) as pool:
-        mine, _ = pool.map(one, [(spec, sampling, PROMPT), (SPECS["ngram"], other, OTHER)])
+        mine, _ = pool.map(one, [(spec, sampling, PROMPT, guess), (SPECS["ngram"], other, OTHER)])
     return mine
 
 
-@pytest.mark.parametrize("method", sorted(SPECS))
+@pytest.mark.parametrize("method", [*sorted(SPECS), "one-hot guesses"])
 def test_same_seed_same_tokens_alone_repeated_and_batched(method):
     engine = tiny_engine()
-    spec = SPECS[method]
+    guess = method == "one-hot guesses"
+    spec = SPECS["ngram" if guess else method]
     sampling = SamplingParams(temperature=1.0, seed=7, max_tokens=40)
-    alone = [run(engine, spec, sampling) for _ in range(3)]
-    batched = run_beside(engine, spec, sampling)
+    alone = [run(engine, spec, sampling, guess=guess) for _ in range(3)]
+    batched = run_beside(engine, spec, sampling, guess=guess)
     assert len(alone[0]) > 10
     assert alone[1] == alone[0] and alone[2] == alone[0]
     assert batched == alone[0]
@@ -77,4 +89,6 @@ def test_one_hot_drafts_do_not_move_the_sample():
     speculation emits what plain decoding emits for the same seed, whatever it drafted."""
     engine = tiny_engine()
     sampling = SamplingParams(temperature=1.0, seed=11, max_tokens=40)
-    assert run(engine, SPECS["ngram"], sampling) == run(engine, SPECS["off"], sampling)
+    plain = run(engine, SPECS["off"], sampling)
+    assert run(engine, SPECS["ngram"], sampling) == plain
+    assert run(engine, SPECS["ngram"], sampling, guess=True) == plain

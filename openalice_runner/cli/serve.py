@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-in-flight", type=int, metavar="N",
-        help="requests each provider serves at once (default: 1 for the embedded engine, 64 for remote "
+        help="requests each provider serves at once (default: 8 for the embedded engine, 64 for remote "
         "ones; a provider's `max_in_flight` in the providers YAML wins)",
     )  # fmt: skip
     p.add_argument(

@@ -200,8 +200,9 @@ class BatchScheduler:
                 seq.finish_reason = "cancelled"
                 request.events.put(final_event(seq))
                 continue
-            need = len(seq.prompt) + seq.sampling.max_tokens + seq.spec.draft_rows + 2
-            need = -(-min(need, seq.context_length + seq.spec.draft_rows + 2) // CACHE_GRANULE) * CACHE_GRANULE
+            # positions for the prompt and a round; the reply's grow as it is written (`_reserve`): sizing
+            # every slot for max_tokens up front held GBs for replies that stop after a few tokens
+            need = _granules(_positions_for(seq, len(seq.prompt)))
             if not self._free_slots:
                 # grow by doubling: few reallocations, and no memory for slots never used
                 slots = min(self.max_batch, max(1, 2 * self.cache.batch))
@@ -262,7 +263,15 @@ class BatchScheduler:
             reused = reused if adopted else 0
         return best, reused
 
+    def _reserve(self) -> None:
+        """Grow the cache's positions, a granule at a time, to what this step may write: every decoding
+        sequence's tokens and a round of drafts (prefills fit since admission)."""
+        need = max((_positions_for(r.seq, len(r.seq.tokens)) for r in self._running if not r.prefilling), default=0)
+        if need > self.cache.max_len:
+            self.cache.grow(self.cache.batch, _granules(need))
+
     def _step(self) -> None:
+        self._reserve()
         batch, waiting = len(self._running), len(self._waiting)
         tokens: list[int] = []
         row_slot: list[int] = []
@@ -375,6 +384,17 @@ class BatchScheduler:
         self._fail_running(exc)
         while self._waiting:
             self._waiting.popleft().events.put(exc)
+
+
+def _positions_for(seq: Sequence, tokens: int) -> int:
+    """Cache positions a sequence of `tokens` tokens needs for its next round (its drafts and the token
+    before them), within its context."""
+    rows = seq.spec.draft_rows + 2
+    return min(tokens, seq.context_length) + rows
+
+
+def _granules(positions: int) -> int:
+    return -(-positions // CACHE_GRANULE) * CACHE_GRANULE
 
 
 def _tree_mask(plans: list[_Rows]) -> TreeMask | None:
