@@ -17,33 +17,30 @@ from stand_ins.engines import tiny_engine
 
 from openalice_runner.engine import SamplingParams, SpecConfig
 from openalice_runner.engine.drafters.base import Drafter, Proposal
+from openalice_runner.speculation import GammaTable
 
 PROMPT = "one two three four five one two three four five one two three"
 OTHER = "def f(x):\n    return x + 1\n\ndef g(x):\n    return"
+# as the policy's tables do: shorter drafts when more sequences share a pass
+SHORTER_IN_A_BATCH = GammaTable(((1, 4), (2, 1)))
 SPECS = {
     "off": SpecConfig(method="off"),
-    "ngram": SpecConfig(method="ngram", gamma=4),
-    "draft": SpecConfig(method="draft", gamma=3, draft_layers=1),
+    "ngram": SpecConfig(method="ngram", gamma=4, gamma_by_batch=SHORTER_IN_A_BATCH),
+    "draft": SpecConfig(method="draft", gamma=3, draft_layers=1, gamma_by_batch=SHORTER_IN_A_BATCH),
 }
 
 
 class GuessDrafter(Drafter):
-    """A one-hot drafter that guesses the last token again, γ times (γ set by the step policy): on the
+    """A one-hot drafter that guesses the last token again, γ times (γ from the batch's size): on the
     random model its drafts are rejected, and how many it drafted varies with the batch."""
 
     def propose(self, history, gamma, sampling, generator):
         return Proposal([history[-1]] * gamma)
 
 
-def load_dependent_gamma(batch: int, waiting: int) -> int:
-    # as the server's step policy does: shorter drafts when more sequences share a pass
-    return 4 if batch == 1 else 1
-
-
 def run(engine, spec, sampling, prompt=PROMPT, guess=False):
     drafter = GuessDrafter() if guess else None
-    return engine.generate(engine.encode(prompt), sampling, spec, drafter=drafter,
-                           step_policy=load_dependent_gamma).token_ids
+    return engine.generate(engine.encode(prompt), sampling, spec, drafter=drafter).token_ids
 
 
 def run_beside(engine, spec, sampling, guess=False):

@@ -247,13 +247,6 @@ class LlamaModel:
         def linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> Linear:
             # one weight is shared with the transformers module (no copy); several are fused
             w = weights[0].detach() if len(weights) == 1 else torch.cat([t.detach() for t in weights], dim=0)
-            if len(weights) > 1:
-                # the transformers module reads its weights as rows of the fused one from here on: the
-                # same values, and the separate copies (q/k/v, gate/up: ~140 MB on the default model) go
-                start = 0
-                for t in weights:
-                    t.data = w[start : start + t.shape[0]]
-                    start += t.shape[0]
             b = None
             if biases and all(x is not None for x in biases):
                 b = torch.cat([x.detach() for x in biases], dim=0)
