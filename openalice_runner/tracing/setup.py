@@ -245,7 +245,9 @@ def configure_telemetry(
     resource = Resource.create(
         {"service.name": SERVICE_NAME}
     )  # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES win
-    tracer_provider = TracerProvider(resource=resource)
+    # No SDK exit hooks: they shut the providers down again at interpreter exit, unbounded (a span
+    # processor joins its worker while it retries a collector); TelemetryProviders.shutdown is bounded.
+    tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     drops = DropCounter()
     span_exporter = _span_exporter(exporter, trace_file)
     if span_exporter is not None:
@@ -273,7 +275,7 @@ def configure_telemetry(
         readers.append(PeriodicExportingMetricReader(metric_exporter, export_timeout_millis=timeout * 1000))
     # No exemplars: nothing here reads them, and sampling them costs every histogram record.
     meter_provider = MeterProvider(
-        resource=resource, metric_readers=readers, exemplar_filter=AlwaysOffExemplarFilter()
+        resource=resource, metric_readers=readers, exemplar_filter=AlwaysOffExemplarFilter(), shutdown_on_exit=False
     )
     if set_global:
         trace.set_tracer_provider(tracer_provider)
