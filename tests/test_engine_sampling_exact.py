@@ -10,6 +10,7 @@ and the same test must fail when the sampler is deliberately broken.
 from __future__ import annotations
 
 import itertools
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -209,7 +210,8 @@ def random_eagle_runtime(seed: int, feature_layers: list[int] | None = None):
                           (4, 0.9, [0, 1], False, False, 0), (6, 1.0, None, True, False, 0),
                           (4, 1.0, None, False, True, 0), (4, 1.0, None, False, False, 6),
                           (5, 0.9, [0, 1], True, False, 8), (4, 1.0, None, False, True, 5)])
-def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_layers, costs, lookup, tree):
+def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_layers, costs, lookup, tree,
+                                                      monkeypatch):
     """With `feature_layers`, an EAGLE-3-style head that fuses tapped layers with f_t. With
     `costs`, the drafter sizes each draft from its own confidence (lengths vary round to round).
     With `lookup`, prompt lookup drafts (one-hot q) where the text has a match and the head
@@ -227,6 +229,14 @@ def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_lay
             pass_costs.record(rows, 0.01 * (1 + 0.1 * (rows - 1)))
     lengths: set[int] = set()
     rounds = {"lookup": 0, "head": 0}
+    if costs:
+        # A seeded request drafts a fixed γ (its output must not hang on timing), so the
+        # confidence-sized drafts run unseeded: each request's fresh seed comes from a seeded
+        # source instead of the OS, to keep the run reproducible.
+        from openalice_runner.engine import sampling as sampling_module
+
+        fresh = random.Random(gamma)
+        monkeypatch.setattr(sampling_module.secrets, "randbits", fresh.getrandbits)
 
     target = random_chain(1)
     runtime = random_eagle_runtime(gamma, feature_layers)
@@ -236,7 +246,8 @@ def test_speculative_sampling_exact_with_eagle_drafter(gamma, top_p, feature_lay
     counts: dict[tuple[int, ...], int] = {}
     proposed = 0
     for i in range(N):
-        s = SamplingParams(temperature=0.9, top_p=top_p, seed=gamma * 100_000 + i, max_tokens=LENGTH)
+        seed = None if costs else gamma * 100_000 + i
+        s = SamplingParams(temperature=0.9, top_p=top_p, seed=seed, max_tokens=LENGTH)
         drafter = head = EagleDrafter(runtime, 64, VOCAB, costs=pass_costs, tree_nodes=tree)
         if lookup:  # a repeated last token matches (lookup drafts), a new one does not (the head does)
             drafter = LookupFirstDrafter(NgramDrafter(1, 1), head)
