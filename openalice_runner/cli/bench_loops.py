@@ -1,0 +1,87 @@
+"""`openalice-runner bench-loops`: whole agent conversations against servers side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from openalice_runner.cli.common import positive_int
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench-loops",
+        help="drive agent-loop conversations through OpenAI-compatible servers (ours, llama.cpp, any URL)",
+    )
+    p.add_argument("--workload", required=True, help="agent-loops JSON-lines workload (see shared/workloads/README.md)")
+    p.add_argument(
+        "--targets", default="policy,off",
+        help="comma-separated: policy, off (our sidecar with the default policy / speculation off, started "
+        "here), llama-cpp, llama-cpp-lookup (from scripts/peer-llama-cpp.sh; skipped when absent), URL=NAME",
+    )  # fmt: skip
+    p.add_argument("--conversations", default=None, help="comma-separated conversation ids (default: all)")
+    p.add_argument("--repeat", type=positive_int, default=1,
+                   help="runs per (conversation, target), in turns; the row holds the median")
+    p.add_argument("--policy", default=None, help="policy file of the target 'policy' (default: the sidecar's default)")
+    p.add_argument("--providers", default=None, help="providers YAML for both sidecars (default: the embedded engine)")
+    p.add_argument("--threads", type=positive_int, default=2, help="threads of the llama.cpp peers")
+    p.add_argument("--model", default=None, help="GGUF for the llama.cpp peers (default: the engine's default model)")
+    p.add_argument("--json", dest="json_out", default=None, help="write the report here")
+    p.add_argument("--plot", default=None, help="write a PNG of per-call latency here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from openalice_runner.bench.loop_targets import Servers, TargetUnavailable, parse_targets
+    from openalice_runner.bench.loops import LoopError, bench_loops, format_table, load_loops, plot
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        specs = parse_targets(args.targets)
+        conversations = load_loops(args.workload, args.conversations.split(",") if args.conversations else None)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not conversations:
+        print("error: --workload: no conversations", file=sys.stderr)
+        return 2
+    skipped = {}
+    with Servers(args.policy, args.providers, args.threads, args.model, log=say) as servers:
+        targets = []
+        for spec in specs:
+            try:
+                targets.append(servers.start(spec))
+            except TargetUnavailable as exc:
+                skipped[spec.name] = str(exc)
+                say(f"skipping {spec.name}: {exc}")
+            except RuntimeError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+        if not targets:
+            print("error: no target could run", file=sys.stderr)
+            return 1
+        try:
+            report = bench_loops(conversations, targets, args.repeat, progress=say)
+        except LoopError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    report["settings"] = {
+        "workload": args.workload,
+        "targets": [t.name for t in targets],
+        "skipped": skipped,
+        "repeat": args.repeat,
+        "conversations": [c.id for c in conversations],
+        "policy": args.policy,
+        "providers": args.providers,
+        "llama_cpp_threads": args.threads,
+    }
+    print(format_table(report))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
+    return 0

@@ -1,0 +1,163 @@
+"""`bench-loops`: conversations driven over HTTP against two real sidecars (tiny random model), the
+report's fields and summary, the round-robin order, the workload's validation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from openalice_runner.bench.loop_targets import OFF_POLICY, parse_targets
+from openalice_runner.bench.loops import (
+    Conversation,
+    Target,
+    bench_loops,
+    format_table,
+    load_loops,
+    schedule,
+    summarize,
+)
+from tests.stand_ins.serve import ServerThread
+
+LOOPS = [
+    {
+        "id": "loop-tools",
+        "tools": [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                   "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}],
+        "messages": [{"role": "system", "content": "You edit files."},
+                     {"role": "user", "content": "Open a.py and rename f to g."}],
+        "steps": [
+            {"call": {"turn_type": "tool_call", "max_tokens": 12, "tool_choice": "required",
+                      "expect_tool_call": {"name": "read_file", "arguments": {"path": "a.py"}}}},
+            {"tool_result": "{context}", "context": {"stdlib": "textwrap", "lines": [1, 12]}},
+            {"call": {"turn_type": "code_edit", "max_tokens": 16}},
+            {"user": "Now rename x to y as well."},
+            {"call": {"turn_type": "code_edit", "max_tokens": 16}},
+        ],
+    },
+    {
+        "id": "loop-chat-plan",
+        "tools": [],
+        "messages": [{"role": "user", "content": "Plan a trip to Porto."}],
+        "steps": [{"call": {"turn_type": "chat", "max_tokens": 12}}, {"user": "Shorter."},
+                  {"call": {"turn_type": "chat", "max_tokens": 12}}],
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def loops_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("loops") / "loops.jsonl"
+    path.write_text("\n".join(json.dumps(c) for c in LOOPS) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sidecars(tmp_path_factory):
+    """`policy` and `off`: the sidecar app, each with its own tiny random engine (fp32, batching,
+    prefix reuse on), the repository's default policy against one whose default is off."""
+    from openalice_runner.runner import Runner
+    from openalice_runner.server.app import ServerSettings, create_app
+
+    tmp = tmp_path_factory.mktemp("sidecars")
+    providers = tmp / "providers.yaml"
+    providers.write_text("providers:\n  local: {type: local, tiny_random: true}\n"
+                         "routes:\n  - {name: default, chain: [local]}\n")
+    off = tmp / "off.yaml"
+    off.write_text(OFF_POLICY)
+    servers, targets = [], []
+    for name, policy in (("policy", None), ("off", str(off))):
+        runner = Runner.from_config(providers=str(providers), policy=policy, telemetry=False)
+        server = ServerThread(create_app(runner, settings=ServerSettings())).start()
+        servers.append(server)
+        targets.append(Target(name, f"{server.url}/v1"))
+    yield targets
+    for server in servers:
+        server.stop()
+
+
+def test_report_fields_and_summary(loops_file, sidecars):
+    conversations = load_loops(loops_file)
+    assert conversations[0].steps[1].text.startswith('"""Text wrapping')
+    lines: list[str] = []
+    report = bench_loops(conversations, sidecars, repeat=2, progress=lines.append)
+    assert len(lines) == 2 * 2 * 2  # repeats x conversations x targets
+    rows = report["conversations"]
+    assert [(r["id"], r["target"]) for r in rows] == [
+        ("loop-tools", "policy"), ("loop-tools", "off"), ("loop-chat-plan", "policy"), ("loop-chat-plan", "off")]
+    for row in rows:
+        assert row["seconds"] > 0 and len(row["runs_seconds"]) == 2
+        assert row["seconds"] in row["runs_seconds"]
+        # the conversation's wall time holds all its calls
+        assert row["seconds"] >= sum(c["seconds"] for c in row["calls"]) - 1e-3  # figures are rounded
+        assert [c["turn_type"] for c in row["calls"]] == (
+            ["tool_call", "code_edit", "code_edit"] if row["id"] == "loop-tools" else ["chat", "chat"])
+        for call in row["calls"]:
+            assert 0 < call["ttft_s"] <= call["seconds"]
+            assert call["completion_tokens"] >= 1
+            assert isinstance(call["cached_tokens"], int)
+            assert call["speculation"] is not None and "method" in call["speculation"]
+        # a later call resends the history: the sidecar serves its start from the previous call's cache
+        for later in row["calls"][1:]:
+            assert later["cached_tokens"] > 0
+    offs = [c["speculation"]["method"] for r in rows if r["target"] == "off" for c in r["calls"]]
+    assert set(offs) == {"off"}
+    summary = report["summary"]
+    assert set(summary["targets"]) == {"policy", "off"}
+    for s in summary["targets"].values():
+        assert s["ttft_p50_first_s"] > 0 and s["ttft_p50_later_s"] > 0
+        assert s["ttft_later_over_first"] == pytest.approx(s["ttft_p50_later_s"] / s["ttft_p50_first_s"], rel=0.05)
+    by = {(r["id"], r["target"]): r["seconds"] for r in rows}
+    pair = summary["speedup"]["policy/off"]
+    assert pair["copy_heavy"] == pytest.approx(by["loop-tools", "off"] / by["loop-tools", "policy"], rel=0.01)
+    assert pair["chat"] == pytest.approx(by["loop-chat-plan", "off"] / by["loop-chat-plan", "policy"], rel=0.01)
+    assert pair["all"] == pytest.approx(math.sqrt(pair["copy_heavy"] * pair["chat"]), rel=0.01)
+    # greedy and exact: the policy's outputs are off's, call by call, in every repeat
+    assert summary["outputs"]["policy"] == {"identical_to_off": "10/10", "mismatches": []}
+    table = format_table(report)
+    assert "policy/off" in table and "loop-chat-plan" in table
+    json.dumps(report)  # the contract is JSON
+
+
+def test_summary_on_scripted_rows():
+    def row(i, target, seconds, ttfts, group="copy_heavy"):
+        calls = [{"ttft_s": t, "seconds": t + 1, "completion_tokens": 10, "cached_tokens": 0} for t in ttfts]
+        return {"id": i, "group": group, "target": target, "seconds": seconds, "calls": calls}
+
+    rows = [row("a", "x", 2.0, [1.0, 0.1]), row("a", "y", 8.0, [1.0, 0.3]),
+            row("b", "x", 1.0, [2.0, 0.2, 0.4]), row("b", "y", 2.0, [3.0, 0.5, 0.1]),
+            row("c", "x", 3.0, [1.0], group="chat"), row("c", "y", 3.0, [1.0], group="chat")]
+    s = summarize(rows, ["x", "y"])
+    assert s["speedup"]["x/y"] == {"all": round(8 ** (1 / 3), 3), "copy_heavy": round(math.sqrt(8), 3), "chat": 1.0}
+    assert s["targets"]["x"]["ttft_p50_first_s"] == 1.0 and s["targets"]["x"]["ttft_p50_later_s"] == 0.2
+    assert s["targets"]["y"]["ttft_later_over_first"] == 0.3
+    assert s["targets"]["x"]["seconds_total"] == 6.0
+
+
+def test_round_robin_order():
+    conversations = [Conversation(f"c{i}", [], [{"role": "user", "content": "hi"}], []) for i in range(3)]
+    targets = [Target(n, "http://x/v1") for n in ("p", "o", "l")]
+    order = schedule(conversations, targets, repeat=2)
+    assert len(order) == 2 * 3 * 3
+    blocks = [order[k:k + 3] for k in range(0, len(order), 3)]
+    for block in blocks:  # one conversation of one repeat on every target in turn
+        assert len({(run, c.id) for run, c, _ in block}) == 1
+        assert sorted(t.name for _, _, t in block) == ["l", "o", "p"]
+    firsts = [block[0][2].name for block in blocks]
+    assert firsts == ["p", "o", "l", "o", "l", "p"]  # the first target rotates
+    assert [run for run, _, _ in order] == [0] * 9 + [1] * 9
+
+
+def test_workload_and_targets_are_checked(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "hi"}],
+                               "steps": [{"call": {"turn_type": "chat"}}]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: .*max_tokens"):
+        load_loops(bad)
+    with pytest.raises(ValueError, match="unknown target 'llama'"):
+        parse_targets("policy,llama")
+    with pytest.raises(ValueError, match="URL=NAME"):
+        parse_targets("localhost:8080=peer")
+    specs = parse_targets("policy,http://127.0.0.1:9/=peer")
+    assert specs[1].name == "peer" and specs[1].url == "http://127.0.0.1:9/v1"
