@@ -99,8 +99,10 @@ def test_report_fields_and_summary(loops_file, sidecars):
             assert isinstance(call["cached_tokens"], int)
             assert call["speculation"] is not None and "method" in call["speculation"]
         # a later call resends the history: the sidecar serves its start from the previous call's cache
-        for later in row["calls"][1:]:
+        for before, later in zip(row["calls"], row["calls"][1:], strict=False):
             assert later["cached_tokens"] > 0
+            if row["id"] == "loop-chat-plan":  # the reply went back as it came: all of it is cached
+                assert later["cached_tokens"] >= before["prompt_tokens"] + before["completion_tokens"] - 1
     offs = [c["speculation"]["method"] for r in rows if r["target"] == "off" for c in r["calls"]]
     assert set(offs) == {"off"}
     summary = report["summary"]

@@ -158,3 +158,83 @@ def test_without_histories_an_idle_engine_keeps_no_slots():
     engine.scheduler.idle_shrink_s = None  # never: the cache keeps its size
     engine.generate(prompt, SamplingParams(max_tokens=8))
     assert not _wait_for(lambda: engine.scheduler.cache.batch == 0, seconds=0.3)
+
+
+def test_serial_loop_reuses_the_last_history_and_matches_a_full_prefill():
+    reuse = Engine.tiny_random(seed=3, max_batch=1, prefix_reuse=True)
+    plain = Engine.tiny_random(seed=3, max_batch=1)
+    assert reuse.scheduler is None
+    sampling = SamplingParams(max_tokens=24)
+    first = reuse.encode(HISTORY)
+    a = reuse.generate(first, sampling, SpecConfig(method="ngram", gamma=3))
+    assert a.stats.cached_prompt_tokens == 0
+    second = first + a.token_ids + reuse.encode(" And then the dog")
+    b = reuse.generate(second, sampling, SpecConfig(method="ngram", gamma=3))
+    assert b.stats.cached_prompt_tokens == len(first) + len(a.token_ids) - 1
+    assert b.token_ids == plain.generate(second, sampling).token_ids
+    # an unrelated prompt overwrites the one history the serial cache holds
+    other = reuse.encode("lorem ipsum dolor sit amet")
+    assert reuse.generate(other, sampling).stats.cached_prompt_tokens == 0
+    assert reuse.generate(second, sampling).stats.cached_prompt_tokens == 0
+
+
+@pytest.mark.parametrize("max_batch", [4, 1])
+def test_reuse_across_a_retokenised_history(max_batch):
+    """The loop sends the reply back as text; re-rendered, it splits into other tokens than the
+    model generated. With a conversation id the provider builds the prompt from the generated ids
+    up to the first character that differs, so the cache covers the previous prompt and reply."""
+    import asyncio
+
+    from openalice_runner.providers.base import CallContext
+    from openalice_runner.providers.local import LocalConfig, LocalProvider
+    from openalice_runner.types import ChatRequest
+
+    engine = Engine.tiny_random(seed=3, max_batch=max_batch, prefix_reuse=True)
+    provider = LocalProvider("local", LocalConfig.model_validate({"type": "local", "max_batch": max_batch}),
+                             engine=engine)
+    ctx = CallContext(conversation_id="loop-1")
+
+    def call(messages, max_tokens):
+        body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        return asyncio.run(provider.chat(ChatRequest.model_validate(body), ctx))
+
+    messages = [{"role": "user", "content": "Tell me about foxes."}]
+    first = engine.render_chat(messages)
+    a = call(messages, 24)
+    generated = provider._histories.get("loop-1")[len(first):]
+    assert len(generated) == a.usage.completion_tokens == 24
+    follow_up = [*messages, {"role": "assistant", "content": a.choices[0].message.content},
+                 {"role": "user", "content": "And their dens?"}]
+    rendered = engine.render_chat(follow_up)
+    # the premise: re-tokenised, the history parts from the generated ids inside the reply
+    assert common_prefix(first + generated, rendered, len(rendered)) < len(first) + len(generated) - 1
+    b = call(follow_up, 12)
+    assert b.usage.prompt_tokens_details.cached_tokens >= len(first) + len(generated) - 1
+    # the same text, split as the model generated it, and exact: a full prefill of the same ids agrees
+    aligned = provider._histories.get("loop-1")[: b.usage.prompt_tokens]
+    assert engine.tokenizer.decode(aligned) == engine.tokenizer.decode(rendered)
+    reference = Engine.tiny_random(seed=3, max_batch=max_batch).generate(aligned, SamplingParams(max_tokens=12))
+    assert b.choices[0].message.content == reference.text
+    # without a conversation id the prompt is the plain rendering: reuse stops at the seam
+    c = asyncio.run(provider.chat(ChatRequest.model_validate(
+        {"model": "m", "messages": follow_up, "max_tokens": 4, "temperature": 0}), CallContext()))
+    assert c.usage.prompt_tokens == len(rendered)
+
+
+def test_align_prompt_keeps_the_text_and_gains_or_leaves_the_prompt():
+    from openalice_runner.engine.histories import ConversationHistories, align_prompt
+
+    tok = Engine.tiny_random(seed=3, max_batch=1).tokenizer
+    text = "Hello world, the quick brown fox."
+    natural = tok.encode(text, add_special_tokens=False)
+    by_char = [i for c in "Hello world," for i in tok.encode(c, add_special_tokens=False)]
+    aligned = align_prompt(tok, by_char, natural)
+    assert aligned[: len(by_char)] == by_char and tok.decode(aligned) == text
+    assert align_prompt(tok, natural, natural + [5]) == natural + [5]  # already a prefix: as is
+    assert align_prompt(tok, tok.encode("Goodbye"), natural) == natural  # nothing in common
+    histories = ConversationHistories(capacity=2)
+    for name in ("a", "b", "c"):
+        histories.put(name, [1, 2])
+    assert histories.get("a") is None and histories.get("c") == [1, 2] and len(histories) == 2
+    histories.put(None, [1])
+    assert histories.get(None) is None

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from openalice_runner.engine.batching import CACHE_GRANULE, BatchScheduler
+from openalice_runner.engine.batching import CACHE_GRANULE, BatchScheduler, common_prefix
 from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
@@ -48,8 +48,8 @@ class Engine:
     ):
         """`max_batch` > 1 decodes concurrent requests together (batching.py); 1 runs them one
         at a time on the serial decode loop (generator.run_sequence). `prefix_reuse`: a request
-        whose prompt starts like a finished one's tokens prefills only the rest (batching only;
-        off by default so that benchmarks that run one prompt several times stay comparable)."""
+        whose prompt starts like a finished one's tokens prefills only the rest (batching: the
+        finished histories of the free slots; serial: the last request's; off by default so that benchmarks that run one prompt several times stay comparable)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if max_batch < 1:
@@ -79,6 +79,9 @@ class Engine:
             self.scheduler = BatchScheduler(self.model, max_batch, costs=self.pass_costs, prefix_reuse=prefix_reuse)
         self.max_batch = max_batch if self.scheduler is not None else 1
         self._cache: KVCache | None = None
+        # serial loop with prefix reuse: the tokens whose keys and values `_cache` holds
+        self.prefix_reuse = prefix_reuse and isinstance(self.model, LlamaModel)
+        self._held: list[int] = []
         self._draft_models: dict[int, LlamaModel] = {}
         self._draft_caches: dict[int, KVCache] = {}
         self._eagle_heads: dict[str, object] = {}  # head folder -> EagleRuntime
@@ -193,7 +196,18 @@ class Engine:
                 prompt_ids, sampling, spec, drafter, cache, self.tokenizer, self.eos_token_ids,
                 self.context_length, costs=self.pass_costs,
             )
-            yield from run_sequence(self.model, seq, cancel)
+            reused = 0
+            if self.prefix_reuse and not (seq.drafter is not None and seq.drafter.wants_hidden):
+                # a drafter that reads hidden states would miss the reused positions': prefill in full
+                reused = common_prefix(self._held, seq.prompt, len(seq.prompt) - 1)
+            self._held = []  # the cache is rewritten from `reused` on
+            try:
+                yield from run_sequence(self.model, seq, cancel, reused)
+            except GeneratorExit:  # the caller left between rounds: the cache is whole
+                self._held = self._kept(seq, cache)
+                raise
+            # an error (a pass may have failed mid-write) leaves nothing held
+            self._held = self._kept(seq, cache)
 
     def generate(
         self,
@@ -210,8 +224,17 @@ class Engine:
         return result
 
     # ---- caches and drafters --------------------------------------------------------------
+    def _kept(self, seq, cache: KVCache) -> list[int]:
+        """The tokens whose keys and values the serial cache holds after `seq` (prefix reuse)."""
+        if not self.prefix_reuse:
+            return []
+        # positions below both the cache length and the token count (accepted drafts cut off by
+        # max_tokens or EOS may sit past the tokens)
+        return seq.tokens[: min(cache.lengths[seq.slot], len(seq.tokens))]
+
     def _target_cache(self, need: int) -> KVCache:
         if self._cache is None or self._cache.max_len < need:
+            self._held = []
             size = -(-need // CACHE_GRANULE) * CACHE_GRANULE
             self._cache = None  # free the old one before allocating
             self._cache = self.model.new_cache(1, size)

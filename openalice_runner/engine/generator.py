@@ -88,14 +88,17 @@ def choose_token(logits: torch.Tensor, seq: Sequence) -> int:
     return sample(processed_probs(logits, seq.sampling), stream(seq.draws, len(seq.tokens), TokenDraws.TARGET))
 
 
-def prefill(model: LlamaModel, seq: Sequence) -> list[int]:
-    """Feed the whole prompt in chunks and pick the first token from its last position."""
+def prefill(model: LlamaModel, seq: Sequence, reused: int = 0) -> list[int]:
+    """Feed the prompt in chunks and pick the first token from its last position. `reused`: the
+    cache already holds the first `reused` prompt tokens' keys and values (prefix reuse; at most
+    all but the last prompt token, whose logits start the reply)."""
     start = time.perf_counter()
-    seq.cache.lengths[seq.slot] = 0
+    seq.cache.lengths[seq.slot] = reused
+    seq.stats.cached_prompt_tokens = reused
     hidden = None
     wants_hidden = seq.drafter is not None and seq.drafter.wants_hidden
     taps = taps_for([seq.drafter])
-    for i in range(0, len(seq.prompt), PREFILL_CHUNK):
+    for i in range(reused, len(seq.prompt), PREFILL_CHUNK):
         chunk = torch.tensor([seq.prompt[i : i + PREFILL_CHUNK]])
         hidden, tapped = _forward(model, chunk, seq, taps)
         if wants_hidden:
@@ -251,10 +254,11 @@ def final_event(seq: Sequence) -> StreamEvent:
     return StreamEvent(rest, [], result=finish(seq))
 
 
-def run_sequence(model: LlamaModel, seq: Sequence, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
-    """Drive one sequence to the end on its own, yielding text as it is accepted."""
+def run_sequence(model: LlamaModel, seq: Sequence, cancel: threading.Event | None = None,
+                 reused: int = 0) -> Iterator[StreamEvent]:
+    """Drive one sequence to the end on its own, yielding text as it is accepted (`reused`: see prefill)."""
     begin(seq)
-    tokens = prefill(model, seq)
+    tokens = prefill(model, seq, reused)
     seq.stats.ttft_s = time.perf_counter() - seq.started
     while True:
         event = emit(seq, tokens)

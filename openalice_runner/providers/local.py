@@ -18,6 +18,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from openalice_runner.engine.histories import ConversationHistories, align_prompt
 from openalice_runner.engine.types import EngineOverloaded, SamplingParams, SpecConfig
 from openalice_runner.providers import tool_format
 from openalice_runner.providers.base import (
@@ -76,6 +77,7 @@ class LocalProvider(Provider):
         self._kv_tokens = 0  # KV positions held by running generations (back to 0 when they end)
         self._kv_lock = threading.Lock()  # worker threads update it
         self._unusable_heads: set[str | None] = set()  # eagle heads already reported as not loading
+        self._histories = ConversationHistories()  # conversation id -> its last call's token ids
 
     # ---- engine ----
 
@@ -237,6 +239,10 @@ class LocalProvider(Provider):
 
     def _stream_worker(self, request: ChatRequest, ctx: CallContext, cancel: threading.Event):
         prompt = self.build_prompt(request)
+        history = self._histories.get(ctx.conversation_id) if self.config.prefix_reuse else None
+        if history:
+            # the history re-rendered may split into other tokens than the engine holds (histories.py)
+            prompt.ids = align_prompt(self.engine.tokenizer, history, prompt.ids)
         sampling, spec = self._settings(request, ctx, prompt)
         self._check_prompt(prompt, sampling)
         yield prompt
@@ -246,6 +252,8 @@ class LocalProvider(Provider):
                 grown = len(event.token_ids) + (len(prompt.ids) if held == 0 else 0)
                 held += grown
                 self._add_kv(grown)
+                if event.result is not None and self.config.prefix_reuse:
+                    self._histories.put(ctx.conversation_id, prompt.ids + event.result.token_ids)
                 yield event
         finally:
             self._add_kv(-held)  # the engine's generator has closed: its positions are free

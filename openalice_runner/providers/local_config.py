@@ -21,7 +21,8 @@ class LocalConfig(AdmissionLimits):
     # requests the engine decodes together (continuous batching); 1 runs them one at a time
     max_batch: int = Field(default=8, ge=1, le=256)
     # a prompt that starts like a finished request's tokens (an agent loop resending its
-    # history) prefills only the rest; needs max_batch > 1
+    # history) prefills only the rest; with a conversation id, the history re-rendered is split
+    # into the tokens its last call held (engine/histories.py)
     prefix_reuse: bool = True
     max_tokens_default: int = Field(default=256, ge=1)
     # max_in_flight / max_queue (AdmissionLimits): the admission gate in front of this provider.
