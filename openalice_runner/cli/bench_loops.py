@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -50,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         print("error: --workload: no conversations", file=sys.stderr)
         return 2
     skipped = {}
+    # a terminated benchmark still stops the servers it started (the `with` block's exit)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with Servers(args.policy, args.providers, args.threads, args.model, log=say) as servers:
         targets = []
         for spec in specs:
