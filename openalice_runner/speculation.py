@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-SpecMethod = Literal["off", "ngram", "draft", "eagle"]
+SpecMethod = Literal["off", "ngram", "draft", "eagle", "suffix"]  # suffix: prompt lookup + recent responses (engine)
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 MAX_GAMMA = 64  # the most draft tokens one round may propose
 

@@ -312,3 +312,32 @@ def test_broken_tree_sampler_is_caught(monkeypatch):
         key = tuple(result.token_ids)
         counts[key] = counts.get(key, 0) + 1
     assert chi_square_p(joint, counts, N) < 1e-6
+
+
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_speculative_sampling_exact_with_suffix_drafter(gamma):
+    """The suffix drafter's drafts come from other requests' outputs (one store shared by all the
+    sampled sequences, seeded with text of another chain) and from the sequence's own tokens."""
+    from openalice_runner.engine.drafters.suffix import RecentResponses, SuffixDrafter
+
+    target = random_chain(1)
+    sampling = SamplingParams(temperature=0.9, top_p=0.8, max_tokens=LENGTH)
+    joint = exact_joint(target, sampling)
+    shared = RecentResponses(n_min=1, n_max=3)
+    seed_text = shared.open()
+    gen = torch.Generator().manual_seed(7)
+    shared.extend(seed_text, torch.randint(0, VOCAB, (200,), generator=gen).tolist())
+    model = MarkovModel(target)
+    counts: dict[tuple[int, ...], int] = {}
+    proposed = 0
+    for i in range(N):
+        s = SamplingParams(temperature=0.9, top_p=0.8, seed=gamma * 100_000 + i, max_tokens=LENGTH)
+        seq = new_sequence(PROMPT, s, SpecConfig(method="suffix", gamma=gamma), SuffixDrafter(shared, 1, 2),
+                           ToyCache(), SilentTokenizer(), frozenset(), context_length=64)
+        result = None
+        for event in run_sequence(model, seq):
+            result = event.result or result
+        proposed += result.stats.draft_proposed
+        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
+    assert proposed > N // 3  # it drafted (about 0.6 a sequence: 3 tokens leave room for few drafts)
+    assert chi_square_p(joint, counts, N) > 1e-3

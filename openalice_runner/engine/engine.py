@@ -14,6 +14,7 @@ from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
 from openalice_runner.engine.drafters.ngram import NgramDrafter
+from openalice_runner.engine.drafters.suffix import RecentResponses, SuffixDrafter
 from openalice_runner.engine.generator import new_sequence, run_sequence
 from openalice_runner.engine.hf_model import HFCausalModel
 from openalice_runner.engine.llama import KVCache, LlamaModel
@@ -85,6 +86,7 @@ class Engine:
         self._draft_models: dict[int, LlamaModel] = {}
         self._draft_caches: dict[int, KVCache] = {}
         self._eagle_heads: dict[str, object] = {}  # head folder -> EagleRuntime
+        self.recent_responses = RecentResponses()  # what `suffix` drafters look up across requests
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -281,6 +283,9 @@ class Engine:
         """`own_cache`: a fresh draft cache for this request (concurrent requests cannot share one)."""
         if spec.method == "ngram":
             return NgramDrafter(spec.ngram_min, spec.ngram_max, costs=self.pass_costs if spec.adaptive_length else None)
+        if spec.method == "suffix":
+            costs = self.pass_costs if spec.adaptive_length else None
+            return SuffixDrafter(self.recent_responses, spec.ngram_min, spec.ngram_max, costs=costs)
         if spec.method == "draft":
             if not isinstance(self.model, LlamaModel):
                 raise ValueError("method 'draft' needs a Llama-family target (self-draft from its layers)")

@@ -84,7 +84,7 @@ def _check_decision(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
                 loc.problem(at("options", f), f"option {f} does not apply to method {d.method}", key=True)
             )
     lo, hi = opts.ngram_min or 1, opts.ngram_max or 4
-    if d.method in ("ngram", "eagle") and lo > hi:
+    if d.method in ("ngram", "eagle", "suffix") and lo > hi:
         problems.append(loc.problem(at("options", "ngram_max"), f"ngram_max {hi} < ngram_min {lo}"))
     if opts.eagle_tree == 1:
         problems.append(loc.problem(at("options", "eagle_tree"),

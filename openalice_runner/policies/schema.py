@@ -61,6 +61,7 @@ class MethodOptions(_Strict):
 OPTIONS_BY_METHOD: dict[str, frozenset[str]] = {
     "off": frozenset(),
     "ngram": frozenset({"ngram_min", "ngram_max"}),
+    "suffix": frozenset({"ngram_min", "ngram_max"}),
     "draft": frozenset({"draft_model", "draft_layers"}),
     "eagle": frozenset({"eagle_head", "eagle_lookup", "eagle_tree", "ngram_min", "ngram_max"}),
 }
@@ -104,6 +105,7 @@ class AlphaPriors(_Strict):
     ngram: float = Field(0.5, ge=0.0, le=1.0)
     draft: float = Field(0.6, ge=0.0, le=1.0)
     eagle: float = Field(0.7, ge=0.0, le=1.0)
+    suffix: float = Field(0.5, ge=0.0, le=1.0)
 
 
 class DraftCostPriors(_Strict):
@@ -112,6 +114,7 @@ class DraftCostPriors(_Strict):
     ngram: float = Field(0.02, ge=0.0, le=10.0)
     draft: float = Field(0.3, ge=0.0, le=10.0)
     eagle: float = Field(0.1, ge=0.0, le=10.0)
+    suffix: float = Field(0.02, ge=0.0, le=10.0)
 
 
 class AdaptiveSettings(_Strict):

@@ -150,13 +150,17 @@ class NgramDrafter(Drafter):
 
     def lookup(self, history: list[int], gamma: int) -> Proposal:
         """The longest match's continuation, up to `gamma` tokens, not sized by pass costs."""
-        if len(history) > len(self.index.tokens):
-            self.index.extend(history[len(self.index.tokens) :])
-        tokens, n = self.index.match(gamma)
+        tokens, n = self._match(history, gamma)
         self._context = len(history)
         self._last_match = n
         self._probing = False
         return Proposal(tokens)
+
+    def _match(self, history: list[int], gamma: int) -> tuple[list[int], int]:
+        """(continuation of at most `gamma` tokens, matched suffix length); ([], 0) for none."""
+        if len(history) > len(self.index.tokens):
+            self.index.extend(history[len(self.index.tokens) :])
+        return self.index.match(gamma)
 
     def _best_length(self, n: int, k_max: int) -> tuple[int, float]:
         """The draft length with the most expected tokens per unit of pass cost, and that value
