@@ -108,7 +108,7 @@ def test_yaml12_booleans_keep_off_a_string():
         ("rules: []\n", "p.yaml:1:1: (top level): missing required key 'default'"),
         (
             "default: {method: fast}\n",
-            "p.yaml:1:19: default.method: input should be 'off', 'ngram', 'draft' or 'eagle', got 'fast'",
+            "p.yaml:1:19: default.method: input should be 'off', 'ngram', 'draft', 'eagle' or 'suffix', got 'fast'",
         ),
         (
             "default: {method: ngram, gamma: 65}\n",
