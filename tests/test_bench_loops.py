@@ -3,6 +3,7 @@ report's fields and summary, the round-robin order, the workload's validation.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
@@ -69,6 +70,7 @@ def sidecars(tmp_path_factory):
     servers, targets = [], []
     for name, policy in (("policy", None), ("off", str(off))):
         runner = Runner.from_config(providers=str(providers), policy=policy, telemetry=False)
+        asyncio.run(runner.providers["local"].ensure_loaded())  # as the sidecar starts (the stand-in skips it)
         server = ServerThread(create_app(runner, settings=ServerSettings())).start()
         servers.append(server)
         targets.append(Target(name, f"{server.url}/v1"))

@@ -116,7 +116,7 @@ def _conversation(raw: dict[str, Any]) -> Conversation:
 class Target:
     name: str
     url: str  # the API base, ending in /v1
-    model: str = "default"
+    model: str | None = None  # None: the first model its GET /models lists
 
 
 @dataclass
@@ -307,6 +307,7 @@ def bench_loops(conversations: list[Conversation], targets: list[Target], repeat
     runs: dict[tuple[str, str], list[dict]] = {}
     try:
         for target in targets:  # first-call costs of a fresh server (lazy loads, allocations) stay out
+            target.model = target.model or served_model(client, target)
             warm_up(client, target)
         for run, conversation, target in schedule(conversations, targets, repeat):
             done = run_conversation(client, target, conversation, run)
@@ -332,6 +333,14 @@ def bench_loops(conversations: list[Conversation], targets: list[Target], repeat
     report = {"conversations": rows, "summary": summarize(rows, [t.name for t in targets])}
     report["summary"]["outputs"] = compare_outputs(runs, [t.name for t in targets])
     return report
+
+
+def served_model(client, target: Target) -> str:
+    response = client.get(f"{target.url}/models")
+    models = response.json().get("data") if response.status_code == 200 else None
+    if not models:
+        raise LoopError(f"{target.name}: GET /models listed no model (HTTP {response.status_code}): {response.text[:300]}")
+    return models[0]["id"]
 
 
 def warm_up(client, target: Target) -> None:
