@@ -306,6 +306,7 @@ class SpeculationInfo(BaseModel):
     gamma: int = 0  # draft tokens per round (SGLang: num_draft_tokens - 1)
     proposed: int | None = None  # draft tokens proposed
     accepted: int | None = None  # draft tokens accepted
+    forced: int | None = None  # tokens a grammar forced, drafted for free (not in proposed)
     acceptance_rate: float | None = None  # accepted / proposed
     target_passes: int | None = None  # target forward passes (decode or verify) after prefill
     accept_length: float | None = None  # completion tokens / target passes (SGLang's spec_accept_length)
@@ -320,6 +321,7 @@ class SpeculationInfo(BaseModel):
             gamma=outcome.gamma,
             proposed=outcome.proposed,
             accepted=outcome.accepted,
+            forced=outcome.forced,
             acceptance_rate=outcome.acceptance_rate,
             target_passes=outcome.target_passes,
             accept_length=outcome.tokens_per_pass,
