@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -174,9 +175,10 @@ class GrammarConstraint:
     """The grammar state of one sequence: masks, forced tokens, draft checks, advancing."""
 
     def __init__(self, matcher, compiler: GrammarCompiler):
+        """`matcher`: an llguidance LLMatcher (tests pass an automaton with its methods)."""
         self._matcher = matcher
         self._compiler = compiler
-        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, compiler.vocab_size)
+        self._bitmask = None
         self.mask_s = 0.0  # time spent computing masks (the benchmark reports it per token)
         self.masks = 0
 
@@ -187,24 +189,29 @@ class GrammarConstraint:
     def allowed(self) -> torch.Tensor:
         """(V,) bool: the tokens allowed next. A forced token is the only one allowed; EOS is
         allowed where the text so far is complete; never empty (a matcher in error allows EOS)."""
-        import time
-
         t0 = time.perf_counter()
         allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
         forced = self._matcher.compute_ff_tokens() if not self._matcher.is_stopped() else []
         if forced:
             allowed[forced[0]] = True
         else:
-            llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-            bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self.vocab_size]
-            allowed = torch.from_numpy(bits.astype(np.bool_))
+            allowed = self._grammar_mask()
             eos = list(self._compiler.eos_ids)
-            allowed[eos] = bool(allowed[eos].any())  # any of the model's EOS ids, or none
-            if not allowed.any():
-                allowed[eos] = True
+            if eos:
+                allowed[eos] = bool(allowed[eos].any())  # any of the model's EOS ids, or none
+                if not allowed.any():
+                    allowed[eos] = True
         self.mask_s += time.perf_counter() - t0
         self.masks += 1
         return allowed
+
+    def _grammar_mask(self) -> torch.Tensor:
+        """(V,) bool: the matcher's own mask."""
+        if self._bitmask is None:
+            self._bitmask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self.vocab_size]
+        return torch.from_numpy(bits.astype(np.bool_))
 
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces from here (each is then the only allowed one)."""
