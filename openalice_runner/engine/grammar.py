@@ -15,6 +15,7 @@ Why llguidance (not xgrammar) and the measurements: docs/grammar.md.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -121,6 +122,14 @@ class Grammar:
     def constraint(self) -> GrammarConstraint:
         return GrammarConstraint(self._template.deep_copy(), self._compiler)
 
+    def after(self, tokens: list[int]) -> Grammar:
+        """This grammar with `tokens` already written (a reply the prompt pre-fills); GrammarError
+        where the grammar does not allow them."""
+        matcher = self._template.deep_copy()
+        if tokens and not matcher.consume_tokens(tokens):
+            raise GrammarError(_short(matcher.get_error()))
+        return Grammar(self.text, matcher, self._compiler)
+
 
 class GrammarCompiler:
     """Compiles grammars for one tokenizer and keeps the last `cache_size` (schemas repeat in an
@@ -165,7 +174,14 @@ class GrammarCompiler:
 
 
 def _short(message: str) -> str:
-    return message.split("\n<state>")[0].strip()
+    """llguidance's message without its parser state and grammar listing."""
+    lines = []
+    for line in message.split("\n<state>")[0].splitlines():
+        if re.match(r"^\s*\d+ \| ", line):
+            break
+        if line.strip() and set(line.strip()) != {"^"}:
+            lines.append(line.strip())
+    return " ".join(lines)
 
 
 # ---------------------------------------------------------------- one sequence's constraint
