@@ -82,7 +82,8 @@ def serve(tmp_path_factory):
     # the model loads on the first request: warm it before the clients' timeouts start
     httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=600,
                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
-    yield url
+    models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
+    yield url, models["data"][0]["id"]
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=30)
@@ -98,11 +99,12 @@ class Person(BaseModel):
 
 
 def test_openai_client_parses_json_schema_replies(serve):
-    client = openai.OpenAI(base_url=f"{serve}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    url, model = serve
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
     failures = []
     for who, age in PEOPLE:
         r = client.chat.completions.parse(
-            model="default", response_format=Person, max_tokens=MAX_TOKENS,
+            model=model, response_format=Person, max_tokens=MAX_TOKENS,
             messages=[{"role": "user", "content": f"Extract the person as JSON: {who} is {age} years old."}],
         )  # fmt: skip
         parsed = r.choices[0].message.parsed
@@ -130,8 +132,9 @@ def test_pydantic_ai_agent_forced_tool_and_structured_output(serve):
         def get_model_settings(self):
             return lambda ctx: {"tool_choice": ["get_weather"]} if ctx.run_step <= 1 else {}
 
+    url, name = serve
     calls: list[str] = []
-    model = OpenAIChatModel("default", provider=OpenAIProvider(base_url=f"{serve}/v1", api_key=API_KEY))
+    model = OpenAIChatModel(name, provider=OpenAIProvider(base_url=f"{url}/v1", api_key=API_KEY))
     agent = Agent(model, output_type=Weather, capabilities=[ForceWeatherFirst()],
                   model_settings={"max_tokens": MAX_TOKENS})
 
@@ -159,8 +162,9 @@ def test_vercel_ai_sdk_tools_and_objects(serve):
         pytest.skip("node is not installed (Node 20 runs the Vercel AI SDK test)")
     if not (NODE_DIR / "node_modules" / "ai").is_dir():
         pytest.skip("the Vercel AI SDK is not installed: npm ci --prefix tests/node")
-    env = {**os.environ, "OPENALICE_BASE_URL": f"{serve}/v1", "OPENALICE_API_KEY": API_KEY,
-           "OPENALICE_MAX_TOKENS": str(MAX_TOKENS)}
+    url, model = serve
+    env = {**os.environ, "OPENALICE_BASE_URL": f"{url}/v1", "OPENALICE_API_KEY": API_KEY,
+           "OPENALICE_MODEL": model, "OPENALICE_MAX_TOKENS": str(MAX_TOKENS)}
     out = subprocess.run([node, "clients.mjs"], cwd=NODE_DIR, env=env, capture_output=True, text=True, timeout=3000)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
