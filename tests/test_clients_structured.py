@@ -126,16 +126,18 @@ def test_pydantic_ai_agent_forced_tool_and_structured_output(serve):
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    class ForceWeatherFirst(AbstractCapability):
-        """tool_choice names get_weather on the first step; later steps are pydantic-ai's own."""
-
-        def get_model_settings(self):
-            return lambda ctx: {"tool_choice": ["get_weather"]} if ctx.run_step <= 1 else {}
-
     url, name = serve
     calls: list[str] = []
+
+    class ForceWeatherFirst(AbstractCapability):
+        """tool_choice names get_weather until it ran in this run (deps: the calls before it),
+        then the output tool, final_result."""
+
+        def get_model_settings(self):
+            return lambda ctx: {"tool_choice": ["final_result"] if len(calls) > ctx.deps else ["get_weather"]}
+
     model = OpenAIChatModel(name, provider=OpenAIProvider(base_url=f"{url}/v1", api_key=API_KEY))
-    agent = Agent(model, output_type=Weather, capabilities=[ForceWeatherFirst()],
+    agent = Agent(model, deps_type=int, output_type=Weather, capabilities=[ForceWeatherFirst()],
                   model_settings={"max_tokens": MAX_TOKENS})
 
     @agent.tool_plain
@@ -147,7 +149,7 @@ def test_pydantic_ai_agent_forced_tool_and_structured_output(serve):
     failures = []
     for i, city in enumerate(CITIES):
         try:
-            result = agent.run_sync(f"What is the weather in {city}? Answer with the weather report.")
+            result = agent.run_sync(f"What is the weather in {city}? Answer with the weather report.", deps=len(calls))
         except Exception as exc:  # noqa: BLE001 - every failure is reported with its prompt
             failures.append((city, repr(exc)[:300]))
             continue
