@@ -310,6 +310,18 @@ def _policy_store(policy: Any, watch: bool) -> Any:
     return policy  # a PolicyStore (or anything with decide/observe)
 
 
+def _response_format(value: Any) -> dict[str, Any]:
+    """`response_format` as a ChatRequest field: a pydantic model class becomes its strict JSON schema."""
+    if value is None:
+        return {}
+    from pydantic import BaseModel
+
+    if isinstance(value, type) and issubclass(value, BaseModel):
+        schema = {"name": value.__name__, "schema": value.model_json_schema(), "strict": True}
+        value = {"type": "json_schema", "json_schema": schema}
+    return {"response_format": value}
+
+
 class Turn:
     """One turn of the agent: several model calls and tool steps, numbered in order (step 1, 2, ...).
 
@@ -389,12 +401,16 @@ class Turn:
         *,
         tools: Any = None,
         tool_choice: Any = None,
+        response_format: Any = None,
         turn_type: str | None = None,
         model: str | None = None,
         **sampling: Any,
     ) -> ChatResult:
         """One model call. `messages`: dicts or ChatMessage (or a ready ChatRequest); `sampling`:
-        temperature, top_p, top_k, seed, stop, max_tokens."""
+        temperature, top_p, top_k, seed, stop, max_tokens (and any other ChatRequest field, e.g.
+        parallel_tool_calls). `response_format`: OpenAI's dict, or a pydantic model class (its JSON
+        schema, strict); the embedded engine enforces it by grammar."""
+        sampling.update(_response_format(response_format))
         request = self._request(messages, tools, tool_choice, model, sampling)
         ctx = self._next_ctx(turn_type, request.model)
         return await self.runner.chat(request, ctx)
@@ -405,6 +421,7 @@ class Turn:
         *,
         tools: Any = None,
         tool_choice: Any = None,
+        response_format: Any = None,
         turn_type: str | None = None,
         model: str | None = None,
         **sampling: Any,
@@ -413,6 +430,7 @@ class Turn:
         The generation stops when the iteration ends or fails, or when the generator is closed: to stop
         early, read it in `async with contextlib.aclosing(turn.stream(...))` (a bare `break` leaves the
         closing to the garbage collector); `runner.stream` gives the `async with` form directly."""
+        sampling.update(_response_format(response_format))
         request = self._request(messages, tools, tool_choice, model, sampling)
         ctx = self._next_ctx(turn_type, request.model)
         return _chunks_of(self.runner.stream(request, ctx))

@@ -101,6 +101,8 @@ class SpeculationOutcome:
     accepted: int = 0
     probe_proposed: int = 0
     probe_accepted: int = 0
+    # tokens a grammar forced and the round drafted for free (always accepted; not in `proposed`)
+    forced: int = 0
     accept_length_histogram: tuple[int, ...] = ()
     # tokens the target's passes emitted per pass (SGLang's spec_accept_length); None: unknown
     tokens_per_pass: float | None = None

@@ -118,6 +118,19 @@ class ChatMessage(StrictModel):
 # ---------------------------------------------------------------- tools
 
 
+def check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` itself valid against its JSON Schema meta-schema (draft 2020-12 unless `$schema`
+    names another); ValueError naming the first problem."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        raise ValueError(f"not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")) from None
+    return schema
+
+
 class FunctionDefinition(StrictModel):
     name: FunctionName
     description: str | None = None
@@ -129,7 +142,7 @@ class FunctionDefinition(StrictModel):
     def _parameters_is_object_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
         if v.get("type", "object") != "object":
             raise ValueError("parameters must be a JSON schema of type 'object'")
-        return v
+        return check_json_schema(v)
 
 
 class ToolDefinition(StrictModel):
@@ -151,6 +164,46 @@ class NamedToolChoice(StrictModel):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+# ---------------------------------------------------------------- response_format
+
+
+class JsonSchemaFormat(StrictModel):
+    """OpenAI's `response_format.json_schema`: the reply is one JSON value of `schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute: stored as schema_, read and written as "schema"
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _valid_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_json_schema(v)
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's `response_format`: "text" (free), "json_object" (any JSON object) or "json_schema"
+    (one JSON value of `json_schema.schema`). Another type is refused, naming response_format.type."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_fits_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs json_schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema is only allowed with type 'json_schema', not {self.type!r}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI's JSON (the schema under "schema")."""
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 # ---------------------------------------------------------------- request
@@ -200,6 +253,7 @@ class ChatRequest(SamplingSettings):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -306,6 +360,7 @@ class SpeculationInfo(BaseModel):
     gamma: int = 0  # draft tokens per round (SGLang: num_draft_tokens - 1)
     proposed: int | None = None  # draft tokens proposed
     accepted: int | None = None  # draft tokens accepted
+    forced: int | None = None  # tokens a grammar forced, drafted for free (not in proposed)
     acceptance_rate: float | None = None  # accepted / proposed
     target_passes: int | None = None  # target forward passes (decode or verify) after prefill
     accept_length: float | None = None  # completion tokens / target passes (SGLang's spec_accept_length)
@@ -320,6 +375,7 @@ class SpeculationInfo(BaseModel):
             gamma=outcome.gamma,
             proposed=outcome.proposed,
             accepted=outcome.accepted,
+            forced=outcome.forced,
             acceptance_rate=outcome.acceptance_rate,
             target_passes=outcome.target_passes,
             accept_length=outcome.tokens_per_pass,

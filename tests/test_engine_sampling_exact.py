@@ -341,3 +341,148 @@ def test_speculative_sampling_exact_with_suffix_drafter(gamma):
         counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
     assert proposed > N // 3  # it drafted (about 0.6 a sequence: 3 tokens leave room for few drafts)
     assert chi_square_p(joint, counts, N) > 1e-3
+
+
+# ---- under a grammar: the masked chain ----------------------------------------------------------
+# The grammar is an automaton over the chain's tokens whose state is the last token: after 1
+# only 3 is allowed and after 3 only 2 (a forced span of two tokens, drafted for free), the
+# other states allow two or three tokens. The exact joint is the chain's, masked and renormalised
+# row by row; GrammarConstraint runs unchanged over this automaton (its mask is the table's row).
+GRAMMAR_ROWS = torch.tensor([[False, True, True, True],
+                             [False, False, False, True],
+                             [True, True, False, True],
+                             [False, False, True, False]])
+
+
+class ChainGrammar:
+    """The LLMatcher methods GrammarConstraint calls, for the automaton above."""
+
+    def __init__(self, start: int):
+        self.states = [start]
+        self.error = ""
+
+    def is_stopped(self):
+        return False
+
+    def is_accepting(self):
+        return True
+
+    def is_error(self):
+        return bool(self.error)
+
+    def get_error(self):
+        return self.error
+
+    def compute_ff_tokens(self):
+        out, state = [], self.states[-1]
+        while len(out) < 8 and int(GRAMMAR_ROWS[state].sum()) == 1:
+            state = int(GRAMMAR_ROWS[state].nonzero()[0, 0])
+            out.append(state)
+        return out
+
+    def consume_token(self, token):
+        if not GRAMMAR_ROWS[self.states[-1], token]:
+            self.error = f"token {token} is not allowed after {self.states[-1]}"
+            return False
+        self.states.append(token)
+        return True
+
+    def consume_tokens(self, tokens):
+        return all(self.consume_token(t) for t in tokens)
+
+    def rollback(self, n):
+        del self.states[len(self.states) - n :]
+        return True
+
+
+def chain_constraint():
+    from types import SimpleNamespace
+
+    from openalice_runner.engine.grammar import GrammarConstraint
+
+    class ChainConstraint(GrammarConstraint):
+        def _grammar_mask(self):
+            return GRAMMAR_ROWS[self._matcher.states[-1]].clone()
+
+    return ChainConstraint(ChainGrammar(PROMPT[-1]), SimpleNamespace(vocab_size=VOCAB, eos_ids=()))
+
+
+def exact_masked_joint(table: torch.Tensor, sampling: SamplingParams) -> dict[tuple[int, ...], float]:
+    masked = table.log().masked_fill(~GRAMMAR_ROWS, float("-inf"))
+    rows = processed_probs(masked, sampling)
+    joint = {}
+    for seq in itertools.product(range(VOCAB), repeat=LENGTH):
+        prob, last = 1.0, PROMPT[-1]
+        for t in seq:
+            prob *= float(rows[last, t])
+            last = t
+        joint[seq] = prob
+    return joint
+
+
+def sample_constrained(target, make_drafter, sampling, spec, n, seed):
+    model = MarkovModel(target)
+    counts: dict[tuple[int, ...], int] = {}
+    forced = proposed = 0
+    for i in range(n):
+        s = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed * 100_000 + i,
+                           max_tokens=LENGTH)
+        seq = new_sequence(PROMPT, s, spec, make_drafter(), ToyCache(), SilentTokenizer(), frozenset(),
+                           context_length=64, constraint=chain_constraint())
+        result = None
+        for event in run_sequence(model, seq):
+            result = event.result or result
+        forced += result.stats.forced_tokens
+        proposed += result.stats.draft_proposed
+        key = tuple(result.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts, forced, proposed
+
+
+MASKED_CONFIGS = [
+    pytest.param(gamma, top_p, drafter, forced, id=f"gamma{gamma}-topp{top_p}-{drafter}-{'forced' if forced else 'unforced'}")
+    for gamma, top_p, drafter, forced in [
+        (1, 1.0, "sampled", True), (3, 0.8, "sampled", True), (5, 1.0, "onehot", True),
+        (3, 1.0, "sampled", False), (3, 0.8, "onehot", False), (3, 0.9, "none", True),
+    ]
+]
+
+
+@pytest.mark.parametrize(("gamma", "top_p", "drafter", "forced"), MASKED_CONFIGS)
+def test_constrained_speculative_sampling_matches_masked_joint(gamma, top_p, drafter, forced):
+    """Output follows the *constrained* target exactly: masked p, drafts cut at the first
+    forbidden token, q masked alike, forced tokens drafted for free (or not)."""
+    target, draft = random_chain(1), random_chain(2)
+    sampling = SamplingParams(temperature=0.9, top_p=top_p, max_tokens=LENGTH)
+    joint = exact_masked_joint(target, sampling)
+    if drafter == "none":
+        spec, make = SpecConfig(method="off", forced_drafts=forced), lambda: None
+    else:
+        spec = SpecConfig(method="draft", gamma=gamma, forced_drafts=forced)
+        make = lambda: MarkovDrafter(draft, deterministic=drafter == "onehot")  # noqa: E731
+    counts, n_forced, proposed = sample_constrained(target, make, sampling, spec, N, seed=gamma + 10 * forced)
+    assert (n_forced > N // 4) == forced  # forced spans come up often, and are drafted only when asked
+    assert drafter == "none" or proposed > N // 10  # and the drafter drafted
+    assert chi_square_p(joint, counts, N) > 1e-3
+
+
+def test_unmasked_draft_distribution_is_caught(monkeypatch):
+    # A broken constrained sampler: verify against the drafter's raw q (mass on forbidden tokens
+    # included) instead of q masked and renormalised: accept and residual are both off.
+    monkeypatch.setattr("openalice_runner.engine.generator.masked_probs", lambda q, allowed: q)
+    target, draft = random_chain(1), random_chain(2)
+    sampling = SamplingParams(temperature=0.9, max_tokens=LENGTH)
+    joint = exact_masked_joint(target, sampling)
+    spec = SpecConfig(method="draft", gamma=3)
+    counts, _, _ = sample_constrained(target, lambda: MarkovDrafter(draft, deterministic=False), sampling, spec, N, 11)
+    assert chi_square_p(joint, counts, N) < 1e-6
+
+
+def test_broken_residual_under_grammar_is_caught(monkeypatch):
+    monkeypatch.setattr(rejection, "residual_distribution", lambda p, q, token: p)
+    target, draft = random_chain(1), random_chain(2)
+    sampling = SamplingParams(temperature=0.9, max_tokens=LENGTH)
+    joint = exact_masked_joint(target, sampling)
+    spec = SpecConfig(method="draft", gamma=3)
+    counts, _, _ = sample_constrained(target, lambda: MarkovDrafter(draft, deterministic=False), sampling, spec, N, 12)
+    assert chi_square_p(joint, counts, N) < 1e-6

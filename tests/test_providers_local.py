@@ -48,6 +48,7 @@ class ScriptedEngine:
         self.pieces = pieces or [text]
         self.prompts: list[list[int]] = []
         self.calls: list[tuple] = []
+        self.grammars_used: list = []  # the grammar each call was given (the text is fixed all the same)
         self.gate: threading.Event | None = None
 
     def render_chat(self, messages, tools=None):
@@ -63,18 +64,23 @@ class ScriptedEngine:
         stats.finish_reason = "stop"
         return GenerationResult(self.text, [1] * 7, stats)
 
-    def stream(self, prompt_ids, sampling, spec, cancel=None):
+    @property
+    def grammars(self):
+        return self._real.grammars
+
+    def stream(self, prompt_ids, sampling, spec, cancel=None, grammar=None):
         self.prompts.append(prompt_ids)
         self.calls.append((sampling, spec))
+        self.grammars_used.append(grammar)
         if self.gate is not None:
             self.gate.wait(5)
         for piece in self.pieces:
             yield StreamEvent(piece, [1])
         yield StreamEvent("", [], result=self._result(prompt_ids, spec))
 
-    def generate(self, prompt_ids, sampling, spec, cancel=None):
+    def generate(self, prompt_ids, sampling, spec, cancel=None, grammar=None):
         result = None
-        for event in self.stream(prompt_ids, sampling, spec, cancel):
+        for event in self.stream(prompt_ids, sampling, spec, cancel, grammar):
             result = event.result or result
         return result
 
@@ -321,9 +327,13 @@ class _CountingEngine:
     def encode(self, text):
         return self.real.encode(text)
 
-    def stream(self, prompt_ids, sampling, spec, cancel=None):
+    @property
+    def grammars(self):
+        return self.real.grammars
+
+    def stream(self, prompt_ids, sampling, spec, cancel=None, grammar=None):
         try:
-            for event in self.real.stream(prompt_ids, sampling, spec, cancel):
+            for event in self.real.stream(prompt_ids, sampling, spec, cancel, grammar=grammar):
                 if cancel is not None and cancel.is_set():
                     self.rounds_after_cancel += 1
                 yield event
@@ -339,3 +349,79 @@ async def test_leaving_the_stream_block_stops_the_engine_within_a_round():
         await anext(chunks)
     assert await asyncio.to_thread(engine.ended.wait, 30)  # the engine's generator has ended
     assert engine.rounds_after_cancel <= 1 and p.load().batch_size == 0 and p.kv_tokens_in_use == 0
+
+
+# ---- grammars: tool_choice and response_format enforced on the tiny model -----------------------
+CLOSED_TOOLS = [  # closed values only: a random model fills a free string until max_tokens
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "rain": {"type": "boolean"}},
+        "required": ["unit", "rain"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+]
+SHAPE = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["a", "bb"]}},
+         "required": ["ok", "kind"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+async def test_forced_tool_calls_always_parse_on_the_tiny_model(choice):
+    p = local(tiny_engine())
+    tool_choice = {"type": "function", "function": {"name": "get_time"}} if choice == "named" else "required"
+    for i, stream in enumerate((False, True, False)):
+        req = ChatRequest(messages=[{"role": "user", "content": f"question {i}"}], tools=CLOSED_TOOLS,
+                          tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=i)
+        if stream:
+            chunks = await read_all(p.stream(req, CallContext()))
+            calls = [d for c in chunks for d in c.tool_call_deltas]
+            finish, forced = chunks[-1].finish_reason, chunks[-1].speculation.forced
+            args = [json.loads(d.function.arguments) for d in calls]
+            names = [d.function.name for d in calls]
+        else:
+            r = await p.chat(req, CallContext())
+            finish, forced = r.finish_reason, r.speculation.forced
+            args = [json.loads(c.function.arguments) for c in r.tool_calls]
+            names = [c.function.name for c in r.tool_calls]
+        assert finish == "tool_calls" and len(names) == 1  # parallel_tool_calls false: one call
+        assert forced > 0
+        if choice == "named":
+            assert names == ["get_time"] and args[0]["zone"] in ("utc", "local")
+        else:
+            assert names[0] in ("get_weather", "get_time")
+
+
+async def test_response_format_json_schema_and_json_object_parse():
+    p = local(tiny_engine())
+    for i, fmt in enumerate([{"type": "json_schema", "json_schema": {"name": "shape", "schema": SHAPE, "strict": True}},
+                             {"type": "json_object"}]):
+        req = ChatRequest(messages=[{"role": "user", "content": "json please"}], response_format=fmt, max_tokens=60,
+                          temperature=0.7, seed=i)
+        r = await p.chat(req, CallContext())
+        if fmt["type"] == "json_schema":
+            value = json.loads(r.content)
+            assert set(value) == {"ok", "kind"} and value["kind"] in ("a", "bb")
+        elif r.finish_reason == "stop":  # a free object from a random model may run to max_tokens
+            assert isinstance(json.loads(r.content), dict)
+        else:
+            assert r.content.startswith("{")
+
+
+async def test_named_tool_choice_grammar_starts_after_the_prefill():
+    engine = ScriptedEngine('Lima"}}\n')
+    req = ChatRequest(messages=[{"role": "user", "content": "Lima?"}], tools=TOOLS,
+                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    await local(engine).chat(req, CallContext())
+    (grammar,) = engine.grammars_used
+    assert '"const": "get_weather"' in grammar.text and "get_time" not in grammar.text
+    constraint = grammar.constraint()  # the grammar's state is after `{"city": "`: the value goes on
+    n, _ = constraint.walk(engine.encode('Lima"}}\n</tool_call>'))
+    assert n == len(engine.encode('Lima"}}\n</tool_call>'))
+
+
+async def test_schema_the_grammar_backend_refuses_is_a_bad_request_naming_the_tool():
+    tools = [CLOSED_TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}}}]
+    req = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=tools)
+    with pytest.raises(ProviderBadRequest) as info:
+        await local(tiny_engine()).chat(req, CallContext())
+    assert info.value.param == "tools[1].function.parameters" and "look-around" in str(info.value)

@@ -141,7 +141,11 @@ class ScriptedEngine:
     def encode(self, text):
         return self._real.encode(text)
 
-    def stream(self, prompt_ids, sampling, spec, cancel=None, step_policy=None):
+    @property
+    def grammars(self):
+        return self._real.grammars
+
+    def stream(self, prompt_ids, sampling, spec, cancel=None, step_policy=None, grammar=None):
         self.prompts.append(self.tokenizer.decode(prompt_ids))
         text = self.answers[len(self.prompts) - 1]
         stats = GenerationStats(
@@ -150,8 +154,8 @@ class ScriptedEngine:
         stats.finish_reason = "stop"
         yield StreamEvent(text, [1], result=GenerationResult(text, [1], stats))
 
-    def generate(self, prompt_ids, sampling, spec, cancel=None):
-        return list(self.stream(prompt_ids, sampling, spec, cancel))[-1].result
+    def generate(self, prompt_ids, sampling, spec, cancel=None, grammar=None):
+        return list(self.stream(prompt_ids, sampling, spec, cancel, grammar=grammar))[-1].result
 
 
 def _run_snippet_with(engine, monkeypatch) -> None:

@@ -48,7 +48,11 @@ class TwoAnswers:
     def encode(self, text):
         return self._real.encode(text)
 
-    def stream(self, prompt_ids, sampling, spec, cancel=None):
+    @property
+    def grammars(self):
+        return self._real.grammars
+
+    def stream(self, prompt_ids, sampling, spec, cancel=None, grammar=None):
         self.prompts.append(self.tokenizer.decode(prompt_ids))
         text = self.answers[len(self.prompts) - 1]
         stats = GenerationStats(
@@ -57,8 +61,8 @@ class TwoAnswers:
         stats.finish_reason = "stop"
         yield StreamEvent(text, [1], result=GenerationResult(text, [1], stats))
 
-    def generate(self, prompt_ids, sampling, spec, cancel=None):
-        return list(self.stream(prompt_ids, sampling, spec, cancel))[-1].result
+    def generate(self, prompt_ids, sampling, spec, cancel=None, grammar=None):
+        return list(self.stream(prompt_ids, sampling, spec, cancel, grammar))[-1].result
 
 
 async def test_agent_loop_mechanics(capsys):

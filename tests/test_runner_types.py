@@ -40,6 +40,18 @@ def _locs(exc: ValidationError) -> list[str]:
             {"messages": [USER], "tools": [{"type": "function", "function": {"name": "bad name!"}}]},
             "tools.0.function.name",
         ),
+        (
+            {"messages": [USER], "tools": [{"type": "function", "function": {
+                "name": "f", "parameters": {"type": "object", "properties": 5}}}]},
+            "tools.0.function.parameters",
+        ),
+        ({"messages": [USER], "response_format": {"type": "regex"}}, "response_format.type"),
+        ({"messages": [USER], "response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"messages": [USER], "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "object", "properties": 5}}}},
+            "response_format.json_schema.schema",
+        ),
     ],
 )
 def test_bad_input_names_the_field(body, field):
@@ -126,3 +138,12 @@ def test_engine_sampling_conversion():
     ).sampling)
     assert (s.temperature, s.top_k, s.seed, s.stop, s.max_tokens) == (0.7, 20, 3, ("x",), 9)
     assert sampling_params(ChatRequest(messages=[USER]).sampling, default_max_tokens=5).greedy
+
+
+def test_response_format_shapes_round_trip():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+    req = ChatRequest.model_validate({"messages": [USER], "response_format": fmt})
+    assert req.response_format.json_schema.schema_ == schema and req.response_format.to_dict() == fmt
+    for plain in ({"type": "text"}, {"type": "json_object"}):
+        assert ChatRequest.model_validate({"messages": [USER], "response_format": plain}).response_format.to_dict() == plain

@@ -431,6 +431,9 @@ def test_api_key_required(stack):
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "x"}], "bogus": 1}, "bogus"),
         ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, None),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": 5}}}]}, "tools[0].function.parameters"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "regex"}}, "response_format.type"),
     ],
 )
 def test_bad_bodies_get_400_naming_the_field(stack, body, param):

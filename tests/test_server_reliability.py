@@ -38,14 +38,14 @@ class SpyEngine:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    def stream(self, prompt_ids, sampling, spec, cancel=None):
+    def stream(self, prompt_ids, sampling, spec, cancel=None, grammar=None):
         run = {"rounds_after_cancel": 0, "finish": None, "tokens": 0, "ended_at": None}
         self.runs.append(run)
         while not self.open.wait(0.01):
             if cancel is not None and cancel.is_set():
                 break
         try:
-            for event in self.real.stream(prompt_ids, sampling, spec, cancel):
+            for event in self.real.stream(prompt_ids, sampling, spec, cancel, grammar=grammar):
                 if event.result is not None:
                     run["finish"] = event.result.finish_reason
                     run["tokens"] = len(event.result.token_ids)

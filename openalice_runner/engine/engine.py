@@ -16,6 +16,7 @@ from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
 from openalice_runner.engine.drafters.ngram import NgramDrafter
 from openalice_runner.engine.drafters.suffix import RecentResponses, SuffixDrafter
 from openalice_runner.engine.generator import new_sequence, run_sequence
+from openalice_runner.engine.grammar import Grammar, GrammarCompiler
 from openalice_runner.engine.hf_model import HFCausalModel
 from openalice_runner.engine.llama import KVCache, LlamaModel
 from openalice_runner.engine.model_loading import (
@@ -87,6 +88,8 @@ class Engine:
         self._draft_caches: dict[int, KVCache] = {}
         self._eagle_heads: dict[str, object] = {}  # head folder -> EagleRuntime
         self.recent_responses = RecentResponses()  # what `suffix` drafters look up across requests
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -162,6 +165,17 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    # ---- grammars -------------------------------------------------------------------------
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles grammars for this model's tokenizer (grammar.py); made on first use (about 2 s)."""
+        if self._grammars is None:
+            with self._grammars_lock:
+                if self._grammars is None:
+                    vocab = self.hf_model.config.vocab_size
+                    self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+        return self._grammars
+
     # ---- decoding -------------------------------------------------------------------------
     def stream(
         self,
@@ -170,11 +184,13 @@ class Engine:
         spec: SpecConfig | None = None,
         cancel: threading.Event | None = None,
         drafter: Drafter | None = None,
+        grammar: Grammar | None = None,
     ) -> Iterator[StreamEvent]:
         """Generate, yielding text as rounds are accepted; the last event carries the result.
 
         `drafter` overrides the one `spec` names (tests use it for all-accept/all-reject drafters).
         `spec.gamma_by_batch` sets γ at every step of a batched engine from the live batch size.
+        `grammar` (from `self.grammars.compile`) constrains the reply (grammar.py).
         """
         sampling = sampling or SamplingParams()
         spec = spec or SpecConfig()
@@ -186,6 +202,7 @@ class Engine:
             seq = new_sequence(
                 prompt_ids, sampling, spec, drafter, self.scheduler.cache, self.tokenizer,
                 self.eos_token_ids, self.context_length, slot=-1, costs=self.pass_costs,
+                constraint=None if grammar is None else grammar.constraint(),
             )  # fmt: skip
             request = self.scheduler.submit(seq, cancel)
             yield from self.scheduler.events(request)
@@ -197,6 +214,7 @@ class Engine:
             seq = new_sequence(
                 prompt_ids, sampling, spec, drafter, cache, self.tokenizer, self.eos_token_ids,
                 self.context_length, costs=self.pass_costs,
+                constraint=None if grammar is None else grammar.constraint(),
             )
             reused = 0
             if self.prefix_reuse and not (seq.drafter is not None and seq.drafter.wants_hidden):
@@ -218,9 +236,10 @@ class Engine:
         spec: SpecConfig | None = None,
         cancel: threading.Event | None = None,
         drafter: Drafter | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationResult:
         result = None
-        for event in self.stream(prompt_ids, sampling, spec, cancel, drafter):
+        for event in self.stream(prompt_ids, sampling, spec, cancel, drafter, grammar):
             result = event.result or result
         assert result is not None
         return result

@@ -20,6 +20,7 @@ import torch
 
 from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter, Proposal, observed_rows, taps_for
+from openalice_runner.engine.grammar import GrammarConstraint, masked_logits, masked_probs
 from openalice_runner.engine.llama import KVCache, LlamaModel
 from openalice_runner.engine.rejection import Verdict, verify_greedy, verify_sampled
 from openalice_runner.engine.sampling import TokenDraws, processed_probs, sample, stream
@@ -40,6 +41,7 @@ from openalice_runner.engine.types import (
 )
 
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds the attention-score memory
+MAX_FORCED = 16  # grammar-forced tokens drafted in one round (they ride the pass for free)
 
 
 class ContextLengthError(ValueError):
@@ -65,6 +67,10 @@ class Sequence:
     emitted_by_passes: int = 0  # tokens the decode passes produced, a stop token included
     started: float = 0.0
     costs: PassCostModel | None = None  # where target pass times are recorded
+    constraint: GrammarConstraint | None = None  # the grammar the reply must follow (grammar.py)
+    # this round's allowed sets (k+1, V) along the draft, and how many of its tokens were forced
+    round_masks: torch.Tensor | None = None
+    round_forced: int = 0
 
     @property
     def generated(self) -> int:
@@ -82,6 +88,8 @@ class Sequence:
 
 
 def choose_token(logits: torch.Tensor, seq: Sequence) -> int:
+    if seq.constraint is not None:
+        logits = masked_logits(logits, seq.constraint.allowed())
     if seq.sampling.greedy:
         return int(logits.argmax())
     # the token lands at position len(seq.tokens): it draws from that position's stream
@@ -112,19 +120,57 @@ def prefill(model: LlamaModel, seq: Sequence, reused: int = 0) -> list[int]:
 def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
     """The drafter's proposal for this round (possibly empty), cut to what the budget and the
     context leave room for; returns it with the draft tokens to feed after the last token (a
-    tree's nodes in order)."""
+    tree's nodes in order).
+
+    Under a grammar the draft starts with the tokens the grammar forces (when `spec.forced_drafts`;
+    no drafter work, always accepted), the drafter continues from there, and the draft ends at
+    the first token the grammar forbids; the masks along it are kept for verification."""
     room_context = seq.context_length - len(seq.tokens)  # cache after the pass holds len + k
     room_budget = seq.sampling.max_tokens - seq.generated
-    max_draft = min(gamma, room_budget - 1, room_context)
+    forced: list[int] = []
+    if seq.constraint is not None and seq.spec.forced_drafts:
+        forced = seq.constraint.forced(min(MAX_FORCED, room_budget - 1, room_context))
+    max_draft = min(gamma, room_budget - 1 - len(forced), room_context - len(forced))
     proposal = Proposal([])
-    if seq.drafter is not None and max_draft > 0:
+    # a drafter reading hidden states has none for forced tokens not yet fed: forced only then
+    drafting = seq.drafter is not None and max_draft > 0 and not (forced and seq.drafter.wants_hidden)
+    if drafting:
         t0 = time.perf_counter()
         generator = None if seq.draws is None else seq.draws.stream(len(seq.tokens), TokenDraws.DRAFT)
-        proposal = seq.drafter.propose(seq.tokens, max_draft, seq.sampling, generator)
+        proposal = seq.drafter.propose(seq.tokens + forced, max_draft, seq.sampling, generator)
         seq.stats.draft_s += time.perf_counter() - t0
         # a tree may hold more tokens than γ: they must fit the context and the cache
-        proposal = proposal.cut(max_draft, min(room_context, seq.cache.max_len - len(seq.tokens)))
-    return proposal, proposal.tokens
+        room_cache = seq.cache.max_len - len(seq.tokens) - len(forced)
+        proposal = proposal.cut(max_draft, min(room_context - len(forced), room_cache))
+    if seq.constraint is None:
+        return proposal, proposal.tokens
+    return constrained_proposal(seq, forced, proposal)
+
+
+def constrained_proposal(seq: Sequence, forced: list[int], proposal: Proposal) -> tuple[Proposal, list[int]]:
+    """Forced tokens, then the drafter's chain (a tree's first branch), cut where the grammar
+    forbids a token; the round's masks and forced count are left on `seq`."""
+    if proposal.parents is not None:
+        proposal = first_branch(proposal)
+    tokens = forced + proposal.tokens
+    n, seq.round_masks = seq.constraint.walk(tokens)
+    seq.round_forced = min(len(forced), n)
+    q = proposal.q
+    if q is not None:
+        onehot = torch.zeros(len(forced), q.shape[-1], dtype=q.dtype)
+        onehot[torch.arange(len(forced)), torch.tensor(forced, dtype=torch.long)] = 1.0
+        q = torch.cat([onehot, q])[:n]
+    return Proposal(tokens[:n], q, proposal.probe), tokens[:n]
+
+
+def first_branch(proposal: Proposal) -> Proposal:
+    """A tree's chain of first children (under a grammar drafts are checked as chains)."""
+    tokens, at = [], -1
+    for i, parent in enumerate(proposal.parents):
+        if parent == at:
+            tokens.append(proposal.tokens[i])
+            at = i
+    return Proposal(tokens, None, proposal.probe)
 
 
 def round_mask(proposal: Proposal, start: int) -> TreeMask | None:
@@ -155,18 +201,23 @@ def settle_round(
     seq.cache.lengths[seq.slot] = length_before + 1 + verdict.accepted
     seq.stats.verify_s += pass_s + time.perf_counter() - t0
     seq.stats.target_passes += 1
-    if draft:
-        seq.stats.draft_proposed += len(draft)
-        seq.stats.draft_accepted += verdict.accepted
+    # forced tokens are always accepted; the drafter's figures are its own tokens' alone
+    forced = min(seq.round_forced, verdict.accepted)
+    seq.stats.forced_tokens += forced
+    proposed, accepted = len(draft) - seq.round_forced, verdict.accepted - forced
+    seq.round_masks, seq.round_forced = None, 0
+    if proposed > 0:
+        seq.stats.draft_proposed += proposed
+        seq.stats.draft_accepted += accepted
         if proposal.probe:
-            seq.stats.probe_proposed += len(draft)
-            seq.stats.probe_accepted += verdict.accepted
-        seq.accept_lengths.append(verdict.accepted)
+            seq.stats.probe_proposed += proposed
+            seq.stats.probe_accepted += accepted
+        seq.accept_lengths.append(accepted)
     emitted = verdict.emitted(draft)
     if seq.drafter is not None:
         if seq.drafter.wants_hidden:
             seq.drafter.observe(hidden[kept])
-        seq.drafter.update(seq.tokens + emitted, len(draft), verdict.accepted)
+        seq.drafter.update(seq.tokens + emitted, max(proposed, 0), accepted)
     return accept_tokens(seq, emitted, from_pass=True)
 
 
@@ -197,6 +248,12 @@ def _forward(model: LlamaModel, feed: torch.Tensor, seq: Sequence, taps: tuple[i
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, draft: list[int], seq: Sequence) -> Verdict | TreeVerdict:
+    q = None if proposal.q is None else proposal.q[: len(draft)]
+    if seq.round_masks is not None:
+        # the constrained distributions: target and draft masked alike (the draft's tokens
+        # are all allowed: plan_round cut it at the first forbidden one)
+        logits = masked_logits(logits, seq.round_masks)
+        q = None if q is None else masked_probs(q, seq.round_masks[: len(draft)])
     if proposal.parents is not None:
         if seq.sampling.greedy:
             return verify_tree_greedy(logits.argmax(dim=-1).tolist(), draft, proposal.parents)
@@ -204,9 +261,7 @@ def verify(logits: torch.Tensor, proposal: Proposal, draft: list[int], seq: Sequ
                                    len(seq.tokens))
     if seq.sampling.greedy:
         return verify_greedy(logits.argmax(dim=-1).tolist(), draft)
-    p = processed_probs(logits, seq.sampling)
-    q = None if proposal.q is None else proposal.q[: len(draft)]
-    return verify_sampled(p, q, draft, seq.draws, len(seq.tokens))
+    return verify_sampled(processed_probs(logits, seq.sampling), q, draft, seq.draws, len(seq.tokens))
 
 
 def accept_tokens(seq: Sequence, tokens: list[int], from_pass: bool = False) -> list[int]:
@@ -226,6 +281,8 @@ def accept_tokens(seq: Sequence, tokens: list[int], from_pass: bool = False) -> 
             seq.finish_reason = "length"
             break
     seq.tokens.extend(kept)
+    if seq.constraint is not None and not seq.finished:
+        seq.constraint.advance(kept)
     if from_pass:
         # A pass that ends the reply on its stop token still produced a token: counting only the kept
         # ones put a plain reply that stops below one token per pass.
@@ -281,6 +338,8 @@ def finish(seq: Sequence) -> GenerationResult:
     stats.completion_tokens = len(seq.text.token_ids)
     stats.total_s = time.perf_counter() - seq.started
     stats.finish_reason = seq.finish_reason or "length"
+    if seq.constraint is not None:
+        stats.mask_s = seq.constraint.mask_s
     if stats.draft_proposed:
         stats.acceptance_rate = stats.draft_accepted / stats.draft_proposed
     if stats.target_passes:
@@ -306,6 +365,7 @@ def new_sequence(
     context_length: int,
     slot: int = 0,
     costs: PassCostModel | None = None,
+    constraint: GrammarConstraint | None = None,
 ) -> Sequence:
     if not prompt:
         raise ValueError("prompt is empty")
@@ -327,4 +387,5 @@ def new_sequence(
         context_length=context_length,
         draws=draws,
         costs=costs,
+        constraint=constraint,
     )

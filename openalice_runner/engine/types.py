@@ -76,6 +76,9 @@ class SpecConfig:
     # γ by live batch size (running + waiting), looked up at every step of the batching engine;
     # None: `gamma` throughout. A row's γ is capped by nothing here: the policy compiled it.
     gamma_by_batch: GammaTable | None = None
+    # under a grammar, draft the tokens it forces (free: always accepted) before the drafter's;
+    # applies with method "off" too. False: forced tokens are decoded one pass each (benchmarks)
+    forced_drafts: bool = True
 
     @classmethod
     def from_plan(cls, plan: SpeculationPlan) -> SpecConfig:
@@ -122,6 +125,8 @@ class GenerationStats:
     # of those, exploratory drafts (see Proposal.probe): counted above, left out of the policy's α
     probe_proposed: int = 0
     probe_accepted: int = 0
+    forced_tokens: int = 0  # tokens a grammar forced, drafted for free (not in draft_proposed)
+    mask_s: float = 0.0  # time spent computing grammar masks
     acceptance_rate: float = 0.0  # accepted / proposed (0 when nothing was proposed)
     # tokens the target passes produced / target passes: >= 1, exactly 1 for plain decoding (a stop token
     # a pass produced counts; the first token, from the prefill, does not)
@@ -151,6 +156,7 @@ class GenerationStats:
             accepted=self.draft_accepted,
             probe_proposed=self.probe_proposed,
             probe_accepted=self.probe_accepted,
+            forced=self.forced_tokens,
             accept_length_histogram=tuple(self.accept_length_histogram),
             tokens_per_pass=self.mean_tokens_per_pass or None,
             ttft_s=self.ttft_s,

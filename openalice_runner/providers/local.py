@@ -41,6 +41,7 @@ from openalice_runner.types import (
     ChunkChoice,
     Delta,
     FunctionCallDelta,
+    NamedToolChoice,
     SamplingSettings,
     SpeculationInfo,
     ToolCall,
@@ -59,6 +60,7 @@ class _Prompt:
     ids: list[int]
     prefill: str  # assistant text the prompt already ends with (part of the parsed output)
     tool_names: set[str] | None  # None: do not parse tool calls
+    grammar: Any = None  # the engine's compiled Grammar the reply must follow (None: free)
 
 
 class LocalProvider(Provider):
@@ -98,6 +100,7 @@ class LocalProvider(Provider):
                             prefix_reuse=cfg.prefix_reuse,
                         )
                         engine.time_passes()  # drafts are sized from the first request on
+                        engine.grammars  # noqa: B018 - the tokenizer's grammar tables (~2 s), before the first request
                         self._engine = engine
         return self._engine
 
@@ -186,11 +189,75 @@ class LocalProvider(Provider):
             ids = engine.render_chat(tool_format.render_fallback_messages(messages, tools, choice))
         else:
             ids = engine.render_chat(messages)
+        grammar = self._grammar(request, tools, choice)
+        # A forced call's opening is pre-filled (the grammar would force it anyway; a weak model
+        # also gets the first argument's key), and the grammar starts after it.
         prefill = tool_format.assistant_prefill(choice, tools) if tools else ""
+        if prefill and grammar is not None:
+            prefill, grammar = self._prefill_within(grammar, prefill, choice)
         if prefill:
             ids = list(ids) + engine.encode(prefill)
         names = {t["function"]["name"] for t in tools} if tools else None
-        return _Prompt(ids=list(ids), prefill=prefill, tool_names=names)
+        return _Prompt(ids=list(ids), prefill=prefill, tool_names=names, grammar=grammar)
+
+    def _prefill_within(self, grammar: Any, prefill: str, choice: Any) -> tuple[str, Any]:
+        """The prefill and the grammar after it; where the grammar does not allow the argument
+        opening (it writes the schema's properties in their order), the call's opening alone."""
+        from openalice_runner.engine.grammar import GrammarError
+
+        for text in (prefill, tool_format.assistant_prefill(choice)):
+            try:
+                return text, grammar.after(self.engine.encode(text))
+            except GrammarError:
+                continue
+        return "", grammar
+
+    def _grammar(self, request: ChatRequest, tools: list[dict[str, Any]] | None, choice: Any):
+        """The grammar for tool_choice and response_format (None: the reply is free text).
+
+        Tool calls take the fallback format (<tool_call> blocks, also what tool-rendering Hermes
+        templates use): "required" one or more calls (one without parallel_tool_calls), a named
+        function that call, "auto" a reply without calls or text followed by calls; the reply
+        without calls is JSON where response_format asks for it."""
+        from openalice_runner.engine.grammar import GrammarError, json_grammar, tool_call_grammar
+
+        fmt = request.response_format
+        content_json = fmt is not None and fmt.type != "text"
+        schema = fmt.json_schema.schema_ if fmt is not None and fmt.json_schema is not None else None
+        parallel = request.parallel_tool_calls is not False
+        if tools:
+            if isinstance(choice, NamedToolChoice):
+                chosen = [t for t in tools if t["function"]["name"] == choice.function.name]
+                text = tool_call_grammar(chosen, "required", parallel=False)
+            else:
+                text = tool_call_grammar(tools, choice, parallel, content_schema=schema, content_json=content_json)
+            param = "tools"
+        elif content_json:
+            text, param = json_grammar(schema), "response_format"
+        else:
+            return None
+        try:
+            return self.engine.grammars.compile(text)
+        except GrammarError as exc:
+            if param == "tools":
+                param = self._refused_tool(tools or [], request) or param
+            raise ProviderBadRequest(f"{param}: the grammar backend refused the schema: {exc}",
+                                     provider=self.name, param=param, code="invalid_value") from exc
+
+    def _refused_tool(self, tools: list[dict[str, Any]], request: ChatRequest) -> str | None:
+        """The field whose schema the grammar backend refuses (each compiled alone)."""
+        from openalice_runner.engine.grammar import GrammarError, json_grammar
+
+        for i, tool in enumerate(tools):
+            try:
+                self.engine.grammars.compile(json_grammar(tool["function"].get("parameters")))
+            except GrammarError:
+                names = [t.function.name for t in request.tools or ()]
+                index = names.index(tool["function"]["name"]) if tool["function"]["name"] in names else i
+                return f"tools[{index}].function.parameters"
+        if request.response_format is not None and request.response_format.json_schema is not None:
+            return "response_format.json_schema.schema"
+        return None
 
     def _settings(self, request: ChatRequest, ctx: CallContext, prompt: _Prompt):
         sampling = sampling_params(request.sampling, self.config.max_tokens_default)
@@ -248,7 +315,7 @@ class LocalProvider(Provider):
         yield prompt
         held = 0
         try:
-            for event in self.engine.stream(prompt.ids, sampling, spec, cancel):
+            for event in self.engine.stream(prompt.ids, sampling, spec, cancel, grammar=prompt.grammar):
                 grown = len(event.token_ids) + (len(prompt.ids) if held == 0 else 0)
                 held += grown
                 self._add_kv(grown)

@@ -1,0 +1,284 @@
+"""Grammar-constrained decoding: which tokens a sequence may emit next (llguidance).
+
+A `Grammar` is compiled once per grammar text and tokenizer (`GrammarCompiler`, cached); each
+sequence gets its own `GrammarConstraint`, a matcher that follows the tokens the sequence emits.
+
+The constrained distribution at a position is the target's, masked to the tokens the grammar
+allows there and renormalised. Where the grammar forces bytes (JSON punctuation, a key, the
+tool's name once chosen), llguidance tokenizes them canonically and the mask allows exactly
+that token: a forced token has probability 1, so it can be drafted for free and is always
+accepted (`forced`). EOS is allowed exactly where the grammar accepts the text so far.
+
+Why llguidance (not xgrammar) and the measurements: docs/grammar.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+try:  # the engine extra installs it; the error says so where it is missing
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy
+except ImportError:  # pragma: no cover - exercised only without the engine extra
+    llguidance = None
+
+TOOL_CALL_OPEN = "<tool_call>"  # the fallback tool format's tags (providers/tool_format.py)
+TOOL_CALL_CLOSE = "</tool_call>"
+
+
+class GrammarError(ValueError):
+    """A grammar (or the JSON Schema it was built from) that cannot be compiled."""
+
+
+# ---------------------------------------------------------------- grammar texts (Lark)
+
+
+# JSON as json.dumps writes it (what the tool format and the model's examples show), no free
+# whitespace (a small model fills it with newlines); keywords llguidance does not enforce (e.g.
+# "format") are ignored rather than refused.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+
+
+def json_rule(name: str, schema: dict[str, Any] | None) -> str:
+    """A Lark rule `name` matching one JSON value of `schema` (None: any JSON object)."""
+    schema = dict(schema) if schema is not None else {"type": "object"}
+    schema["x-guidance"] = {**JSON_OPTIONS, **schema.get("x-guidance", {})}
+    return f"{name}: %json {json.dumps(schema)}\n"
+
+
+def json_grammar(schema: dict[str, Any] | None) -> str:
+    """A reply that is one JSON value of `schema` (None: any JSON object)."""
+    return "start: value\n" + json_rule("value", schema)
+
+
+def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON of one call in the fallback format: {"name": one tool, "arguments": its schema}."""
+    options = []
+    for tool in tools:
+        fn = tool.get("function", tool)
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        options.append({
+            "type": "object",
+            "properties": {"name": {"const": fn["name"]}, "arguments": params},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        })
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def tool_call_grammar(
+    tools: list[dict[str, Any]],
+    mode: str,
+    parallel: bool = True,
+    content_schema: dict[str, Any] | None = None,
+    content_json: bool = False,
+) -> str:
+    """Tool calls in the fallback format (`<tool_call>\\n{json}\\n</tool_call>`, calls one per line).
+
+    mode "required": one call (or several, with `parallel`) and nothing else; "auto": a reply
+    without calls (free text, or JSON of `content_schema` where `content_json`), or free text
+    followed by calls. `tools`: the calls allowed (a named tool_choice passes just that one).
+    """
+    if mode not in ("auto", "required"):
+        raise ValueError(f"mode must be 'auto' or 'required', got {mode!r}")
+    if not tools:
+        raise GrammarError("tools: a tool grammar needs at least one tool")
+    body = json_rule("body", call_schema(tools))
+    close = json.dumps("\n" + TOOL_CALL_CLOSE)
+    more = f'more: {json.dumps(chr(10) + TOOL_CALL_OPEN + chr(10))} body {close}\n'
+    repeat = " more*" if parallel else ""
+    if mode == "required":
+        return f"start: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {close}{repeat}\n{body}{more}"
+    if content_json:
+        content = json_rule("content", content_schema)
+    else:  # free text that never holds the open tag (the calls' alternative takes it)
+        content = f"content: TEXT\nTEXT: /(?s:.*)/ & ~/(?s:.*{TOOL_CALL_OPEN}.*)/\n"
+    # `pre` is lazy: it ends at the first open tag, so the text before a call cannot hold one
+    pre = f"pre[lazy]: /(?s:.*){TOOL_CALL_OPEN}\\n/\n"
+    return f"start: content | pre body {close}{repeat}\n{content}{pre}{body}{more}"
+
+
+# ---------------------------------------------------------------- compiled grammars
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar: `constraint()` makes each sequence's matcher."""
+
+    text: str
+    _template: Any  # an LLMatcher in its start state, deep-copied per sequence
+    _compiler: GrammarCompiler
+
+    def constraint(self) -> GrammarConstraint:
+        return GrammarConstraint(self._template.deep_copy(), self._compiler)
+
+    def after(self, tokens: list[int]) -> Grammar:
+        """This grammar with `tokens` already written (a reply the prompt pre-fills); GrammarError
+        where the grammar does not allow them."""
+        matcher = self._template.deep_copy()
+        if tokens and not matcher.consume_tokens(tokens):
+            raise GrammarError(_short(matcher.get_error()))
+        return Grammar(self.text, matcher, self._compiler)
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer and keeps the last `cache_size` (schemas repeat in an
+    agent loop: every turn sends the same tools)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: frozenset[int], cache_size: int = 64):
+        if llguidance is None:
+            raise GrammarError(
+                "grammar-constrained decoding needs llguidance: pip install 'openalice-runner[engine]'"
+            )
+        self.vocab_size = vocab_size
+        self.eos_ids = tuple(sorted(eos_ids))
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(self.eos_ids))
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.cache_size = cache_size
+
+    def compile(self, text: str) -> Grammar:
+        """The grammar for a Lark text (see json_grammar, tool_call_grammar); GrammarError names
+        what is wrong with it."""
+        with self._lock:
+            hit = self._cache.get(text)
+            if hit is not None:
+                self._cache.move_to_end(text)
+                return hit
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        except ValueError as exc:
+            raise GrammarError(str(exc)) from exc
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        if is_error:
+            raise GrammarError(_short(messages[0]))
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(_short(matcher.get_error()))
+        compiled = Grammar(text, matcher, self)
+        with self._lock:
+            self._cache[text] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+
+def _short(message: str) -> str:
+    """llguidance's message without its parser state and grammar listing."""
+    lines = []
+    for line in message.split("\n<state>")[0].splitlines():
+        if re.match(r"^\s*\d+ \| ", line):
+            break
+        if line.strip() and set(line.strip()) != {"^"}:
+            lines.append(line.strip())
+    return " ".join(lines)
+
+
+# ---------------------------------------------------------------- one sequence's constraint
+
+
+class GrammarConstraint:
+    """The grammar state of one sequence: masks, forced tokens, draft checks, advancing."""
+
+    def __init__(self, matcher, compiler: GrammarCompiler):
+        """`matcher`: an llguidance LLMatcher (tests pass an automaton with its methods)."""
+        self._matcher = matcher
+        self._compiler = compiler
+        self._bitmask = None
+        self.mask_s = 0.0  # time spent computing masks (the benchmark reports it per token)
+        self.masks = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self._compiler.vocab_size
+
+    def allowed(self) -> torch.Tensor:
+        """(V,) bool: the tokens allowed next. A forced token is the only one allowed; EOS is
+        allowed where the text so far is complete; never empty (a matcher in error allows EOS)."""
+        t0 = time.perf_counter()
+        allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
+        forced = self._matcher.compute_ff_tokens() if not self._matcher.is_stopped() else []
+        if forced:
+            allowed[forced[0]] = True
+        else:
+            allowed = self._grammar_mask()
+            eos = list(self._compiler.eos_ids)
+            if eos:
+                allowed[eos] = bool(allowed[eos].any())  # any of the model's EOS ids, or none
+                if not allowed.any():
+                    allowed[eos] = True
+        self.mask_s += time.perf_counter() - t0
+        self.masks += 1
+        return allowed
+
+    def _grammar_mask(self) -> torch.Tensor:
+        """(V,) bool: the matcher's own mask."""
+        if self._bitmask is None:
+            self._bitmask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self.vocab_size]
+        return torch.from_numpy(bits.astype(np.bool_))
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces from here (each is then the only allowed one)."""
+        if limit <= 0 or self._matcher.is_stopped():
+            return []
+        return list(self._matcher.compute_ff_tokens()[:limit])
+
+    def walk(self, draft: list[int]) -> tuple[int, torch.Tensor]:
+        """Masks along a draft: (n, masks) where draft[:n] is the longest prefix every token of
+        which its mask allows, and masks (n + 1, V) are the allowed sets after draft[:i] for
+        i = 0..n. The matcher ends where it started."""
+        masks = [self.allowed()]
+        n = 0
+        for token in draft:
+            if not bool(masks[-1][token]) or token in self._compiler.eos_ids:
+                break
+            if not self._matcher.consume_token(token):  # pragma: no cover - the mask allowed it
+                raise GrammarError(_short(self._matcher.get_error()))
+            n += 1
+            masks.append(self.allowed())
+        if n:
+            self._matcher.rollback(n)
+        return n, torch.stack(masks)
+
+    def advance(self, tokens: list[int]) -> None:
+        """The sequence emitted `tokens` (EOS excluded): the matcher follows."""
+        tokens = [t for t in tokens if t not in self._compiler.eos_ids]
+        if tokens and not self._matcher.consume_tokens(tokens):
+            raise GrammarError(_short(self._matcher.get_error()))
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the text so far is complete under the grammar."""
+        return self._matcher.is_accepting()
+
+
+def masked_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Logits (..., V') with the disallowed tokens at -inf (V' may exceed the mask's V: the
+    model's padded rows beyond the tokenizer are never allowed)."""
+    vocab = allowed.shape[-1]
+    out = torch.full_like(logits, float("-inf"))
+    keep = allowed.to(logits.device)
+    out[..., :vocab] = logits[..., :vocab].masked_fill(~keep, float("-inf"))
+    return out
+
+
+def masked_probs(q: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """A draft distribution (k, V) restricted to the allowed tokens and renormalised (rows
+    whose mass is all disallowed stay zero: their draft token was cut before verification)."""
+    vocab = allowed.shape[-1]
+    out = torch.zeros_like(q)
+    out[..., :vocab] = q[..., :vocab] * allowed.to(q.dtype)
+    total = out.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, out / total.clamp_min(1e-30), out)

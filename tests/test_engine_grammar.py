@@ -1,0 +1,158 @@
+"""Grammar-constrained decoding on the engine (llguidance, the real tokenizer, a tiny random model).
+
+Greedy constrained output is the same token for token with and without speculation and forced
+drafts, serial and batched (fp32); every reply parses into the requested shape; forced tokens
+are drafted for free and counted; drafts the grammar forbids are cut before verification.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from openalice_runner.engine import Engine, SamplingParams, SpecConfig
+from openalice_runner.engine.drafters.base import Drafter, Proposal
+from openalice_runner.engine.grammar import GrammarError, json_grammar, tool_call_grammar
+from openalice_runner.providers.tool_format import parse_tool_calls
+
+# Short, closed values only: a random model fills a free string or integer until max_tokens.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}, "rain": {"type": "boolean"}},
+            "required": ["unit", "rain"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"],
+                       "additionalProperties": False},
+    },
+}
+SHAPE = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["a", "bb", "ccc"]}},
+         "required": ["ok", "kind"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """A serial and a batching engine over the same random weights (fp32)."""
+    return [Engine.tiny_random(seed=0, max_batch=1), Engine.tiny_random(seed=0, max_batch=4)]
+
+
+SPECS = [
+    SpecConfig(method="off", forced_drafts=False),
+    SpecConfig(method="off"),
+    SpecConfig(method="ngram", gamma=4, adaptive_length=False),
+    SpecConfig(method="ngram", gamma=4, forced_drafts=False, adaptive_length=False),
+    SpecConfig(method="draft", gamma=3, draft_layers=1),
+]
+
+
+@pytest.mark.parametrize("grammar_kind", ["required", "parallel", "json_schema", "json_object", "auto"])
+def test_greedy_constrained_output_is_the_same_with_and_without_speculation(engines, grammar_kind):
+    texts = {
+        "required": tool_call_grammar([WEATHER, TIME], "required", parallel=False),
+        "parallel": tool_call_grammar([WEATHER, TIME], "required", parallel=True),
+        "json_schema": json_grammar(SHAPE),
+        "json_object": json_grammar(None),
+        "auto": tool_call_grammar([WEATHER, TIME], "auto"),
+    }
+    sampling = SamplingParams(max_tokens=60)
+    reference = None
+    for engine in engines:
+        grammar = engine.grammars.compile(texts[grammar_kind])
+        prompt = engine.encode("What is the weather in Paris? The weather in Paris is")
+        for spec in SPECS:
+            out = engine.generate(prompt, sampling, spec, grammar=grammar)
+            if reference is None:
+                reference = out
+            assert out.token_ids == reference.token_ids, (engine.max_batch, spec)
+            if spec.forced_drafts and grammar_kind not in ("auto", "json_object"):
+                assert out.stats.forced_tokens > 0
+            if not spec.forced_drafts:
+                assert out.stats.forced_tokens == 0
+    if grammar_kind == "json_object":
+        return  # a random model's free object may run to max_tokens
+    if grammar_kind in ("json_schema",):
+        assert json.loads(reference.text)["kind"] in ("a", "bb", "ccc")
+    elif grammar_kind != "auto":
+        parsed = parse_tool_calls(reference.text, {"get_weather", "get_time"})
+        assert parsed.tool_calls and not parsed.malformed and parsed.content is None, reference.text
+        assert reference.finish_reason == "stop"
+
+
+def test_forced_drafts_cut_the_passes(engines):
+    engine = engines[0]
+    grammar = engine.grammars.compile(tool_call_grammar([WEATHER], "required", parallel=False))
+    prompt = engine.encode("weather please")
+    plain = engine.generate(prompt, SamplingParams(max_tokens=60), SpecConfig(forced_drafts=False), grammar=grammar)
+    forced = engine.generate(prompt, SamplingParams(max_tokens=60), SpecConfig(), grammar=grammar)
+    assert forced.token_ids == plain.token_ids
+    assert forced.stats.forced_tokens >= 10  # the tags, the name, the keys, the enum's rest
+    assert forced.stats.target_passes < plain.stats.target_passes - 5
+    assert forced.stats.draft_proposed == 0  # forced tokens are not the drafter's
+    assert forced.stats.outcome().forced == forced.stats.forced_tokens
+
+
+def test_sampled_constrained_replies_parse(engines):
+    engine = engines[1]
+    grammar = engine.grammars.compile(tool_call_grammar([WEATHER, TIME], "required", parallel=True))
+    prompt = engine.encode("call a tool")
+    for seed in range(5):
+        out = engine.generate(prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=120),
+                              SpecConfig(method="ngram", gamma=3), grammar=grammar)
+        parsed = parse_tool_calls(out.text, {"get_weather", "get_time"})
+        assert parsed.tool_calls and not parsed.malformed, out.text
+
+
+class ForbiddenDrafter(Drafter):
+    """Proposes a token the grammar never allows inside JSON (`<|im_start|>`), then more."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, history, gamma, sampling, generator):
+        return Proposal([self.token] * gamma)
+
+
+def test_forbidden_drafts_end_the_draft_before_verification(engines):
+    engine = engines[0]
+    grammar = engine.grammars.compile(json_grammar(SHAPE))
+    prompt = engine.encode("json")
+    im_start = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    plain = engine.generate(prompt, SamplingParams(max_tokens=40), SpecConfig(), grammar=grammar)
+    out = engine.generate(prompt, SamplingParams(max_tokens=40), SpecConfig(method="draft", gamma=4), grammar=grammar,
+                          drafter=ForbiddenDrafter(im_start))
+    assert out.token_ids == plain.token_ids
+    assert out.stats.draft_proposed == 0  # every draft was cut at its first token
+
+
+def test_auto_grammar_takes_free_text_or_valid_calls_only(engines):
+    engine = engines[0]
+    constraint = engine.grammars.compile(tool_call_grammar([WEATHER], "auto", parallel=False)).constraint()
+    good = engine.encode('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"unit": "celsius", '
+                         '"rain": true}}\n</tool_call>')
+    n, masks = constraint.walk(good)
+    assert n == len(good) and masks.shape[0] == len(good) + 1
+    eos = sorted(engine.eos_token_ids)
+    assert bool(masks[-1][eos].all())  # the call is complete: the reply may end
+    wrong_name = engine.encode('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    n, _ = constraint.walk(wrong_name)
+    assert n < len(wrong_name)
+    text = engine.encode("Just an answer, no call.")
+    n, masks = constraint.walk(text)
+    assert n == len(text) and bool(masks[-1][eos].all())
+
+
+def test_grammar_errors_name_the_problem(engines):
+    with pytest.raises(GrammarError):
+        engines[0].grammars.compile("start: undefined_rule\n")
+    assert engines[0].grammars.compile(json_grammar(SHAPE)) is engines[0].grammars.compile(json_grammar(SHAPE))
