@@ -50,7 +50,7 @@ class Linear:
     for a handful of rows.
     """
 
-    __slots__ = ("weight", "packed", "weight_rows", "bias", "tall", "kernels")
+    __slots__ = ("_weight", "parts", "packed", "weight_rows", "bias", "tall", "kernels")
 
     def __init__(
         self,
@@ -58,16 +58,28 @@ class Linear:
         bias: torch.Tensor | None,
         split_multi_row: bool,
         kernels: CpuKernels | None = None,
+        parts: list[torch.Tensor] | None = None,
     ):
-        self.weight = weight.contiguous()
+        """`parts`: tensors held elsewhere whose row-wise concatenation is `weight` (a fused
+        q/k/v or gate/up). Where the kernels run this linear they read only the packed copy,
+        so `weight` is not kept: other readers (an EAGLE head's initialisation) get it
+        re-fused from `parts`, and the fused copy's memory goes back."""
+        self._weight = weight.contiguous()
+        self.parts = None
         self.bias = None if bias is None else bias.float()
-        self.kernels = kernels if kernels is not None and kernels.supports(self.weight) else None
+        self.kernels = kernels if kernels is not None and kernels.supports(self._weight) else None
         # the kernels read their own layout, packed once here (`weight` stays for other readers)
-        self.packed = None if self.kernels is None else self.kernels.pack(self.weight)
+        self.packed = None if self.kernels is None else self.kernels.pack(self._weight)
+        if self.kernels is not None and parts is not None:
+            self._weight, self.parts = None, parts
         # fp32 copy for multi-row inputs (None: kernels in use, the stored weight is fp32
         # already, or the CPU multiplies bf16 natively)
         self.weight_rows = weight.float().contiguous() if split_multi_row and self.kernels is None else None
         self.tall = weight.shape[0] >= 8 * weight.shape[1]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._weight if self._weight is not None else torch.cat(self.parts, dim=0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
@@ -245,12 +257,14 @@ class LlamaModel:
         self.attention_scale = self.cfg.head_dim**-0.5
 
         def linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> Linear:
-            # one weight is shared with the transformers module (no copy); several are fused
-            w = weights[0].detach() if len(weights) == 1 else torch.cat([t.detach() for t in weights], dim=0)
+            # one weight is shared with the transformers module (no copy); several are fused,
+            # and the fused copy is dropped where the kernels read their packed one instead
+            parts = [t.detach() for t in weights]
+            w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             b = None
             if biases and all(x is not None for x in biases):
                 b = torch.cat([x.detach() for x in biases], dim=0)
-            return Linear(w, b, split_multi_row, kernels)
+            return Linear(w, b, split_multi_row, kernels, parts=parts if len(parts) > 1 else None)
 
         self.layers: list[Layer] = []
         for layer in inner.layers:
