@@ -247,3 +247,17 @@ def test_fused_forward_matches_the_torch_op_forward_and_transformers(kernels):
     with torch.no_grad():
         reference = engine.hf_model(tokens).logits
     torch.testing.assert_close(out[0], reference, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_weights_are_not_kept_beside_their_packed_copy(kernels):
+    """Memory: where the kernels run a fused q/k/v or gate/up linear, the model keeps only the
+    packed copy; `weight` is re-fused from the transformers module's tensors for other readers."""
+    engine = Engine.tiny_random(seed=4, dtype="bf16")
+    layer, hf_layer = engine.model.layers[0], engine.hf_model.model.layers[0]
+    for linear, parts in ((layer.qkv, [hf_layer.self_attn.q_proj, hf_layer.self_attn.k_proj,
+                                        hf_layer.self_attn.v_proj]),
+                          (layer.gate_up, [hf_layer.mlp.gate_proj, hf_layer.mlp.up_proj])):  # fmt: skip
+        assert linear.packed is not None and linear._weight is None
+        assert torch.equal(linear.weight, torch.cat([p.weight for p in parts]))
+    # a single weight is shared with the transformers module, not copied
+    assert layer.o.weight.data_ptr() == hf_layer.self_attn.o_proj.weight.data_ptr()
