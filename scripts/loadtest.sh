@@ -4,7 +4,7 @@
 # concurrency, then the memory check: four long prompts with deeply nested tool schemas and max_tokens
 # 4000 at once (scripts/deep_tools_workload.py; DEEP_TOOLS=0 skips it). Writes one JSON report per run
 # and a Markdown table (sent/ok/429/failed/5xx, latency and time-to-first-token percentiles, the
-# server's peak RSS from /proc/PID/status VmHWM, over every run).
+# server's peak RSS from /proc/PID/status VmHWM, over every run); exits 1 when that peak is over 1.5 GiB.
 #
 #   scripts/loadtest.sh [OUT.md]            # default OUT: loadtest-results.md
 #   DURATION=60 CONCURRENCY="1 4 16" PORT=8765 scripts/loadtest.sh /tmp/results.md
@@ -62,6 +62,7 @@ trap - EXIT
 import json, sys
 from pathlib import Path
 
+RSS_BOUND = 1.5 * 2**30  # the memory check's bound on the server's peak RSS
 work, out, exit_code, levels = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split()
 ms = lambda s, k: f"{s[k] * 1000:.0f}" if s else "-"
 rows, peak = [], 0
@@ -89,10 +90,12 @@ text = "\n".join([
     "|---|---|---|---|---|---|---|---|---|---|---|",
     *rows,
     "",
-    f"Server peak RSS (VmHWM): {peak / 2**20:.0f} MiB ({peak / 2**30:.2f} GiB). "
+    f"Server peak RSS (VmHWM): {peak / 2**20:.0f} MiB ({peak / 2**30:.2f} GiB; the bound is {RSS_BOUND / 2**30:g} GiB: "
+    f"{'within' if peak <= RSS_BOUND else 'OVER'}). "
     f"5xx answered by the server over the whole run (/metrics): {fivexx:.0f}. Exit code after SIGTERM: {exit_code}.",
     "",
 ])
 out.write_text(text)
 print(text)
+sys.exit(0 if peak <= RSS_BOUND else 1)  # the memory check fails the script
 EOF
