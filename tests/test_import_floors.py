@@ -38,6 +38,7 @@ ENGINE_SIDE_MODULES = frozenset({
     f"{PACKAGE}.cli.bench",
     f"{PACKAGE}.cli.bench_concurrency",
     f"{PACKAGE}.cli.bench_follow_up",
+    f"{PACKAGE}.cli.bench_constrained",
     f"{PACKAGE}.cli.draft",
     f"{PACKAGE}.cli.common",  # load_engine(), called only by the engine commands above
 })
