@@ -81,13 +81,13 @@ def served(tmp_path_factory):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     for i in range(N_PLAIN):
         client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=4,
+            model="tiny-random", messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=4,
             extra_headers={"X-OpenAlice-Turn-Type": "chat"},
         )  # fmt: skip
     for i in range(N_STREAM):
         list(
             client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": f"stream {i}"}], max_tokens=4, stream=True,
+                model="tiny-random", messages=[{"role": "user", "content": f"stream {i}"}], max_tokens=4, stream=True,
                 extra_headers={"X-OpenAlice-Turn-Type": "summarize"},
             )
         )  # fmt: skip
@@ -103,6 +103,7 @@ def test_real_prometheus_scrapes_the_request_count(served, tmp_path):
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
         "scrape_configs:\n  - job_name: openalice\n"
+        f"    authorization: {{credentials: {API_KEY}}}\n"  # /metrics takes the API key when one is set
         f"    static_configs:\n      - targets: ['127.0.0.1:{served.port}']\n"
     )
     port = _free_port()

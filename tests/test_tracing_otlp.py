@@ -87,7 +87,7 @@ def _serve(tmp: Path, env: dict[str, str], *extra: str) -> tuple[subprocess.Pope
 def _chat(url: str, **headers: str) -> None:
     r = httpx.post(
         f"{url}/v1/chat/completions",
-        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        json={"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         headers={"Authorization": f"Bearer {API_KEY}", **headers},
         timeout=60,
     )
