@@ -16,7 +16,7 @@ import pytest
 import torch
 from stand_ins.drafters import OracleDrafter
 from stand_ins.engines import run_concurrently
-from test_engine_sampling_exact import (
+from stand_ins.markov import (
     LENGTH,
     PROMPT,
     MarkovDrafter,
