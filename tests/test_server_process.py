@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,36 +15,17 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from stand_ins.processes import free_port, wait_http
 
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "process-key"
 N_PLAIN, N_STREAM = 3, 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, proc: subprocess.Popen | None, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
-
-
 class ServeProcess:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.port = _free_port()
+        self.port = free_port()
         self.trace_file = tmp / "trace.jsonl"
         self.log_file = tmp / "serve.log"
         providers = tmp / "providers.yaml"
@@ -61,7 +41,7 @@ class ServeProcess:
         self._log = self.log_file.open("wb")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
-        _wait_http(f"{self.url}/health", self.proc)
+        wait_http(f"{self.url}/health", self.proc)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -106,7 +86,7 @@ def test_real_prometheus_scrapes_the_request_count(served, tmp_path):
         f"    authorization: {{credentials: {API_KEY}}}\n"  # /metrics takes the API key when one is set
         f"    static_configs:\n      - targets: ['127.0.0.1:{served.port}']\n"
     )
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "prometheus.log").open("wb")
     prom = subprocess.Popen(
         [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
@@ -115,7 +95,7 @@ def test_real_prometheus_scrapes_the_request_count(served, tmp_path):
     )  # fmt: skip
     try:
         api = f"http://127.0.0.1:{port}/api/v1"
-        _wait_http(f"http://127.0.0.1:{port}/-/ready", prom)
+        wait_http(f"http://127.0.0.1:{port}/-/ready", prom)
         query = 'sum(openalice_chat_completions_total{outcome="ok"})'
         deadline = time.monotonic() + 30
         value = None

@@ -21,7 +21,11 @@ from pathlib import Path
 
 import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from test_server_process import API_KEY, REPO, _free_port, _wait_http
+from stand_ins.processes import free_port, wait_http
+
+REPO = Path(__file__).resolve().parents[1]
+API_KEY = "otlp-key"
+
 
 SHUTDOWN_BOUND_S = 10.0
 
@@ -71,7 +75,7 @@ def _serve(tmp: Path, env: dict[str, str], *extra: str) -> tuple[subprocess.Pope
         "providers:\n  local: {type: local, tiny_random: true, max_tokens_default: 4}\n"
         "routes:\n  - {name: default, chain: [local]}\n"
     )
-    port = _free_port()
+    port = free_port()
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env = {**clean, "HF_HUB_OFFLINE": "1", "OPENALICE_API_KEY": API_KEY, "PYTHONPATH": str(REPO),
            "OTEL_METRIC_EXPORT_INTERVAL": "300", **env}  # fmt: skip
@@ -80,7 +84,7 @@ def _serve(tmp: Path, env: dict[str, str], *extra: str) -> tuple[subprocess.Pope
     log = (tmp / "serve.log").open("wb")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    _wait_http(f"{url}/health", proc, timeout=180)  # a loaded shared machine starts slowly
+    wait_http(f"{url}/health", proc, timeout=180)  # a loaded shared machine starts slowly
     return proc, url
 
 
