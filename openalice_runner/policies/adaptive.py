@@ -181,8 +181,8 @@ class AdaptiveGamma:
         prior_alpha: float | None = None,
     ) -> Choice:
         alpha, cost, measured = self.estimate(turn_type, method, provider, prior_alpha)
-        gamma, speedup = best_gamma(alpha, cost, lo, hi)
-        if speedup >= 1.0 + self.settings.margin:
+        gamma, speedup = self._paying_gamma(alpha, cost, lo, hi)
+        if gamma:
             return Choice(gamma, alpha, cost, speedup, measured)
         key = (turn_type, method, provider)
         counter = self._off_counters.get(key)
@@ -203,8 +203,12 @@ class AdaptiveGamma:
     ) -> int:
         """γ `choose` would pick now, without probing or counting (0: off)."""
         alpha, cost, _ = self.estimate(turn_type, method, provider, prior_alpha)
+        return self._paying_gamma(alpha, cost, lo, hi)[0]
+
+    def _paying_gamma(self, alpha: float, cost: float, lo: int, hi: int) -> tuple[int, float]:
+        """(best γ in [lo, hi], its expected speedup); γ 0 when that speedup is under the margin."""
         gamma, speedup = best_gamma(alpha, cost, lo, hi)
-        return gamma if speedup >= 1.0 + self.settings.margin else 0
+        return (gamma, speedup) if speedup >= 1.0 + self.settings.margin else (0, speedup)
 
     def snapshot(self) -> dict:
         """Current estimates, for `policy explain` and debugging."""
