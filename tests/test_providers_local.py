@@ -8,7 +8,7 @@ import threading
 
 import pytest
 from stand_ins.engines import tiny_engine
-from stand_ins.streams import read_all
+from stand_ins.streams import joined_tool_calls, read_all
 
 from openalice_runner.engine.types import GenerationResult, GenerationStats, StreamEvent
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderRateLimited
@@ -50,6 +50,9 @@ class ScriptedEngine:
         self.calls: list[tuple] = []
         self.grammars_used: list = []  # the grammar each call was given (the text is fixed all the same)
         self.gate: threading.Event | None = None
+        self.paced: threading.Semaphore | None = None  # set: one piece per release
+        self.yielded = 0  # pieces handed out so far
+        self.finish_reason = "stop"
 
     def render_chat(self, messages, tools=None):
         return self._real.render_chat(messages, tools)
@@ -61,7 +64,7 @@ class ScriptedEngine:
         stats = GenerationStats(
             method=spec.method, gamma=spec.gamma, prompt_tokens=len(prompt_ids), completion_tokens=7
         )
-        stats.finish_reason = "stop"
+        stats.finish_reason = self.finish_reason
         return GenerationResult(self.text, [1] * 7, stats)
 
     @property
@@ -75,6 +78,9 @@ class ScriptedEngine:
         if self.gate is not None:
             self.gate.wait(5)
         for piece in self.pieces:
+            if self.paced is not None:
+                assert self.paced.acquire(timeout=5), "the test released too few pieces"
+            self.yielded += 1
             yield StreamEvent(piece, [1])
         yield StreamEvent("", [], result=self._result(prompt_ids, spec))
 
@@ -215,6 +221,8 @@ async def test_tool_choice_none_renders_no_tools_and_parses_nothing():
 
 
 async def test_stream_holds_back_tool_calls_and_streams_text():
+    """A call block that strays from the grammar's layout (here no newline after the tag, from an
+    engine that ignored the grammar) is held back and parsed at the end, as without a grammar."""
     pieces = ["Sure", ", one moment <tool", '_call>{"name": "get_time", ', '"arguments": {}}</tool_call>']
     engine = ScriptedEngine("".join(pieces), pieces)
     chunks = await read_all(
@@ -239,6 +247,85 @@ async def test_stream_passes_lookalike_text_through():
     )
     assert "".join(c.delta_text for c in chunks) == "a < b and <toolbox> done"
     assert chunks[-1].finish_reason == "stop"
+
+
+PLAN_TOOL = {"type": "function", "function": {"name": "plan_trip", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "number"}},
+    "required": ["city", "days"]}}}  # fmt: skip
+
+
+def _grammar_allows(engine, text):
+    """The scripted reply is one the request's grammar allows: the stand-in writes nothing the
+    engine could not (GrammarError otherwise)."""
+    assert engine.grammars_used[-1] is not None
+    engine.grammars_used[-1].after(engine.encode(text))
+
+
+async def test_stream_sends_a_call_while_it_is_written():
+    """Grammar-constrained: a call's first delta (id, name) goes out once its arguments open, before
+    the rest is written; its fragments join up to exactly the unstreamed reply's arguments (2.50 is
+    2.5 there); parallel calls get indices 0, 1; text before them streams as content."""
+    pieces = ["Checking.", "\n<tool_call>\n", '{"name": "plan_', 'trip", "arguments": ', '{"city": "Li',
+              'ma", "da', 'ys": 2.50', '}}\n</tool_call>\n<tool_call>\n', '{"name": "get_time", "arguments": {}}',
+              "\n</tool_call>"]  # fmt: skip
+    text = "".join(pieces)
+    engine = ScriptedEngine(text, pieces)
+    engine.paced = threading.Semaphore(0)
+    req = ChatRequest(messages=[{"role": "user", "content": "plan Lima"}], tools=[PLAN_TOOL, *TOOLS])
+    chunks = []
+    async with local(engine).stream(req, CallContext()) as stream:
+        reading = aiter(stream)
+        engine.paced.release(5)  # up to the arguments' opening brace
+        while not any(c.tool_call_deltas for c in chunks):
+            chunks.append(await asyncio.wait_for(anext(reading), 5))
+        written_at_first_delta = engine.yielded
+        engine.paced.release(len(pieces) - 5)
+        chunks += [c async for c in reading]
+    _grammar_allows(engine, text)
+    assert written_at_first_delta == 5 < len(pieces)
+    whole = await local(ScriptedEngine(text)).chat(req, CallContext())
+    calls = joined_tool_calls(chunks)
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.tool_calls
+    ] == [("plan_trip", '{"city": "Lima", "days": 2.5}'), ("get_time", "{}")]
+    assert len([c for c in chunks if any(d.index == 0 for d in c.tool_call_deltas)]) >= 4
+    assert "".join(c.delta_text for c in chunks).strip() == whole.content == "Checking."
+    assert chunks[0].delta.role == "assistant" and chunks[-1].finish_reason == "tool_calls"
+
+
+async def test_stream_named_tool_choice_sends_the_prefilled_call_from_the_first_piece():
+    pieces = ["Li", 'ma"', "}", "}\n"]  # generation stops at the close tag
+    text = "".join(pieces)
+    engine = ScriptedEngine(text, pieces)
+    req = ChatRequest(messages=[{"role": "user", "content": "Lima?"}], tools=TOOLS,
+                      tool_choice={"type": "function", "function": {"name": "get_weather"}})  # fmt: skip
+    chunks = await read_all(local(engine).stream(req, CallContext()))
+    _grammar_allows(engine, text)  # the grammar after the prefill
+    whole = await local(ScriptedEngine(text)).chat(req, CallContext())
+    assert joined_tool_calls(chunks) == [
+        {"id": chunks[0].tool_call_deltas[0].id, "name": "get_weather", "arguments": '{"city": "Lima"}'}
+    ] and whole.tool_calls[0].function.arguments == '{"city": "Lima"}'
+    fragments = [d.function.arguments for c in chunks for d in c.tool_call_deltas]
+    assert fragments == ["", '{"city": "Li', 'ma"', "}"]  # the arguments' brace with the call's own
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
+async def test_stream_cut_inside_a_call_finishes_with_length():
+    """max_tokens inside the arguments: what was streamed stays (it cannot be taken back) and does
+    not parse; the finish reason says why (the unstreamed reply has the text as content)."""
+    pieces = ["<tool_call>\n", '{"name": "get_weather", ', '"arguments": {"city": "Li']
+    text = "".join(pieces)
+    engine = ScriptedEngine(text, pieces)
+    engine.finish_reason = "length"
+    req = ChatRequest(messages=[{"role": "user", "content": "Lima?"}], tools=TOOLS, max_tokens=7)
+    chunks = await read_all(local(engine).stream(req, CallContext()))
+    _grammar_allows(engine, text)
+    assert [(c["name"], c["arguments"]) for c in joined_tool_calls(chunks)] == [("get_weather", '{"city": "Li')]
+    assert chunks[-1].finish_reason == "length" and "".join(c.delta_text for c in chunks) == ""
+    cut = ScriptedEngine(text)
+    cut.finish_reason = "length"
+    whole = await local(cut).chat(req, CallContext())
+    assert whole.tool_calls == [] and whole.content == text and whole.finish_reason == "length"
 
 
 async def test_history_with_tool_results_is_rendered():
@@ -373,10 +460,10 @@ async def test_forced_tool_calls_always_parse_on_the_tiny_model(choice):
                           tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=i)
         if stream:
             chunks = await read_all(p.stream(req, CallContext()))
-            calls = [d for c in chunks for d in c.tool_call_deltas]
+            calls = joined_tool_calls(chunks)
             finish, forced = chunks[-1].finish_reason, chunks[-1].speculation.forced
-            args = [json.loads(d.function.arguments) for d in calls]
-            names = [d.function.name for d in calls]
+            args = [json.loads(c["arguments"]) for c in calls]
+            names = [c["name"] for c in calls]
         else:
             r = await p.chat(req, CallContext())
             finish, forced = r.finish_reason, r.speculation.forced

@@ -33,19 +33,17 @@ from openalice_runner.providers.base import (
 )
 from openalice_runner.providers.local_config import LocalConfig
 from openalice_runner.providers.streams import ChatStream, chat_stream
+from openalice_runner.providers.tool_stream import ToolCallStream
 from openalice_runner.speculation import SPEC_METHODS, SpeculationPlan
 from openalice_runner.types import (
     ChatChunk,
     ChatRequest,
     ChatResult,
     ChunkChoice,
-    Delta,
-    FunctionCallDelta,
     NamedToolChoice,
     SamplingSettings,
     SpeculationInfo,
     ToolCall,
-    ToolCallDelta,
     Usage,
     new_id,
 )
@@ -379,13 +377,13 @@ class LocalProvider(Provider):
             try:
                 prompt = await anext(events)  # the worker renders the prompt first, then streams
                 chunk_id, model = new_id("chatcmpl"), self.engine.model_name
-                holder = _ToolHoldBack(prompt)
+                # calls stream as they are written where the grammar guarantees their form
+                calls = ToolCallStream(prompt.prefill, prompt.tool_names, incremental=prompt.grammar is not None)
                 async for event in events:
                     if event.result is not None:
                         result = event.result
-                    text = holder.feed(event.text) if event.text else ""
-                    if text:
-                        yield ChatChunk.text(chunk_id, model, text, role=not started)
+                    for piece in calls.feed(event.text) if event.text else ():
+                        yield ChatChunk.piece(chunk_id, model, piece.content, piece.tool_calls, first=not started)
                         started = True
             except ProviderError:
                 raise
@@ -407,22 +405,12 @@ class LocalProvider(Provider):
         stats = result.stats
         _stamp(stats, ctx)
         outcome = stats.outcome()
-        tail, tool_calls = holder.finish()
-        if tail or tool_calls:
-            deltas = [
-                ToolCallDelta(
-                    index=i,
-                    id=tc.id,
-                    type="function",
-                    function=FunctionCallDelta(name=tc.function.name, arguments=tc.function.arguments),
-                )
-                for i, tc in enumerate(tool_calls)
-            ]
-            delta = Delta(
-                role=None if started else "assistant", content=tail or None, tool_calls=deltas or None
-            )
-            yield ChatChunk(id=chunk_id, model=model, choices=[ChunkChoice(delta=delta)])
-        finish = "tool_calls" if tool_calls else _finish_reason(result.finish_reason)
+        end = calls.finish()
+        for piece in end.pieces:
+            yield ChatChunk.piece(chunk_id, model, piece.content, piece.tool_calls, first=not started)
+            started = True
+        engine_finish = _finish_reason(result.finish_reason)
+        finish = "tool_calls" if end.calls and not end.cut else engine_finish
         final = ChatChunk(
             id=chunk_id,
             model=model,
@@ -443,39 +431,6 @@ def _bad_request(exc: ValueError, provider: str) -> ProviderBadRequest:
             str(exc), provider=provider, param="messages", code="context_length_exceeded"
         )
     return ProviderBadRequest(str(exc), provider=provider)
-
-
-class _ToolHoldBack:
-    """Streams plain text through, but holds back anything that may be a tool-call block."""
-
-    def __init__(self, prompt: _Prompt) -> None:
-        self.prompt = prompt
-        self.parse = prompt.tool_names is not None
-        self.held = prompt.prefill  # a prefilled call is held from the start
-        self.holding = bool(prompt.prefill)
-
-    def feed(self, text: str) -> str:
-        if not self.parse:
-            return text
-        if self.holding:
-            self.held += text
-            return ""
-        buf = self.held + text
-        at = buf.find(tool_format.TOOL_CALL_OPEN)
-        if at >= 0:
-            self.holding, self.held = True, buf[at:]
-            return buf[:at]
-        keep = tool_format.could_start_tool_call(buf)
-        self.held = buf[len(buf) - keep :] if keep else ""
-        return buf[: len(buf) - keep]
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        if not self.held:
-            return "", []
-        if not self.holding:
-            return self.held, []
-        parsed = tool_format.parse_tool_calls(self.held, self.prompt.tool_names)
-        return parsed.content or "", parsed.tool_calls
 
 
 def _split(prompt: _Prompt, text: str) -> tuple[str | None, list[ToolCall] | None]:
