@@ -165,3 +165,15 @@ def test_workload_and_targets_are_checked(tmp_path):
         parse_targets("localhost:8080=peer")
     specs = parse_targets("policy,http://127.0.0.1:9/=peer")
     assert specs[1].name == "peer" and specs[1].url == "http://127.0.0.1:9/v1"
+
+
+def test_a_call_cut_short_is_not_one_the_loop_runs():
+    """A tool call streamed until max_tokens cut it has arguments that stop short: the loop answers
+    the workload's expected call instead of sending the cut one back."""
+    from openalice_runner.bench.loops import _runnable
+
+    def call(arguments):
+        return {"id": "c", "type": "function", "function": {"name": "read_file", "arguments": arguments}}
+
+    assert _runnable(call('{"path": "a.py"}')) and _runnable(call(""))
+    assert not _runnable(call('{"path": "a.')) and not _runnable(call("[1]"))

@@ -237,6 +237,15 @@ def opening_messages(conversation: Conversation, run: int) -> list[dict[str, Any
     return messages
 
 
+def _runnable(call: dict[str, Any]) -> bool:
+    """A streamed call a loop can run: its arguments are a JSON object (a call cut by max_tokens
+    streams arguments that stop short; the loop answers the expected call instead)."""
+    try:
+        return isinstance(json.loads(call["function"]["arguments"] or "{}"), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 def run_conversation(client, target: Target, conversation: Conversation, run: int) -> dict[str, Any]:
     """Drive one conversation as a loop does; returns its record (wall time, calls, outputs)."""
     messages = opening_messages(conversation, run)
@@ -251,7 +260,8 @@ def run_conversation(client, target: Target, conversation: Conversation, run: in
             record = stream_call(client, target, messages, conversation.tools, call, headers)
             records.append(record)
             reply: dict[str, Any] = {"role": "assistant", "content": record.content or None}
-            tool_calls = [dict(c, id=c["id"] or f"call_{len(records)}_{k}") for k, c in enumerate(record.tool_calls)]
+            tool_calls = [dict(c, id=c["id"] or f"call_{len(records)}_{k}")
+                          for k, c in enumerate(record.tool_calls) if _runnable(c)]
             following = conversation.steps[i + 1].kind if i + 1 < len(conversation.steps) else None
             if not tool_calls and following == "tool_result" and call.expect_tool_call:
                 # the loop needs a call to answer: the one the workload expects
