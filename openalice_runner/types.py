@@ -535,6 +535,14 @@ class ChatChunk(_Extended):
         delta = Delta(role="assistant" if first else None, content=content, tool_calls=tool_calls or None)
         return cls(id=id, model=model, choices=[ChunkChoice(delta=delta)])
 
+    def to_openai(self) -> dict[str, Any]:
+        data = super().to_openai()
+        for choice in data["choices"]:
+            calls = choice["delta"].get("tool_calls")
+            if calls:  # as OpenAI: a call's later pieces leave out what they lack (the openai SDK would take a null `type`)
+                choice["delta"]["tool_calls"] = [_set_fields(call) for call in calls]
+        return data
+
     @property
     def delta(self) -> Delta:
         """The first choice's delta (an empty one for a usage-only chunk)."""
@@ -559,6 +567,10 @@ class ChatChunk(_Extended):
     def attach_outcome(self, outcome: SpeculationOutcome) -> ChatChunk:
         self._outcome = outcome
         return self
+
+
+def _set_fields(value: dict[str, Any]) -> dict[str, Any]:
+    return {k: _set_fields(v) if isinstance(v, dict) else v for k, v in value.items() if v is not None}
 
 
 def coerce_messages(messages: Any) -> list[ChatMessage]:

@@ -322,6 +322,25 @@ def test_tools_turn_streamed_over_openai_client(stack):
     assert names == ["chat stand-in", "chat stand-in", "execute_tool get_weather"]
 
 
+def test_embedded_models_tool_call_streams_in_pieces_to_the_openai_client(stack):
+    """The embedded engine's grammar-constrained call streams as OpenAI's do (first delta with id,
+    type and name, then argument pieces without them): the openai SDK's stream helper joins it into
+    the call the unstreamed reply has."""
+    zone_tool = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"],
+        "additionalProperties": False}}}  # fmt: skip
+    body = {"model": _model(stack), "messages": [{"role": "user", "content": "time?"}], "tools": [zone_tool],
+            "tool_choice": "required", "max_tokens": 40, "temperature": 0}  # fmt: skip
+    with stack.client.chat.completions.stream(**body) as stream:
+        pieces = [e.arguments_delta for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion()
+    whole = stack.client.chat.completions.create(**body)
+    [streamed], [call] = final.choices[0].message.tool_calls, whole.choices[0].message.tool_calls
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert len(pieces) >= 2 and "".join(pieces) == call.function.arguments
+    assert final.choices[0].finish_reason == whole.choices[0].finish_reason == "tool_calls"
+
+
 def test_request_without_conversation_is_its_own_turn(stack):
     stack.spans.clear()
     stack.client.chat.completions.create(
