@@ -11,6 +11,7 @@ from stand_ins.engines import tiny_engine
 from stand_ins.streams import joined_tool_calls, read_all
 
 from openalice_runner.engine.types import GenerationResult, GenerationStats, StreamEvent
+from openalice_runner.providers import tool_format
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderRateLimited
 from openalice_runner.providers.local import LocalConfig, LocalProvider, sampling_params
 from openalice_runner.speculation import SpeculationPlan
@@ -213,11 +214,43 @@ async def test_named_tool_choice_prefills_and_stops_at_the_close_tag():
     assert "</tool_call>" in engine.calls[0][0].stop
 
 
-async def test_tool_choice_none_renders_no_tools_and_parses_nothing():
+async def test_tool_choice_none_lists_the_tools_states_the_rule_and_parses_nothing():
+    """The tools stay in the prompt (its prefix does not depend on tool_choice, as for OpenAI);
+    the rule is the final turn's last line, and the grammar allows no call."""
     engine = ScriptedEngine('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
     req = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="none")
     r = await local(engine).chat(req, CallContext())
-    assert r.tool_calls == [] and "<tools>" not in engine.tokenizer.decode(engine.prompts[0])
+    assert r.tool_calls == []  # what the scripted engine says is content: nothing is parsed
+    prompt = engine.tokenizer.decode(engine.prompts[0])
+    assert "<tools>" in prompt and '"name": "get_weather"' in prompt
+    assert prompt.endswith(f"x\n\n{tool_format.RULE_NONE}<|im_end|>\n<|im_start|>assistant\n")
+    (grammar,) = engine.grammars_used
+    assert grammar.constraint().walk(engine.encode("Sunny, 17 degrees."))[0] == len(engine.encode("Sunny, 17 degrees."))
+    n, _ = grammar.constraint().walk(engine.encode("Let me check. <tool_call>"))
+    assert n < len(engine.encode("Let me check. <tool_call>"))
+
+
+async def test_tools_and_rules_reach_a_template_that_renders_tools_alike():
+    """A template that renders tools gets them for every tool_choice, like the fallback form; the
+    rule of "none" is its final turn's last line, "required" and a named function pre-fill."""
+    rendered = []
+
+    class ToolTemplateEngine(ScriptedEngine):
+        def render_chat(self, messages, tools=None):
+            rendered.append((messages, tools))
+            return super().render_chat(messages)
+
+    engine = ToolTemplateEngine("Sunny.")
+    p = local(engine)
+    p._template_tools = True  # as for a template whose Jinja source uses `tools`
+    user = {"role": "user", "content": "x"}
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_time"}}, "none"):
+        await p.chat(ChatRequest(messages=[user], tools=TOOLS, tool_choice=choice), CallContext())
+    assert [tools for _, tools in rendered] == [TOOLS] * 4
+    assert [messages for messages, _ in rendered[:3]] == [[user]] * 3
+    assert rendered[3][0] == [{"role": "user", "content": f"x\n\n{tool_format.RULE_NONE}"}]
+    prompts = [engine.tokenizer.decode(ids) for ids in engine.prompts]
+    assert prompts[1].endswith('<tool_call>\n{"name": "') and prompts[2].endswith('{"name": "get_time", "arguments": ')
 
 
 async def test_stream_holds_back_tool_calls_and_streams_text():

@@ -125,11 +125,73 @@ def test_fallback_rendering_of_a_tool_conversation():
     assert out[3]["content"] == "The get_weather tool returned: sunny\nThe get_weather tool returned: rain"
 
 
-def test_fallback_without_system_message_adds_one_and_none_choice_hides_tools():
+NAMED = NamedToolChoice(function={"name": "get_weather"})
+CHOICES = ["auto", "required", NAMED, "none"]
+
+
+def test_fallback_without_system_message_adds_one():
     out = tf.render_fallback_messages([{"role": "user", "content": "hi"}], TOOLS, "required")
-    assert out[0]["role"] == "system" and "must call at least one" in out[0]["content"]
-    plain = tf.render_fallback_messages([{"role": "user", "content": "hi"}], TOOLS, "none")
-    assert plain == [{"role": "user", "content": "hi"}]
+    assert out[0]["role"] == "system" and "<tools>" in out[0]["content"]
+    assert out[1] == {"role": "user", "content": "hi"}
+
+
+def test_the_system_block_is_the_same_for_every_tool_choice():
+    """A loop that forces one call and not the next must keep its prompt's prefix (prefix reuse):
+    the tools stay listed, "none" included, and the block states only the default rule."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    systems = [tf.render_fallback_messages(messages, TOOLS, c)[0] for c in CHOICES]
+    assert all(s == systems[0] for s in systems)
+    block = systems[0]["content"]
+    assert block.startswith("Be brief.") and '"name": "get_weather"' in block and '"name": "get_time"' in block
+    assert "Call a function only when it helps; otherwise answer directly." in block  # "auto"'s rule
+    assert tf.RULE_NONE not in block and "must" not in block
+
+
+def test_each_tool_choice_rule_is_stated_after_the_history():
+    messages = [{"role": "user", "content": "hi"}]
+    # "auto": the tools block's default rule, nothing after the history
+    assert tf.render_fallback_messages(messages, TOOLS, "auto")[1:] == messages
+    # "required" and a named function: the prefill opens the call the rule asks for, and nothing
+    # is added to the history (what the model writes after it is rendered back as its message)
+    assert tf.render_fallback_messages(messages, TOOLS, "required")[1:] == messages
+    assert tf.render_fallback_messages(messages, TOOLS, NAMED)[1:] == messages
+    assert tf.assistant_prefill("required") == '<tool_call>\n{"name": "'
+    assert tf.assistant_prefill(NAMED).startswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    # "none": one line in the final turn: the last user message, here the tool results
+    out = tf.render_fallback_messages(messages, TOOLS, "none")
+    assert out[1] == {"role": "user", "content": f"hi\n\n{tf.RULE_NONE}"} and len(out) == 2
+    assert "without calling a function" in tf.RULE_NONE and tf.assistant_prefill("none") == ""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    loop = [*messages, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    out = tf.render_fallback_messages(loop, TOOLS, "none")
+    assert out[-1] == {"role": "user", "content": f"The get_time tool returned: noon\n\n{tf.RULE_NONE}"}
+    # after an assistant message, or for a template's `tool` message: a user message of its own
+    assert tf.with_turn_rule(loop, "none")[-1] == {"role": "user", "content": tf.RULE_NONE}
+    assert tf.with_turn_rule(loop, "auto") == loop and tf.with_turn_rule(loop, NAMED) == loop
+    # without tools there is no rule to state, whatever the choice
+    assert tf.render_fallback_messages(messages, None, "none") == messages
+
+
+def test_a_forced_call_rendered_back_continues_its_prompt():
+    """Call 1 forces a call (its prompt ends with the prefill and the model writes the rest); call 2
+    sends it back as the assistant's tool call, with the result, under another tool_choice. Call
+    2's rendering starts with call 1's prompt text and reply text (what prefix reuse needs)."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Lima?"}]
+
+    def text(rendered):  # a ChatML-like template: turn by turn
+        return "".join(f"<|{m['role']}|>\n{m['content']}<|end|>\n" for m in rendered)
+
+    for first in ("required", NAMED):
+        prefill = tf.assistant_prefill(first, TOOLS)
+        reply = tf.format_tool_call("get_weather", '{"city": "Lima"}')[len(prefill):]
+        assert reply and prefill + reply == tf.format_tool_call("get_weather", {"city": "Lima"})
+        prompt_1 = text(tf.render_fallback_messages(messages, TOOLS, first)) + "<|assistant|>\n" + prefill
+        call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lima"}'}}
+        loop = [*messages, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        for second in CHOICES:
+            assert text(tf.render_fallback_messages(loop, TOOLS, second)).startswith(prompt_1 + reply), (first, second)
 
 
 def test_prefill_pins_the_format():

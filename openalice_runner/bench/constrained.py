@@ -65,7 +65,8 @@ def constrained_cases(cases: list[Case]) -> list[tuple[Case, str]]:
 
 
 def render(engine: Engine, case: Case) -> list[int]:
-    if case.tools:  # the prompt asks for a call, as tool_choice "required" renders it
+    if case.tools:  # the tools block, as every tool_choice renders it (the provider's prefill is
+        # left out: every mode's reply starts at the grammar's start)
         from openalice_runner.providers import tool_format
 
         return engine.render_chat(tool_format.render_fallback_messages(case.messages, case.tools, "required"))

@@ -87,22 +87,24 @@ def tool_call_grammar(
 
     mode "required": one call (or several, with `parallel`) and nothing else; "auto": a reply
     without calls (free text, or JSON of `content_schema` where `content_json`), or free text
-    followed by calls. `tools`: the calls allowed (a named tool_choice passes just that one).
+    followed by calls; "none": free text without calls (the tools are offered, but not now).
+    `tools`: the calls allowed (a named tool_choice passes just that one).
     """
-    if mode not in ("auto", "required"):
-        raise ValueError(f"mode must be 'auto' or 'required', got {mode!r}")
+    if mode not in ("auto", "required", "none"):
+        raise ValueError(f"mode must be 'auto', 'required' or 'none', got {mode!r}")
     if not tools:
         raise GrammarError("tools: a tool grammar needs at least one tool")
+    # free text that never holds the open tag (in "auto", the calls' alternative takes it)
+    no_call_text = f"TEXT: /(?s:.*)/ & ~/(?s:.*{TOOL_CALL_OPEN}.*)/\n"
+    if mode == "none":
+        return f"start: TEXT\n{no_call_text}"
     body = json_rule("body", call_schema(tools))
     close = json.dumps("\n" + TOOL_CALL_CLOSE)
     more = f'more: {json.dumps(chr(10) + TOOL_CALL_OPEN + chr(10))} body {close}\n'
     repeat = " more*" if parallel else ""
     if mode == "required":
         return f"start: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {close}{repeat}\n{body}{more}"
-    if content_json:
-        content = json_rule("content", content_schema)
-    else:  # free text that never holds the open tag (the calls' alternative takes it)
-        content = f"content: TEXT\nTEXT: /(?s:.*)/ & ~/(?s:.*{TOOL_CALL_OPEN}.*)/\n"
+    content = json_rule("content", content_schema) if content_json else f"content: TEXT\n{no_call_text}"
     # `pre` is lazy: it ends at the first open tag, so the text before a call cannot hold one
     pre = f"pre[lazy]: /(?s:.*){TOOL_CALL_OPEN}\\n/\n"
     return f"start: content | pre body {close}{repeat}\n{content}{pre}{body}{more}"

@@ -179,10 +179,14 @@ class LocalProvider(Provider):
         engine = self.engine
         messages = request.message_dicts()
         choice = request.effective_tool_choice
-        tools = request.tool_dicts() if choice != "none" else None
+        # The tools are rendered whatever tool_choice says, "none" included, and the call's own
+        # rule after the history (tool_format): the prompt's prefix, and with it the cache a
+        # loop's next call reuses, does not depend on tool_choice. The grammar enforces the rule.
+        tools = request.tool_dicts()
         history_has_tools = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
         if self._renders_tools():
-            ids = engine.render_chat(tool_format.template_messages(messages), tools)
+            shown = tool_format.with_turn_rule(messages, choice) if tools else messages
+            ids = engine.render_chat(tool_format.template_messages(shown), tools)
         elif tools or history_has_tools:
             ids = engine.render_chat(tool_format.render_fallback_messages(messages, tools, choice))
         else:
@@ -195,7 +199,7 @@ class LocalProvider(Provider):
             prefill, grammar = self._prefill_within(grammar, prefill, choice)
         if prefill:
             ids = list(ids) + engine.encode(prefill)
-        names = {t["function"]["name"] for t in tools} if tools else None
+        names = {t["function"]["name"] for t in tools} if tools and choice != "none" else None
         return _Prompt(ids=list(ids), prefill=prefill, tool_names=names, grammar=grammar)
 
     def _prefill_within(self, grammar: Any, prefill: str, choice: Any) -> tuple[str, Any]:
@@ -216,14 +220,17 @@ class LocalProvider(Provider):
         Tool calls take the fallback format (<tool_call> blocks, also what tool-rendering Hermes
         templates use): "required" one or more calls (one without parallel_tool_calls), a named
         function that call, "auto" a reply without calls or text followed by calls; the reply
-        without calls is JSON where response_format asks for it."""
+        without calls is JSON where response_format asks for it; "none" a reply without calls."""
         from openalice_runner.engine.grammar import GrammarError, json_grammar, tool_call_grammar
 
         fmt = request.response_format
         content_json = fmt is not None and fmt.type != "text"
         schema = fmt.json_schema.schema_ if fmt is not None and fmt.json_schema is not None else None
         parallel = request.parallel_tool_calls is not False
-        if tools:
+        if tools and choice == "none":
+            text = json_grammar(schema) if content_json else tool_call_grammar(tools, "none")
+            param = "response_format" if content_json else "tools"
+        elif tools:
             if isinstance(choice, NamedToolChoice):
                 chosen = [t for t in tools if t["function"]["name"] == choice.function.name]
                 text = tool_call_grammar(chosen, "required", parallel=False)

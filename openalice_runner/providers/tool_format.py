@@ -16,9 +16,19 @@ Output is parsed the same way in both cases: every <tool_call> block whose JSON 
 a string `name` (one of the offered tools) and object `arguments` becomes a ToolCall with
 canonical JSON arguments; anything else stays content. Parsing never raises.
 
-`tool_choice` "required" or a named function also yields an assistant *prefill*, the opening of
-a tool call block that the prompt ends with, so that even a weak model writes the call in the
-expected form (the prefill is part of the text that is parsed).
+The system block is the same whatever `tool_choice` says, "none" included: an agent loop sends its
+history again with every call, and the engine reuses the cache of the previous call's prompt and
+reply only as far as the new prompt starts with them; a loop that forces its first call and not
+the next must not change its system prompt. So the block states only the default ("auto") rule,
+and each call's own rule goes where it applies, after the history the next call resends:
+- "required" or a named function: an assistant *prefill*, the opening of a tool call block that
+  the prompt ends with, so that even a weak model writes the call in the expected form (the
+  prefill is part of the text that is parsed, and the call it opens is what the history renders
+  back as the assistant's message: the next call's prompt still starts with this one's);
+- "none": a short line in the final turn (`with_turn_rule`), the only per-call text; the call
+  after it prefills this call's reply again, which a loop's closing answer rarely needs.
+On the embedded engine the grammar enforces the rule in any case; the words help a small model
+write what the grammar allows.
 """
 
 from __future__ import annotations
@@ -41,11 +51,9 @@ _SYSTEM_TEMPLATE = (
     "To call a function, reply with a JSON object holding the function name and its arguments "
     "inside <tool_call></tool_call> tags, one block per call:\n"
     '<tool_call>\n{{"name": "<function-name>", "arguments": {{<arguments as JSON>}}}}\n</tool_call>\n'
-    "{rule}"
+    "Call a function only when it helps; otherwise answer directly."
 )
-_RULE_AUTO = "Call a function only when it helps; otherwise answer directly."
-_RULE_REQUIRED = "You must call at least one function now."
-_RULE_NAMED = "You must call the function {name} now."
+RULE_NONE = "Answer directly now, without calling a function."
 
 
 def template_renders_tools(chat_template: str | None) -> bool:
@@ -56,15 +64,29 @@ def template_renders_tools(chat_template: str | None) -> bool:
 # ---------------------------------------------------------------- rendering (fallback form)
 
 
-def tools_system_block(tools: list[dict[str, Any]], tool_choice: Any = "auto") -> str:
+def tools_system_block(tools: list[dict[str, Any]]) -> str:
+    """The tools and the call format, with the default rule; the same for every tool_choice."""
     lines = "\n".join(json.dumps(_signature(t), ensure_ascii=False) for t in tools)
-    if isinstance(tool_choice, NamedToolChoice):
-        rule = _RULE_NAMED.format(name=tool_choice.function.name)
-    elif tool_choice == "required":
-        rule = _RULE_REQUIRED
+    return _SYSTEM_TEMPLATE.format(tools=lines)
+
+
+def with_turn_rule(messages: list[dict[str, Any]], tool_choice: Any) -> list[dict[str, Any]]:
+    """`messages` with the call's own tool_choice rule in the final turn, where one is stated in
+    words ("none"; "required" and a named function are stated by the prefill, "auto" by the
+    tools block). Callers apply it only to a request that offers tools: without tools, the
+    effective "none" has nothing to state.
+
+    Appended to the last user message (tool results rendered as one, in the fallback form), else
+    as a user message of its own: templates that want roles to alternate keep them alternating."""
+    if tool_choice != "none":
+        return messages
+    out = list(messages)
+    last = out[-1] if out else None
+    if last is not None and last["role"] == "user" and isinstance(last.get("content"), str):
+        out[-1] = {**last, "content": f"{last['content']}\n\n{RULE_NONE}" if last["content"] else RULE_NONE}
     else:
-        rule = _RULE_AUTO
-    return _SYSTEM_TEMPLATE.format(tools=lines, rule=rule)
+        out.append({"role": "user", "content": RULE_NONE})
+    return out
 
 
 def _signature(tool: dict[str, Any]) -> dict[str, Any]:
@@ -91,9 +113,13 @@ def render_fallback_messages(
     tools: list[dict[str, Any]] | None,
     tool_choice: Any = "auto",
 ) -> list[dict[str, Any]]:
-    """Rewrite OpenAI messages (+ tools) into plain system/user/assistant messages."""
+    """Rewrite OpenAI messages (+ tools) into plain system/user/assistant messages.
+
+    The tools are listed for every tool_choice, "none" included (OpenAI too keeps them in the
+    model's prompt then): hiding them would change the system block, and with it the prefix of
+    the whole history, for one call. The call's own rule goes into the final turn (with_turn_rule)."""
     out: list[dict[str, Any]] = []
-    block = tools_system_block(tools, tool_choice) if tools and tool_choice != "none" else None
+    block = tools_system_block(tools) if tools else None
     pending_results: list[str] = []
     call_names: dict[str, str] = {}  # tool_call_id -> function name, from the assistant turns
 
@@ -127,7 +153,7 @@ def render_fallback_messages(
     flush_results()
     if block is not None:  # no leading system message: the tools block becomes one
         out.insert(0, {"role": "system", "content": block})
-    return out
+    return with_turn_rule(out, tool_choice) if tools else out
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -149,6 +175,8 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def assistant_prefill(tool_choice: Any, tools: list[dict[str, Any]] | None = None) -> str:
     """Text the assistant turn starts with, to pin the output format when a call is required.
+    It is how the prompt states "required" and a named function (the system block is the same for
+    every tool_choice), and it is the opening of the call the next call's history renders back.
 
     For a named function whose schema requires arguments, the prefill also opens the arguments
     object with the first required key (and the quote of a string value): small models otherwise
