@@ -239,3 +239,50 @@ def test_align_prompt_keeps_the_text_and_gains_or_leaves_the_prompt():
     assert histories.get("a") is None and histories.get("c") == [1, 2] and len(histories) == 2
     histories.put(None, [1])
     assert histories.get(None) is None
+
+
+WEATHER_TOOLS = [  # closed values: a random model's forced call closes within a few tokens
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
+     "parameters": {"type": "object", "properties": {"city": {"enum": ["Lisbon", "Porto"]}},
+                    "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("max_batch", [4, 1])
+def test_reuse_across_calls_with_different_tool_choices(max_batch):
+    """A loop forces its first call (tool_choice "required") and not the next ones: the prompt's
+    prefix must not depend on tool_choice, so each call's prompt starts with the previous call's
+    prompt and reply, and only the new messages are prefilled."""
+    import asyncio
+
+    from openalice_runner.providers.base import CallContext
+    from openalice_runner.providers.local import LocalConfig, LocalProvider
+    from openalice_runner.types import ChatRequest
+
+    engine = Engine.tiny_random(seed=3, max_batch=max_batch, prefix_reuse=True)
+    provider = LocalProvider("local", LocalConfig.model_validate({"type": "local", "max_batch": max_batch}),
+                             engine=engine)
+    ctx = CallContext(conversation_id="loop-tools")
+    messages = [{"role": "system", "content": "You are Alice, a concise assistant."},
+                {"role": "user", "content": "What's the weather in Lisbon?"}]
+    held = 0  # the previous call's prompt + reply, in tokens
+    for i, choice in enumerate(["required", "auto", {"type": "function", "function": {"name": "get_time"}},
+                                "none"]):
+        body = {"model": "m", "messages": messages, "tools": WEATHER_TOOLS, "tool_choice": choice,
+                "max_tokens": 16, "temperature": 0, "parallel_tool_calls": False}
+        r = asyncio.run(provider.chat(ChatRequest.model_validate(body), ctx))
+        if i == 0:
+            assert r.usage.prompt_tokens_details.cached_tokens == 0
+            assert r.finish_reason == "tool_calls"  # the premise: call 1 is a forced call
+        else:
+            assert r.usage.prompt_tokens_details.cached_tokens >= held - 1, (i, choice)
+        held = r.usage.prompt_tokens + r.usage.completion_tokens
+        message = r.choices[0].message
+        messages = [*messages, message.model_dump(exclude_none=True)]
+        for call in message.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 17}'})
+        if not message.tool_calls:
+            messages.append({"role": "user", "content": "And tomorrow?"})
