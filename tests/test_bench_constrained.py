@@ -68,6 +68,7 @@ def test_bench_constrained_runs_every_mode_on_one_prompt(tiny_engine, workload_p
         for figures in row["modes"].values():
             for key in ("tokens_per_s", "tokens_per_pass", "mask_ms_per_token", "parses", "finish_reason"):
                 assert key in figures
+            assert figures["reply"].startswith(row["prefill"])
     s = report["summary"]
     assert s["mask_ms_per_token"] > 0 and s["plain_step_ms"] > 0 and s["mask_share_of_plain_step"] > 0
     assert s["forced_ngram_vs_constrained_off_tool_call"] > 0

@@ -12,8 +12,9 @@ prompt and grammar it serves (`LocalProvider.build_prompt`): a tool-call turn as
 (`tool_choice: "required"`, `parallel_tool_calls: false`, as the workload's turns want one), so
 a constrained reply is one valid call and then ends; a structured turn sends
 `response_format: json_schema`. All four modes decode the same prompt (the provider's prefill
-included); only the grammar and the speculation differ. Greedy: the three constrained modes must
-emit the same tokens.
+included); only the grammar and the speculation differ (and the provider's `</tool_call>` stop,
+which unconstrained off keeps: there it is what ends a pre-filled call). Greedy: the three
+constrained modes must emit the same tokens.
 
 Reported per case and mode: tokens/s, tokens per target pass, grammar mask time per token,
 whether the reply parses; in the summary, the ratios the issue sets targets for (constrained +
@@ -95,7 +96,7 @@ class Served:
     ids: list[int]
     prefill: str
     grammar: Any
-    stop: tuple[str, ...]
+    stop: tuple[str, ...]  # what the provider adds: a pre-filled call stops at its close tag
 
 
 def serve_prompt(engine: Engine, request: ChatRequest) -> Served:
@@ -141,25 +142,33 @@ def bench_constrained(engine: Engine, cases: list[Case], gamma: int = 5, repeat:
     rows = []
     for case, request in constrained_cases(cases):
         served = serve_prompt(engine, request)
-        sampling = SamplingParams(max_tokens=case.max_tokens, stop=served.stop)
+        # The provider's stop string only where no grammar ends the reply: with it, a pass that
+        # accepts several tokens keeps fewer of them than one-token passes do for the same text
+        # (stopping.py keeps the fewest tokens that reach the stop string), which would count the
+        # same call as fewer tokens in the forced modes. The one-call grammar ends it anyway.
+        free = SamplingParams(max_tokens=case.max_tokens, stop=served.stop)
+        constrained = SamplingParams(max_tokens=case.max_tokens)
         runs: dict[str, list] = {m: [] for m in MODES}
         for _ in range(repeat):
             for mode in MODES:  # in turns: a noisy minute hits every mode alike
-                use = None if mode == "unconstrained-off" else served.grammar
-                runs[mode].append(engine.generate(served.ids, sampling, spec_for(mode, gamma), grammar=use))
+                if mode == "unconstrained-off":
+                    runs[mode].append(engine.generate(served.ids, free, spec_for(mode, gamma)))
+                else:
+                    runs[mode].append(engine.generate(served.ids, constrained, spec_for(mode, gamma),
+                                                      grammar=served.grammar))
         best = {m: min(rs, key=lambda r: r.stats.total_s) for m, rs in runs.items()}
         row = {"case": case.id, "turn_type": case.turn_type, "prefill": served.prefill, "modes": {}}
         for mode, result in best.items():
-            row["modes"][mode] = mode_figures(result, parses(case, served.prefill + result.text))
-        constrained = [best[m].token_ids for m in MODES[1:]]
-        row["constrained_identical"] = all(ids == constrained[0] for ids in constrained)
+            row["modes"][mode] = mode_figures(result, served.prefill + result.text, case)
+        same = [best[m].token_ids for m in MODES[1:]]
+        row["constrained_identical"] = all(ids == same[0] for ids in same)
         rows.append(row)
         if progress:
             progress(_row_line(row))
     return {"gamma": gamma, "repeat": repeat, "runs": rows, "summary": summarize(rows)}
 
 
-def mode_figures(result: Any, parsed: bool) -> dict:
+def mode_figures(result: Any, reply: str, case: Case) -> dict:
     """One mode's figures for one case. `decode_s` and `target_passes` are kept raw so the
     summary can pool them; a constrained reply computes one mask per emitted position (the
     prefill's token and one per pass) plus one per draft token it walks."""
@@ -175,8 +184,9 @@ def mode_figures(result: Any, parsed: bool) -> dict:
         "mask_s": round(s.mask_s, 6),
         "mask_ms_per_token": round(1000 * s.mask_s / max(s.completion_tokens, 1), 4),
         "forced": s.forced_tokens,
-        "parses": parsed,
+        "parses": parses(case, reply),
         "finish_reason": s.finish_reason,
+        "reply": reply,  # the prefill included
     }
 
 
