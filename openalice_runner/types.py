@@ -18,9 +18,11 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     PrivateAttr,
     StringConstraints,
+    Tag,
     field_validator,
     model_validator,
 )
@@ -163,7 +165,41 @@ class NamedToolChoice(StrictModel):
     function: NamedFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+class AllowedTools(StrictModel):
+    """Which offered tools the model may call, and whether it must call one ("required") or may
+    answer instead ("auto")."""
+
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.function.name for t in self.tools]
+
+
+class AllowedToolChoice(StrictModel):
+    """OpenAI's `{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}`: every tool is
+    still offered (the prompt stays the same, so it caches), but only these may be called."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+def _tool_choice_form(value: Any) -> str:
+    """Which form a tool_choice is, so it is validated as that form alone and its errors name that
+    form's fields (the tags are member names the sidecar leaves out of an error's field path)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if kind == "allowed_tools":
+        return "AllowedToolChoice"
+    return "NamedToolChoice" if isinstance(value, (dict, BaseModel)) else "str"
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("str")]
+    | Annotated[NamedToolChoice, Tag("NamedToolChoice")]
+    | Annotated[AllowedToolChoice, Tag("AllowedToolChoice")],
+    Discriminator(_tool_choice_form),
+]
 
 
 # ---------------------------------------------------------------- response_format
@@ -301,6 +337,14 @@ class ChatRequest(SamplingSettings):
                 raise FieldError(
                     "tool_choice", f"tool_choice names {choice.function.name!r}, which is not in tools"
                 )
+        if isinstance(choice, AllowedToolChoice):
+            names = {t.function.name for t in self.tools or ()}
+            for i, name in enumerate(choice.allowed_tools.names):
+                if name not in names:
+                    raise FieldError(
+                        f"tool_choice.allowed_tools.tools[{i}].function.name",
+                        f"allowed_tools names {name!r}, which is not in tools",
+                    )
         if self.tools:
             seen: set[str] = set()
             for i, tool in enumerate(self.tools):
@@ -316,7 +360,7 @@ class ChatRequest(SamplingSettings):
         return SamplingSettings(**{f: getattr(self, f) for f in _SAMPLING_FIELDS})
 
     @property
-    def effective_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice:
+    def effective_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolChoice:
         """What the provider should do: no tools means "none"; tools without a choice mean "auto"."""
         if not self.tools:
             return "none"
@@ -581,6 +625,8 @@ def coerce_messages(messages: Any) -> list[ChatMessage]:
 
 
 __all__ = [
+    "AllowedToolChoice",
+    "AllowedTools",
     "AssistantMessage",
     "ChatChunk",
     "ChatMessage",

@@ -36,6 +36,14 @@ def test_request_body_passes_tool_controls_through():
     )
 
 
+def test_request_body_passes_allowed_tools_through_unchanged():
+    choice = {"type": "allowed_tools",
+              "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}
+    req = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice=choice)
+    body = wire.request_body(req, "m")
+    assert body["tool_choice"] == choice and body["tools"] == TOOLS  # hosted APIs enforce it themselves
+
+
 def test_finish_reason_and_retry_after():
     assert wire.finish_reason("stop", saw_tool_calls=True) == "tool_calls"
     assert wire.finish_reason("function_call", saw_tool_calls=True) == "tool_calls"

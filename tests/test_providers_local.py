@@ -510,6 +510,42 @@ async def test_forced_tool_calls_always_parse_on_the_tiny_model(choice):
             assert names[0] in ("get_weather", "get_time")
 
 
+def _allowed(mode: str, *names: str) -> dict:
+    tools = [{"type": "function", "function": {"name": n}} for n in names]
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}
+
+
+@pytest.mark.parametrize("mode", ["required", "auto"])
+async def test_allowed_tools_renders_every_tool_and_lets_only_the_allowed_be_called(mode):
+    engine = tiny_engine()
+    p = local(engine)
+    ask = [{"role": "user", "content": "what time is it"}]
+    plain = p.build_prompt(ChatRequest(messages=ask, tools=CLOSED_TOOLS, tool_choice=mode))
+    allowed = p.build_prompt(ChatRequest(messages=ask, tools=CLOSED_TOOLS, tool_choice=_allowed(mode, "get_time")))
+    assert allowed.ids == plain.ids and "get_weather" in engine.tokenizer.decode(allowed.ids)  # the same prompt
+    assert allowed.tool_names == {"get_time"} and plain.tool_names == {"get_weather", "get_time"}
+    assert '"const": "get_time"' in allowed.grammar.text and "get_weather" not in allowed.grammar.text
+    constraint = allowed.grammar.constraint()  # it starts after the prefill
+    for call, ok in (('get_time", "arguments": {"zone": "utc"}}\n</tool_call>', True),
+                     ('get_weather", "arguments": {"unit": "c", "rain": true}}\n</tool_call>', False)):
+        tokens = engine.encode(('<tool_call>\n{"name": "' + call).removeprefix(allowed.prefill))
+        assert (constraint.walk(tokens)[0] == len(tokens)) is ok, call  # only the allowed tool can be named
+    for i, stream in enumerate((False, True, False)):  # sampled or greedy: only the allowed tool is called
+        req = ChatRequest(messages=[{"role": "user", "content": f"question {i}"}], tools=CLOSED_TOOLS,
+                          tool_choice=_allowed(mode, "get_time"), parallel_tool_calls=False, max_tokens=60,
+                          temperature=0.0 if i == 2 else 1.0, seed=i)
+        if stream:
+            chunks = await read_all(p.stream(req, CallContext()))
+            names = [d.function.name for c in chunks for d in c.tool_call_deltas]
+            finish = chunks[-1].finish_reason
+        else:
+            r = await p.chat(req, CallContext())
+            names, finish = [c.function.name for c in r.tool_calls], r.finish_reason
+        assert set(names) <= {"get_time"}
+        if mode == "required":
+            assert names == ["get_time"] and finish == "tool_calls"
+
+
 async def test_response_format_json_schema_and_json_object_parse():
     p = local(tiny_engine())
     for i, fmt in enumerate([{"type": "json_schema", "json_schema": {"name": "shape", "schema": SHAPE, "strict": True}},

@@ -322,6 +322,22 @@ async def test_tool_calls_and_sampling_fields_pass_through(servers):
     await p.aclose()
 
 
+async def test_allowed_tools_go_to_sglang_as_the_allowed_tools_under_the_plain_mode(servers):
+    # SGLang 0.5.23's ChatCompletionRequest refuses tool_choice {"type": "allowed_tools"}
+    s = servers(tool_call_parser="llama3")
+    p = provider({"off": {"replicas": [s.url]}})
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("get_time", "get_weather")]
+    choice = {"type": "allowed_tools",
+              "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}
+    r = await p.chat(ChatRequest(messages=[{"role": "user", "content": "Paris"}], tools=tools, tool_choice=choice),
+                     CallContext())  # fmt: skip
+    assert r.tool_calls[0].function.name == "get_weather"
+    sent = s.requests[0]
+    assert sent["tool_choice"] == "required" and [t["function"]["name"] for t in sent["tools"]] == ["get_weather"]
+    await p.aclose()
+
+
 async def test_without_a_tool_call_parser_sglang_answers_text(servers):
     s = servers()  # launched without --tool-call-parser
     p = provider({"off": {"replicas": [s.url]}})

@@ -7,6 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from openalice_runner.types import (
+    AllowedToolChoice,
     ChatChunk,
     ChatMessage,
     ChatRequest,
@@ -79,6 +80,43 @@ def test_tool_choice_must_name_an_offered_tool():
     req = ChatRequest(messages=[USER], tools=[TOOL])
     assert req.effective_tool_choice == "auto"
     assert ChatRequest(messages=[USER]).effective_tool_choice == "none"
+
+
+def _allowed(mode, *names):
+    tools = [{"type": "function", "function": {"name": n}} for n in names]
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}
+
+
+def test_allowed_tools_choice_validates_as_openai_sends_it():
+    g = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+    choice: oai.ChatCompletionAllowedToolChoiceParam = _allowed("required", "g")  # the openai client's shape
+    req = ChatRequest(messages=[USER], tools=[TOOL, g], tool_choice=choice)
+    assert isinstance(req.tool_choice, AllowedToolChoice) and req.effective_tool_choice is req.tool_choice
+    assert req.tool_choice.allowed_tools.mode == "required" and req.tool_choice.allowed_tools.names == ["g"]
+    assert req.model_dump(exclude_none=True)["tool_choice"] == choice  # dumps back unchanged
+    assert ChatRequest(messages=[USER], tools=[TOOL], tool_choice=_allowed("auto", "f")).tool_choice.allowed_tools.mode == "auto"
+
+
+@pytest.mark.parametrize(
+    ("choice", "where", "words"),
+    [
+        (_allowed("auto", "f", "h"), "tool_choice.allowed_tools.tools[1].function.name", "'h', which is not in tools"),
+        (_allowed("sometimes", "f"), "tool_choice.AllowedToolChoice.allowed_tools.mode", "'auto' or 'required'"),
+        (_allowed("auto"), "tool_choice.AllowedToolChoice.allowed_tools.tools", "at least 1 item"),
+        ({"type": "allowed_tools"}, "tool_choice.AllowedToolChoice.allowed_tools", "Field required"),
+        ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function"}]}},
+         "tool_choice.AllowedToolChoice.allowed_tools.tools.0.function", "Field required"),
+        ("sometimes", "tool_choice.str", "'none', 'auto' or 'required'"),  # one form's error, not every form's
+    ],
+)  # fmt: skip
+def test_bad_allowed_tools_name_the_field(choice, where, words):
+    """`where`: the FieldError's param, or pydantic's location (its form tags the sidecar leaves out)."""
+    with pytest.raises(ValidationError) as info:
+        ChatRequest(messages=[USER], tools=[TOOL], tool_choice=choice)
+    (error,) = info.value.errors()
+    field_error = (error.get("ctx") or {}).get("error")
+    assert (field_error.param if field_error is not None else ".".join(map(str, error["loc"]))) == where, error
+    assert words in error["msg"]
 
 
 def test_openai_client_body_validates():

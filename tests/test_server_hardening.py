@@ -222,6 +222,13 @@ def test_metrics_need_the_api_key_unless_public(stack):
         ({"messages": HI, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
          "tool_choice", "'g', which is not in tools"),
         ({"messages": HI, "tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+        ({"messages": HI, "tools": [TOOL], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+            "mode": "auto", "tools": [{"type": "function", "function": {"name": "f"}},
+                                      {"type": "function", "function": {"name": "g"}}]}}},
+         "tool_choice.allowed_tools.tools[1].function.name", "'g', which is not in tools"),
+        ({"messages": HI, "tools": [TOOL], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+            "mode": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]}}},
+         "tool_choice.allowed_tools.mode", "Input should be 'auto' or 'required'"),
         ({"messages": HI, "tools": [TOOL, {**TOOL, "function": {**TOOL["function"], "name": "h"}}, TOOL]},
          "tools[2].function.name", "duplicate function name 'f'"),
         ({"messages": HI, "max_tokens": 3, "max_completion_tokens": 4}, "max_tokens", "disagree"),

@@ -73,7 +73,13 @@ async def _exercise(stand_in: SGLangStandIn, pool: dict) -> None:
     auto = ChatRequest(
         messages=[{"role": "user", "content": "get_weather in Rome"}], tools=TOOLS, max_tokens=50
     )
-    for req in (plain, tool, auto):
+    allowed = ChatRequest(  # sent as the allowed tools under the plain mode (SGLang has no allowed_tools form)
+        messages=[{"role": "user", "content": "Paris"}],
+        tools=[*TOOLS, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}],
+        tool_choice={"type": "allowed_tools", "allowed_tools": {
+            "mode": "required", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}},
+    )
+    for req in (plain, tool, auto, allowed):
         await p.chat(req, CallContext())
         _ = await read_all(p.stream(req, CallContext()))
     stand_in.faults.fail_next = [400]

@@ -36,6 +36,7 @@ from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.providers.tool_stream import ToolCallStream
 from openalice_runner.speculation import SPEC_METHODS, SpeculationPlan
 from openalice_runner.types import (
+    AllowedToolChoice,
     ChatChunk,
     ChatRequest,
     ChatResult,
@@ -183,6 +184,13 @@ class LocalProvider(Provider):
         # rule after the history (tool_format): the prompt's prefix, and with it the cache a
         # loop's next call reuses, does not depend on tool_choice. The grammar enforces the rule.
         tools = request.tool_dicts()
+        # allowed_tools alike: every tool is rendered, only the allowed ones are callable (grammar,
+        # prefill, parsing); its mode acts as the plain "auto"/"required"
+        callable_tools = tools
+        if isinstance(choice, AllowedToolChoice):
+            allowed = set(choice.allowed_tools.names)
+            callable_tools = [t for t in tools or () if t["function"]["name"] in allowed]
+            choice = choice.allowed_tools.mode
         history_has_tools = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
         if self._renders_tools():
             shown = tool_format.with_turn_rule(messages, choice) if tools else messages
@@ -191,15 +199,15 @@ class LocalProvider(Provider):
             ids = engine.render_chat(tool_format.render_fallback_messages(messages, tools, choice))
         else:
             ids = engine.render_chat(messages)
-        grammar = self._grammar(request, tools, choice)
+        grammar = self._grammar(request, callable_tools, choice)
         # A forced call's opening is pre-filled (the grammar would force it anyway; a weak model
         # also gets the first argument's key), and the grammar starts after it.
-        prefill = tool_format.assistant_prefill(choice, tools) if tools else ""
+        prefill = tool_format.assistant_prefill(choice, callable_tools) if tools else ""
         if prefill and grammar is not None:
             prefill, grammar = self._prefill_within(grammar, prefill, choice)
         if prefill:
             ids = list(ids) + engine.encode(prefill)
-        names = {t["function"]["name"] for t in tools} if tools and choice != "none" else None
+        names = {t["function"]["name"] for t in callable_tools} if tools and choice != "none" else None
         return _Prompt(ids=list(ids), prefill=prefill, tool_names=names, grammar=grammar)
 
     def _prefill_within(self, grammar: Any, prefill: str, choice: Any) -> tuple[str, Any]:
@@ -220,7 +228,8 @@ class LocalProvider(Provider):
         Tool calls take the fallback format (<tool_call> blocks, also what tool-rendering Hermes
         templates use): "required" one or more calls (one without parallel_tool_calls), a named
         function that call, "auto" a reply without calls or text followed by calls; the reply
-        without calls is JSON where response_format asks for it; "none" a reply without calls."""
+        without calls is JSON where response_format asks for it; "none" a reply without calls.
+        `tools`: the callable ones (allowed_tools' subset)."""
         from openalice_runner.engine.grammar import GrammarError, json_grammar, tool_call_grammar
 
         fmt = request.response_format

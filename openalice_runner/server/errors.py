@@ -78,7 +78,7 @@ def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
         if isinstance(p, int):
             out += f"[{p}]"
         elif isinstance(p, str) and (
-            p.startswith("function-") or p in {"str", "list[TextPart]", "NamedToolChoice"}
+            p.startswith("function-") or p in {"str", "list[TextPart]", "NamedToolChoice", "AllowedToolChoice"}
         ):
             continue
         else:
