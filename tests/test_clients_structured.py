@@ -2,7 +2,8 @@
 calls and structured output always parse, because the engine decodes under a grammar.
 
 Each client: 10 requests with different prompts, every reply in the requested shape (100%).
-- the openai client: `chat.completions.parse` with a pydantic `response_format`;
+- the openai client: `chat.completions.parse` with a pydantic `response_format`; `tool_choice`
+  `{"type": "allowed_tools"}` allowing one of two tools (the prompt asks for the other);
 - pydantic-ai: an agent whose first step is forced to call a tool (tool_choice), with a pydantic
   `output_type` (its `final_result` tool, forced by pydantic-ai);
 - the Vercel AI SDK in Node (tests/node: `npm ci --prefix tests/node`): generateText with
@@ -110,6 +111,27 @@ def test_openai_client_parses_json_schema_replies(serve):
         parsed = r.choices[0].message.parsed
         if not isinstance(parsed, Person):
             failures.append((who, r.choices[0].message.content))
+    assert failures == []
+
+
+def test_openai_client_allowed_tools_calls_only_an_allowed_tool(serve):
+    url, model = serve
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+        for name in ("get_time", "get_weather")]
+    choice = {"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}
+    failures = []
+    for city in CITIES:
+        r = client.chat.completions.create(
+            model=model, tools=tools, tool_choice=choice, parallel_tool_calls=False, max_tokens=MAX_TOKENS,
+            messages=[{"role": "user", "content": f"What time is it in {city}?"}],  # asks for the other tool
+        )  # fmt: skip
+        calls = r.choices[0].message.tool_calls or []
+        if [c.function.name for c in calls] != ["get_weather"] or not isinstance(
+                json.loads(calls[0].function.arguments).get("city"), str):
+            failures.append((city, r.choices[0].message))
     assert failures == []
 
 
