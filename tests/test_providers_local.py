@@ -536,8 +536,8 @@ async def test_allowed_tools_renders_every_tool_and_lets_only_the_allowed_be_cal
                           temperature=0.0 if i == 2 else 1.0, seed=i)
         if stream:
             chunks = await read_all(p.stream(req, CallContext()))
-            names = [d.function.name for c in chunks for d in c.tool_call_deltas]
-            finish = chunks[-1].finish_reason
+            calls = joined_tool_calls(chunks)
+            names, finish = [c["name"] for c in calls], chunks[-1].finish_reason
         else:
             r = await p.chat(req, CallContext())
             names, finish = [c.function.name for c in r.tool_calls], r.finish_reason
