@@ -66,7 +66,7 @@ def test_bench_constrained_runs_every_mode_on_one_prompt(tiny_engine, workload_p
         assert row["modes"]["unconstrained-off"]["mask_s"] == 0
         assert row["modes"]["constrained-off"]["mask_s"] > 0
         for figures in row["modes"].values():
-            for key in ("tokens_per_s", "tokens_per_pass", "mask_ms_per_token", "parses", "finish_reason"):
+            for key in ("tokens_per_s", "decode_tokens_per_s", "tokens_per_pass", "mask_ms_per_token", "parses", "finish_reason"):
                 assert key in figures
             assert figures["reply"].startswith(row["prefill"])
     s = report["summary"]
@@ -75,7 +75,7 @@ def test_bench_constrained_runs_every_mode_on_one_prompt(tiny_engine, workload_p
     assert s["forced_ngram_vs_constrained_off_structured"] > 0
     assert set(s["parse"]) == set(MODES) and all(p["replies"] == 2 for p in s["parse"].values())
     table = format_table(report)
-    for figure in ("tok/s", "tokens/pass", "mask ms/token", "parses", "constrained+forced+ngram / constrained off",
+    for figure in ("tok/s", "decode tok/s", "decode tokens/s", "tokens/pass", "mask ms/token", "parses", "constrained+forced+ngram / constrained off",
                    "structured summarize/rag", "target ≥ 1.3×", "plain decode step", "replies that parse"):
         assert figure in table
 
@@ -135,13 +135,13 @@ def test_parses_a_structured_turn(text, ok):
 def test_mask_share_is_one_mask_over_one_plain_decode_step():
     def row(turn_type, plain, masked, fast):
         return {"turn_type": turn_type, "constrained_identical": True, "modes": {
-            "unconstrained-off": {"tokens_per_s": 10.0, "target_passes": plain[0], "decode_s": plain[1],
+            "unconstrained-off": {"tokens_per_s": 10.0, "decode_tokens_per_s": 12.0, "target_passes": plain[0], "decode_s": plain[1],
                                   "mask_s": 0.0, "parses": False},
-            "constrained-off": {"tokens_per_s": 10.0, "target_passes": masked[0], "decode_s": 1.0,
+            "constrained-off": {"tokens_per_s": 10.0, "decode_tokens_per_s": 12.0, "target_passes": masked[0], "decode_s": 1.0,
                                 "mask_s": masked[1], "parses": True},
-            "constrained-forced": {"tokens_per_s": fast / 2, "target_passes": 1, "decode_s": 1.0, "mask_s": 0.0,
+            "constrained-forced": {"tokens_per_s": fast / 2, "decode_tokens_per_s": fast, "target_passes": 1, "decode_s": 1.0, "mask_s": 0.0,
                                    "parses": True},
-            "constrained-forced-ngram": {"tokens_per_s": fast, "target_passes": 1, "decode_s": 1.0, "mask_s": 0.0,
+            "constrained-forced-ngram": {"tokens_per_s": fast, "decode_tokens_per_s": 2 * fast, "target_passes": 1, "decode_s": 1.0, "mask_s": 0.0,
                                          "parses": True},
         }}
 
@@ -152,5 +152,7 @@ def test_mask_share_is_one_mask_over_one_plain_decode_step():
     assert s["forced_ngram_vs_constrained_off_tool_call"] == 4.0
     assert s["forced_vs_constrained_off_tool_call"] == 2.0
     assert s["forced_ngram_vs_constrained_off_structured"] == 2.0
+    assert s["decode_forced_ngram_vs_constrained_off_tool_call"] == round(80 / 12, 3)
+    assert s["decode_forced_ngram_vs_constrained_off_structured"] == round(40 / 12, 3)
     assert s["parse"]["unconstrained-off"] == {"parsed": 0, "replies": 2, "share": 0.0}
     assert s["parse"]["constrained-off"] == {"parsed": 2, "replies": 2, "share": 1.0}

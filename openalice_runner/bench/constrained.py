@@ -177,6 +177,8 @@ def mode_figures(result: Any, reply: str, case: Case) -> dict:
     return {
         "completion_tokens": s.completion_tokens,
         "tokens_per_s": round(s.completion_tokens / s.total_s, 2) if s.total_s else 0.0,
+        # after the first token: prefill (the same in every mode) left out of the comparison
+        "decode_tokens_per_s": round((s.completion_tokens - 1) / decode_s, 2) if decode_s > 0 else 0.0,
         "tokens_per_pass": round(s.mean_tokens_per_pass, 3),
         "target_passes": s.target_passes,
         "decode_s": round(decode_s, 6),
@@ -191,9 +193,9 @@ def mode_figures(result: Any, reply: str, case: Case) -> dict:
 
 
 def summarize(rows: list[dict]) -> dict:
-    def ratio(a: str, b: str, turn_types: tuple[str, ...]) -> float | None:
-        return geomean([r["modes"][a]["tokens_per_s"] / r["modes"][b]["tokens_per_s"]
-                        for r in rows if r["turn_type"] in turn_types and r["modes"][b]["tokens_per_s"]])
+    def ratio(a: str, b: str, turn_types: tuple[str, ...], figure: str = "tokens_per_s") -> float | None:
+        return geomean([r["modes"][a][figure] / r["modes"][b][figure]
+                        for r in rows if r["turn_type"] in turn_types and r["modes"][b][figure]])
 
     # Mask time per token: constrained off computes exactly one mask per emitted position (the
     # prefill's token, then one per pass), so its mask time over passes + 1 is the time of one
@@ -216,6 +218,10 @@ def summarize(rows: list[dict]) -> dict:
         "forced_ngram_vs_constrained_off_structured": ratio("constrained-forced-ngram", "constrained-off",
                                                              STRUCTURED_TYPES),
         "forced_vs_constrained_off_structured": ratio("constrained-forced", "constrained-off", STRUCTURED_TYPES),
+        "decode_forced_ngram_vs_constrained_off_tool_call": ratio(
+            "constrained-forced-ngram", "constrained-off", ("tool_call",), "decode_tokens_per_s"),
+        "decode_forced_ngram_vs_constrained_off_structured": ratio(
+            "constrained-forced-ngram", "constrained-off", STRUCTURED_TYPES, "decode_tokens_per_s"),
         "mask_ms_per_token": None if mask_ms is None else round(mask_ms, 4),
         "plain_step_ms": None if plain_step_ms is None else round(plain_step_ms, 3),
         "mask_share_of_plain_step": None if share is None else round(share, 4),
@@ -240,14 +246,15 @@ def _x(value: float | None, target: float | None = None) -> str:
 
 
 def format_table(report: dict) -> str:
-    lines = ["| case | mode | tokens | tok/s | tokens/pass | forced | mask ms/token | step ms | finish | parses |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | mode | tokens | tok/s | decode tok/s | tokens/pass | forced | mask ms/token | step ms | finish "
+             "| parses |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         for mode in MODES:
             m = r["modes"][mode]
             step = "-" if m["step_ms"] is None else f"{m['step_ms']:.1f}"
             lines.append(f"| {r['case']} | {mode} | {m['completion_tokens']} | {m['tokens_per_s']:.1f} | "
-                         f"{m['tokens_per_pass']:.2f} | {m['forced']} | {m['mask_ms_per_token']:.3f} | "
+                         f"{m['decode_tokens_per_s']:.1f} | {m['tokens_per_pass']:.2f} | {m['forced']} | {m['mask_ms_per_token']:.3f} | "
                          f"{step} | {m['finish_reason']} | {'yes' if m['parses'] else 'no'} |")
     s = report["summary"]
     share = s["mask_share_of_plain_step"]
@@ -263,6 +270,9 @@ def format_table(report: dict) -> str:
         "- structured summarize/rag turns, tokens/s geomean: constrained+forced+ngram / constrained off = "
         f"{_x(s['forced_ngram_vs_constrained_off_structured'])}; constrained+forced / constrained off = "
         f"{_x(s['forced_vs_constrained_off_structured'])}",
+        "- decode tokens/s (after the first token), constrained+forced+ngram / constrained off: tool-call "
+        f"{_x(s['decode_forced_ngram_vs_constrained_off_tool_call'])}; structured "
+        f"{_x(s['decode_forced_ngram_vs_constrained_off_structured'])}",
         f"- mask time per token (constrained off): {s['mask_ms_per_token']} ms; plain decode step "
         f"(unconstrained off): {s['plain_step_ms']} ms; share: {share_text}",
         f"- replies that parse: {parse}; constrained modes identical: {s['constrained_identical']}",
