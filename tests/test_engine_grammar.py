@@ -156,3 +156,48 @@ def test_grammar_errors_name_the_problem(engines):
     with pytest.raises(GrammarError):
         engines[0].grammars.compile("start: undefined_rule\n")
     assert engines[0].grammars.compile(json_grammar(SHAPE)) is engines[0].grammars.compile(json_grammar(SHAPE))
+
+
+CALENDAR = {  # the workload's tool-calendar: its parameters say nothing of other keys
+    "type": "function",
+    "function": {
+        "name": "create_event",
+        "parameters": {"type": "object", "properties": {"title": {"type": "string"}, "start": {"type": "string"},
+                                                         "attendees": {"type": "array", "items": {
+                                                             "type": "object", "properties": {"email": {"type": "string"}}}}},
+                       "required": ["title", "start"]},
+    },
+}
+
+
+def test_arguments_name_only_the_declared_keys(engines):
+    """A small model copies the schema's words in as extra keys until max_tokens cuts the call; the
+    grammar closes objects whose schema says nothing of other keys (as OpenAI strict and xgrammar do)."""
+    engine = engines[0]
+    grammar = engine.grammars.compile(tool_call_grammar([CALENDAR], "required", parallel=False))
+
+    def accepts(arguments: str) -> bool:
+        ids = engine.encode(f'<tool_call>\n{{"name": "create_event", "arguments": {arguments}}}\n</tool_call>')
+        n, masks = grammar.constraint().walk(ids)
+        return n == len(ids) and bool(masks[-1][sorted(engine.eos_token_ids)].all())
+
+    assert accepts('{"title": "x", "start": "y"}')
+    assert accepts('{"title": "x", "start": "y", "attendees": [{"email": "a@b"}]}')
+    assert not accepts('{"title": "x", "start": "y", "description": "ISO 8601"}')
+    assert not accepts('{"title": "x", "start": "y", "attendees": [{"email": "a@b", "name": "A"}]}')
+
+
+def test_closing_objects_only_narrows_the_schema():
+    from openalice_runner.engine.grammar import closed_objects
+
+    assert closed_objects(CALENDAR["function"]["parameters"])["additionalProperties"] is False
+    stated = {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}}
+    assert closed_objects(stated) == stated
+    composed = {"type": "object", "properties": {"a": {}}, "allOf": [{"properties": {"b": {}}}]}
+    assert closed_objects(composed) == composed  # closing would forbid the b that allOf names
+    requires_unnamed = {"type": "object", "properties": {"a": {}}, "required": ["b"]}
+    assert closed_objects(requires_unnamed) == requires_unnamed
+    negated = {"not": {"type": "object", "properties": {"a": {}}}}
+    assert closed_objects(negated) == negated  # narrowing under `not` widens the whole
+    nested = {"$defs": {"P": {"type": "object", "properties": {"x": {}}}}, "$ref": "#/$defs/P"}
+    assert closed_objects(nested)["$defs"]["P"]["additionalProperties"] is False

@@ -49,9 +49,49 @@ class GrammarError(ValueError):
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
 
 
+# Where a schema lets an object hold keys it does not name (no `additionalProperties`), the reply
+# names only the declared ones: OpenAI's strict mode and xgrammar's default (SGLang's backend) do
+# the same. Every such reply still validates against the schema as given; without it a small model
+# copies the schema's own words in as extra keys until max_tokens cuts the call.
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
+                  "$ref", "if", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with every object that names `properties` and says nothing of other keys closed.
+
+    Only narrowing places are walked (properties, items, anyOf branches, definitions), so what
+    the closed schema accepts the given one accepts too. Left open: objects that state their own
+    rule for other keys, those composed with other schemas (`allOf`, `anyOf`, `$ref`, ...: closing
+    one part would forbid the keys another names) or requiring keys they do not name, anything under `not` or `oneOf` (narrowing there can widen the whole),
+    and definitions where the schema uses `not` (a definition may be referenced from there)."""
+    walk_defs = '"not"' not in json.dumps(schema)
+    return _close(schema, walk_defs)
+
+
+def _close(schema: Any, walk_defs: bool) -> Any:
+    if isinstance(schema, list):
+        return [_close(s, walk_defs) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if isinstance(value, dict) and (key == "properties" or (walk_defs and key in ("$defs", "definitions"))):
+            out[key] = {k: _close(v, walk_defs) for k, v in value.items()}
+        elif key in ("items", "prefixItems", "anyOf", "additionalProperties"):
+            out[key] = _close(value, walk_defs)
+        else:  # allOf, oneOf, not and plain values stay as they are
+            out[key] = value
+    named = out.get("properties")
+    if (isinstance(named, dict) and not any(k in out for k in _OPEN_KEYWORDS)
+            and set(out.get("required") or ()) <= set(named)):
+        out["additionalProperties"] = False
+    return out
+
+
 def json_rule(name: str, schema: dict[str, Any] | None) -> str:
     """A Lark rule `name` matching one JSON value of `schema` (None: any JSON object)."""
-    schema = dict(schema) if schema is not None else {"type": "object"}
+    schema = closed_objects(schema) if schema is not None else {"type": "object"}
     schema["x-guidance"] = {**JSON_OPTIONS, **schema.get("x-guidance", {})}
     return f"{name}: %json {json.dumps(schema)}\n"
 
