@@ -11,12 +11,14 @@ import pytest
 
 from openalice_runner.bench.loop_targets import OFF_POLICY, parse_targets
 from openalice_runner.bench.loops import (
+    Call,
     Conversation,
     Target,
     bench_loops,
     format_table,
     load_loops,
     schedule,
+    stream_call,
     summarize,
 )
 from tests.stand_ins.serve import ServerThread
@@ -137,6 +139,9 @@ def test_summary_on_scripted_rows():
     assert s["targets"]["x"]["ttft_p50_first_s"] == 1.0 and s["targets"]["x"]["ttft_p50_later_s"] == 0.2
     assert s["targets"]["y"]["ttft_later_over_first"] == 0.3
     assert s["targets"]["x"]["seconds_total"] == 6.0
+    # per token: x's calls take 2.0+1.1+3.0+1.2+1.4+2.0 = 10.7 s for 60 tokens, y's 11.9 s for 60
+    assert s["targets"]["x"]["ms_per_token"] == pytest.approx(1000 * 10.7 / 60, abs=1e-3)
+    assert s["speedup_per_token"]["x/y"] == pytest.approx(11.9 / 10.7, abs=1e-3)
 
 
 def test_round_robin_order():
@@ -177,3 +182,18 @@ def test_a_call_cut_short_is_not_one_the_loop_runs():
 
     assert _runnable(call('{"path": "a.py"}')) and _runnable(call(""))
     assert not _runnable(call('{"path": "a.')) and not _runnable(call("[1]"))
+
+
+def test_a_server_without_usage_is_counted_in_chunks():
+    """llama-cpp-python's server streams no usage: its tokens are its streamed chunks (one a token)."""
+    import httpx
+
+    events = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]}]
+    events += [{"choices": [{"delta": {"content": piece}}]} for piece in ("Lis", "bon", ".")]
+    events += [{"choices": [{"delta": {}, "finish_reason": "stop"}]}]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+    with httpx.Client(transport=transport) as client:
+        record = stream_call(client, Target("peer", "http://peer/v1", "m"), [{"role": "user", "content": "Hi"}],
+                             [], Call("chat", 8), {})
+    assert (record.completion_tokens, record.tokens_counted, record.content) == (3, "chunks", "Lisbon.")

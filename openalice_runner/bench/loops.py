@@ -131,6 +131,7 @@ class CallRecord:
     content: str
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    tokens_counted: str = "usage"  # or "chunks": the server sent no usage; one streamed chunk a token
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -142,6 +143,7 @@ class CallRecord:
             "prompt_tokens": self.prompt_tokens,
             "speculation": self.speculation,
             "finish_reason": self.finish_reason,
+            "tokens_counted": self.tokens_counted,
             "output": self.output,
         }
 
@@ -188,6 +190,7 @@ def stream_call(client, target: Target, messages: list[dict], tools: list[dict],
     usage: dict[str, Any] | None = None
     speculation = finish = None
     ttft = None
+    chunks = 0  # chunks that carry text or a call: tokens, for a server that sends no usage
     t0 = time.perf_counter()
     with client.stream("POST", f"{target.url}/chat/completions", json=body, headers=headers) as response:
         if response.status_code != 200:
@@ -208,8 +211,10 @@ def stream_call(client, target: Target, messages: list[dict], tools: list[dict],
                     fn = d.get("function") or {}
                     entry["function"]["name"] += fn.get("name") or ""
                     entry["function"]["arguments"] += fn.get("arguments") or ""
-                if ttft is None and (delta.get("content") or delta.get("tool_calls")):
-                    ttft = time.perf_counter() - t0
+                if delta.get("content") or delta.get("tool_calls"):
+                    chunks += 1
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
     seconds = time.perf_counter() - t0
     usage = usage or {}
     details = usage.get("prompt_tokens_details") or {}
@@ -217,13 +222,14 @@ def stream_call(client, target: Target, messages: list[dict], tools: list[dict],
         turn_type=call.turn_type,
         ttft_s=seconds if ttft is None else ttft,
         seconds=seconds,
-        completion_tokens=usage.get("completion_tokens"),
+        completion_tokens=usage.get("completion_tokens", chunks),
         cached_tokens=details.get("cached_tokens"),
         prompt_tokens=usage.get("prompt_tokens"),
         speculation=speculation,
         content="".join(content),
         tool_calls=[calls[i] for i in sorted(calls)],
         finish_reason=finish,
+        tokens_counted="usage" if "completion_tokens" in usage else "chunks",
     )
 
 
@@ -386,6 +392,7 @@ def summarize(rows: list[dict], targets: list[str]) -> dict[str, Any]:
             "ttft_p50_later_s": None if p50_later is None else round(p50_later, 4),
             "ttft_later_over_first": round(p50_later / p50_first, 3) if p50_first and p50_later is not None else None,
             "completion_tokens": sum(c["completion_tokens"] or 0 for r in mine for c in r["calls"]),
+            "ms_per_token": _ms_per_token(mine),
             "cached_tokens": sum(c["cached_tokens"] or 0 for r in mine for c in r["calls"]),
         }
     ratios = {}
@@ -398,7 +405,21 @@ def summarize(rows: list[dict], targets: list[str]) -> dict[str, Any]:
                 "copy_heavy": geomean([x for i, x in pairs if groups[i] == "copy_heavy"]),
                 "chat": geomean([x for i, x in pairs if groups[i] == "chat"]),
             }
-    return {"targets": per_target, "speedup": ratios}
+    # Wall time over tokens written: targets whose replies differ in length (a peer that ignores the
+    # tools writes short chat replies instead of calls) compared per token, not per conversation.
+    per_token = {}
+    for a, name in enumerate(targets):
+        for other in targets[a + 1:]:
+            mine, theirs = per_target[name]["ms_per_token"], per_target[other]["ms_per_token"]
+            per_token[f"{name}/{other}"] = round(theirs / mine, 3) if mine and theirs else None
+    return {"targets": per_target, "speedup": ratios, "speedup_per_token": per_token}
+
+
+def _ms_per_token(rows: list[dict]) -> float | None:
+    """All calls' wall time over all their completion tokens (ms)."""
+    seconds = sum(c["seconds"] for r in rows for c in r["calls"])
+    tokens = sum(c["completion_tokens"] or 0 for r in rows for c in r["calls"])
+    return round(1000 * seconds / tokens, 3) if tokens else None
 
 
 def compare_outputs(runs: dict[tuple[str, str], list[dict]], targets: list[str]) -> dict[str, Any]:
@@ -455,14 +476,16 @@ def format_table(report: dict) -> str:
              "|---|" + "---|" * len(targets)]
     for i in ids:
         lines.append(f"| {i} | " + " | ".join(f"{by[i, t]['seconds']:.2f}" if (i, t) in by else "-" for t in targets) + " |")
-    lines += ["", "| target | total s | TTFT p50 first s | TTFT p50 later s | later/first | tokens | cached |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "| target | total s | TTFT p50 first s | TTFT p50 later s | later/first | tokens | ms/token | cached |",
+              "|---|---|---|---|---|---|---|---|"]
     for t, s in summary["targets"].items():
         lines.append(f"| {t} | {s['seconds_total']} | {s['ttft_p50_first_s']} | {s['ttft_p50_later_s']} | "
-                     f"{s['ttft_later_over_first']} | {s['completion_tokens']} | {s['cached_tokens']} |")
+                     f"{s['ttft_later_over_first']} | {s['completion_tokens']} | {s['ms_per_token']} | {s['cached_tokens']} |")
     lines += ["", "| speedup (geomean of conversation wall time) | all | copy-heavy | chat |", "|---|---|---|---|"]
     for pair, r in summary["speedup"].items():
         lines.append(f"| {pair} | {r['all']} | {r['copy_heavy']} | {r['chat']} |")
+    lines += ["", "| speedup per token (wall time per completion token) | all |", "|---|---|"]
+    lines += [f"| {pair} | {r} |" for pair, r in summary["speedup_per_token"].items()]
     for name, o in summary.get("outputs", {}).items():
         lines.append(f"\n- {name}: outputs identical to off in {o['identical_to_off']} calls"
                      + ("" if not o["mismatches"] else f"; mismatches: {o['mismatches'][:8]}"))
