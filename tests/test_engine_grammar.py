@@ -201,3 +201,19 @@ def test_closing_objects_only_narrows_the_schema():
     assert closed_objects(negated) == negated  # narrowing under `not` widens the whole
     nested = {"$defs": {"P": {"type": "object", "properties": {"x": {}}}}, "$ref": "#/$defs/P"}
     assert closed_objects(nested)["$defs"]["P"]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_forced_runs_fit_the_cache_at_a_granule_boundary(max_batch):
+    """A round of forced tokens (up to 16) must have cache positions reserved, with speculation off
+    too: a prompt ending a few positions below a 512-position granule failed with 'position N is
+    beyond the cache' on the batching engine (bench-loops, the `off` target)."""
+    grammar_text = tool_call_grammar([WEATHER], "required", parallel=False)
+    for length in (494, 498, 502):
+        engine = Engine.tiny_random(seed=0, max_batch=max_batch)  # a fresh cache of one granule
+        grammar = engine.grammars.compile(grammar_text)
+        base = engine.encode("weather please")
+        prompt = (base * (length // len(base) + 1))[:length]
+        forced = engine.generate(prompt, SamplingParams(max_tokens=40), SpecConfig(), grammar=grammar)
+        plain = engine.generate(prompt, SamplingParams(max_tokens=40), SpecConfig(forced_drafts=False), grammar=grammar)
+        assert forced.token_ids == plain.token_ids and forced.stats.forced_tokens >= 10

@@ -46,6 +46,7 @@ from openalice_runner.engine.generator import (
     emit,
     final_event,
     plan_round,
+    round_rows,
     settle_round,
 )
 from openalice_runner.engine.llama import LlamaModel
@@ -389,7 +390,7 @@ class BatchScheduler:
 def _positions_for(seq: Sequence, tokens: int) -> int:
     """Cache positions a sequence of `tokens` tokens needs for its next round (its drafts and the token
     before them), within its context."""
-    rows = seq.spec.draft_rows + 2
+    rows = round_rows(seq.spec, seq.constraint is not None) + 2
     return min(tokens, seq.context_length) + rows
 
 

@@ -15,7 +15,7 @@ from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
 from openalice_runner.engine.drafters.ngram import NgramDrafter
 from openalice_runner.engine.drafters.suffix import RecentResponses, SuffixDrafter
-from openalice_runner.engine.generator import new_sequence, run_sequence
+from openalice_runner.engine.generator import new_sequence, round_rows, run_sequence
 from openalice_runner.engine.grammar import Grammar, GrammarCompiler
 from openalice_runner.engine.hf_model import HFCausalModel
 from openalice_runner.engine.llama import KVCache, LlamaModel
@@ -194,7 +194,7 @@ class Engine:
         """
         sampling = sampling or SamplingParams()
         spec = spec or SpecConfig()
-        rows = spec.draft_rows
+        rows = round_rows(spec, grammar is not None)
         need = min(len(prompt_ids) + sampling.max_tokens + rows + 1, self.context_length + rows + 1)
         if self.scheduler is not None:
             if drafter is None and spec.method != "off":

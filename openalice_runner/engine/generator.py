@@ -117,6 +117,12 @@ def prefill(model: LlamaModel, seq: Sequence, reused: int = 0) -> list[int]:
     return accept_tokens(seq, [first])
 
 
+def round_rows(spec: SpecConfig, constrained: bool) -> int:
+    """The most tokens one round drafts after the last one: the drafter's rows, and under a grammar
+    the forced tokens before them (with speculation off too). Caches are sized for this."""
+    return spec.draft_rows + (MAX_FORCED if constrained and spec.forced_drafts else 0)
+
+
 def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
     """The drafter's proposal for this round (possibly empty), cut to what the budget and the
     context leave room for; returns it with the draft tokens to feed after the last token (a
