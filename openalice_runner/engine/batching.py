@@ -19,6 +19,15 @@ prompt and prefills only the rest (the cache rows of a position depend only on t
 it, so reusing them is exact). Drafters that read the target's hidden states (EAGLE heads) take
 over the finished sequence's drafter state for the shared positions (`Drafter.reuse`); where
 they cannot, the prompt is prefilled in full.
+
+KV-cache budget (`kv_cache_bytes`): the cache is one rectangle, slots x positions, and grows as
+requests write. Each admitted request reserves the positions it may ever need (its prompt, its
+whole `max_tokens` reply and a round of drafts, within its context); a waiting request is admitted
+only if the cache, with the slot it takes and positions for the longest reservation, stays within
+the budget, so the lazy growth while replies are written never passes it. Otherwise it waits, and
+the requests behind it wait too (first come, first served), until running requests finish. When
+nothing runs, the cache first drops what the held histories keep beyond the budget; a request
+whose reservation alone is over the budget then runs on its own.
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ class BatchRequest:
     cancel: threading.Event
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     prefilled: int = 0  # prompt tokens whose keys and values are in the cache
+    reserved: int = 0  # cache positions it may ever need (`_reservation`), set at admission
     prefill_started: float = 0.0
 
     @property
@@ -104,11 +114,15 @@ class BatchScheduler:
         max_waiting: int = 256,
         prefix_reuse: bool = False,
         idle_shrink_s: float | None = IDLE_SHRINK_S,
+        kv_cache_bytes: int | None = None,
     ):
         """`idle_shrink_s`: after this long with nothing to do, the KV cache shrinks to the slots
-        and positions that the histories kept for prefix reuse need (None: never)."""
+        and positions that the histories kept for prefix reuse need (None: never).
+        `kv_cache_bytes`: the most the KV cache may hold, enforced at admission (None: unbounded)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if kv_cache_bytes is not None and kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {kv_cache_bytes}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.model = model
@@ -129,6 +143,7 @@ class BatchScheduler:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.idle_shrink_s = idle_shrink_s
+        self.kv_cache_bytes = kv_cache_bytes
         self.steps = 0
 
     # ---- the callers' side ----------------------------------------------------------------
@@ -194,23 +209,26 @@ class BatchScheduler:
                 self._fail_running(exc)
 
     def _admit(self) -> None:
+        self._drop_cancelled()
         while self._waiting and len(self._running) < self.max_batch:
-            request = self._waiting.popleft()
+            request = self._waiting[0]
             seq = request.seq
-            if request.cancel.is_set():
-                seq.finish_reason = "cancelled"
-                request.events.put(final_event(seq))
-                continue
+            reserved = _reservation(seq)
+            slots = self._slots_for(reserved)
+            if slots is None and self._make_room(reserved):
+                slots = self._slots_for(reserved)
+            if slots is None:
+                if self._running:
+                    break  # over the budget: it waits for running requests, and later ones wait behind it
+                # alone and over the budget on its own: it runs (its context bounds it), in a slot of its own
+                slots = self.cache.batch if self._free_slots else self.cache.batch + 1
+            self._waiting.popleft()
+            request.reserved = reserved
             # positions for the prompt and a round; the reply's grow as it is written (`_reserve`): sizing
             # every slot for max_tokens up front held GBs for replies that stop after a few tokens
             need = _granules(_positions_for(seq, len(seq.prompt)))
-            if not self._free_slots:
-                # grow by doubling: few reallocations, and no memory for slots never used
-                slots = min(self.max_batch, max(1, 2 * self.cache.batch))
-                self._free_slots = list(range(self.cache.batch, slots))
-                self.cache.grow(slots, need)
-            else:
-                self.cache.grow(self.cache.batch, need)
+            self._free_slots += range(self.cache.batch, slots)
+            self.cache.grow(slots, need)
             seq.cache = self.cache
             seq.slot, reused = self._take_slot(seq)
             self.cache.lengths[seq.slot] = reused
@@ -218,6 +236,52 @@ class BatchScheduler:
             seq.stats.cached_prompt_tokens = reused
             request.prefill_started = time.perf_counter()
             self._running.append(request)
+
+    def _drop_cancelled(self) -> None:
+        """Answer the waiting requests whose callers left: they need not wait their turn for that."""
+        for request in [r for r in self._waiting if r.cancel.is_set()]:
+            self._waiting.remove(request)
+            request.seq.finish_reason = "cancelled"
+            request.events.put(final_event(request.seq))
+
+    def _slots_for(self, reserved: int) -> int | None:
+        """The cache's slots once a request that may need `reserved` positions is admitted, or None
+        where the budget cannot take it now. Without a free slot the cache grows by doubling (few
+        reallocations, and no memory for slots never used), as far as the budget allows."""
+        grows = not self._free_slots
+        least = self.cache.batch + grows
+        most = min(self.max_batch, max(1, 2 * self.cache.batch)) if grows else self.cache.batch
+        if self.kv_cache_bytes is None:
+            return most
+        # every slot may come to hold the longest reservation: the cache is a rectangle
+        positions = max(self.cache.max_len, reserved, *(r.reserved for r in self._running))
+        fitting = self.kv_cache_bytes // (positions * self.cache.position_bytes)
+        return min(most, fitting) if fitting >= least else None
+
+    def _make_room(self, reserved: int) -> bool:
+        """Shrink the cache towards what the running requests and one that may need `reserved`
+        positions need, dropping (or shortening) held histories, where that lets the request in
+        or where nothing runs; whether the cache changed."""
+        if self.kv_cache_bytes is None:
+            return False
+        positions = max(reserved, *(r.reserved for r in self._running))  # each running slot writes below its own
+        in_use = 1 + max((r.seq.slot for r in self._running), default=-1)
+        fitting = self.kv_cache_bytes // (positions * self.cache.position_bytes)
+        # alone, one slot stays whatever the budget: the request needs it, and it may hold its prefix
+        slots = min(self.cache.batch, max(in_use, fitting, 0 if self._running else 1))
+        if self._running:
+            free_below = any(slot < slots for slot in self._free_slots)
+            if slots + (not free_below) > fitting:
+                return False  # shrinking would drop histories and still not let it in
+        if slots >= self.cache.batch and positions >= self.cache.max_len:
+            return False
+        before = self.cache.nbytes()
+        self.cache.shrink(slots, positions)
+        self._free_slots = [slot for slot in self._free_slots if slot < slots]
+        self._held = {slot: tokens[: self.cache.max_len] for slot, tokens in self._held.items() if slot < slots}
+        self._held_drafters = {slot: d for slot, d in self._held_drafters.items() if slot < slots}
+        logger.debug("KV cache budget: %d -> %d bytes", before, self.cache.nbytes())
+        return True
 
     def _kept_shape(self) -> tuple[int, int]:
         """(slots, positions) the held histories need."""
@@ -392,6 +456,11 @@ def _positions_for(seq: Sequence, tokens: int) -> int:
     before them), within its context."""
     rows = round_rows(seq.spec, seq.constraint is not None) + 2
     return min(tokens, seq.context_length) + rows
+
+
+def _reservation(seq: Sequence) -> int:
+    """Cache positions a sequence may ever need, in granules: its prompt and whole reply, and a round."""
+    return _granules(_positions_for(seq, len(seq.prompt) + seq.sampling.max_tokens))
 
 
 def _granules(positions: int) -> int:

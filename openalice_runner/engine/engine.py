@@ -29,6 +29,9 @@ from openalice_runner.engine.types import GenerationResult, SamplingParams, Spec
 
 DTYPES = ("bf16", "fp32")
 DEFAULT_MAX_BATCH = 8  # sequences decoded together (continuous batching); 1: one at a time
+# The batching scheduler's KV cache at most (admission waits past it): with the default model's
+# ~1 GB of weights, runtime and tables, a sidecar stays under 1.5 GiB (docs/batching.md).
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
 
 def default_draft_layers(n_layers: int) -> int:
@@ -47,15 +50,21 @@ class Engine:
         context_length: int | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
         prefix_reuse: bool = False,
+        kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
     ):
         """`max_batch` > 1 decodes concurrent requests together (batching.py); 1 runs them one
         at a time on the serial decode loop (generator.run_sequence). `prefix_reuse`: a request
         whose prompt starts like a finished one's tokens prefills only the rest (batching: the
-        finished histories of the free slots; serial: the last request's; off by default so that benchmarks that run one prompt several times stay comparable)."""
+        finished histories of the free slots; serial: the last request's; off by default so that benchmarks that run one prompt several times stay comparable).
+        `kv_cache_bytes`: the most the batching KV cache may hold; a request that would take it past
+        waits for running ones to finish (batching.py; None: unbounded). The serial loop holds one
+        request's cache."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
+        if kv_cache_bytes is not None and kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {kv_cache_bytes!r}")
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -78,7 +87,8 @@ class Engine:
         self._lock = threading.Lock()  # the serial loop runs one request at a time
         self.scheduler: BatchScheduler | None = None
         if max_batch > 1 and isinstance(self.model, LlamaModel):
-            self.scheduler = BatchScheduler(self.model, max_batch, costs=self.pass_costs, prefix_reuse=prefix_reuse)
+            self.scheduler = BatchScheduler(self.model, max_batch, costs=self.pass_costs, prefix_reuse=prefix_reuse,
+                                            kv_cache_bytes=kv_cache_bytes)
         self.max_batch = max_batch if self.scheduler is not None else 1
         self._cache: KVCache | None = None
         # serial loop with prefix reuse: the tokens whose keys and values `_cache` holds
@@ -100,6 +110,7 @@ class Engine:
         threads: int | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
         prefix_reuse: bool = False,
+        kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
     ) -> Engine:
         """Load the default model (None) or a local HF folder / .gguf file."""
         if dtype not in DTYPES:
@@ -111,12 +122,13 @@ class Engine:
         folder = converted_folder(source)
         hf_model, tokenizer = load_hf_model(folder, dtype)
         name = DEFAULT_MODEL_NAME if model is None else source.name
-        return cls(hf_model, tokenizer, name, dtype, max_batch=max_batch, prefix_reuse=prefix_reuse)
+        return cls(hf_model, tokenizer, name, dtype, max_batch=max_batch, prefix_reuse=prefix_reuse,
+                   kv_cache_bytes=kv_cache_bytes)
 
     @classmethod
     def tiny_random(
         cls, seed: int = 0, dtype: str = "fp32", layers: int = 4, max_batch: int = DEFAULT_MAX_BATCH,
-        prefix_reuse: bool = False,
+        prefix_reuse: bool = False, kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
     ) -> Engine:
         """A tiny random Llama with the default model's tokenizer, for fast tests."""
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -137,7 +149,8 @@ class Engine:
         torch.manual_seed(seed)
         torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         hf_model = LlamaForCausalLM(config).to(torch_dtype).eval()
-        return cls(hf_model, tokenizer, "tiny-random", dtype, max_batch=max_batch, prefix_reuse=prefix_reuse)
+        return cls(hf_model, tokenizer, "tiny-random", dtype, max_batch=max_batch, prefix_reuse=prefix_reuse,
+                   kv_cache_bytes=kv_cache_bytes)
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()

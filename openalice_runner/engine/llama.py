@@ -142,6 +142,11 @@ class RotaryTable:
         return x * cos + rotated * sin
 
 
+def kv_position_bytes(cfg: LlamaConfig, dtype: torch.dtype) -> int:
+    """Bytes one cache position takes in one slot: a key and a value per layer and KV head."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize
+
+
 class KVCache:
     """Preallocated keys and values for `batch` sequence slots; `lengths[b]` tokens are valid.
 
@@ -156,6 +161,8 @@ class KVCache:
         self.values = [torch.empty(shape, dtype=dtype) for _ in range(cfg.n_layers)]
         self.lengths = [0] * batch
         self.max_len = max_len
+        # keys and values of every layer at one position of one slot: nbytes() = batch * max_len * this
+        self.position_bytes = kv_position_bytes(cfg, dtype)
 
     @property
     def batch(self) -> int:

@@ -91,12 +91,14 @@ class LocalProvider(Provider):
                     from openalice_runner.engine import Engine
 
                     cfg = self.config
+                    kv_bytes = None if cfg.kv_cache_mib is None else cfg.kv_cache_mib * 2**20
                     if cfg.tiny_random:
-                        self._engine = Engine.tiny_random(max_batch=cfg.max_batch, prefix_reuse=cfg.prefix_reuse)
+                        self._engine = Engine.tiny_random(max_batch=cfg.max_batch, prefix_reuse=cfg.prefix_reuse,
+                                                          kv_cache_bytes=kv_bytes)
                     else:
                         engine = Engine.load(
                             cfg.model, dtype=cfg.dtype, threads=cfg.threads, max_batch=cfg.max_batch,
-                            prefix_reuse=cfg.prefix_reuse,
+                            prefix_reuse=cfg.prefix_reuse, kv_cache_bytes=kv_bytes,
                         )
                         engine.time_passes()  # drafts are sized from the first request on
                         engine.grammars  # noqa: B018 - the tokenizer's grammar tables (~2 s), before the first request

@@ -24,5 +24,9 @@ class LocalConfig(AdmissionLimits):
     # history) prefills only the rest; with a conversation id, the history re-rendered is split
     # into the tokens its last call held (engine/histories.py)
     prefix_reuse: bool = True
+    # the batching engine's KV cache at most, in MiB; a request that would take it past waits for
+    # running ones to finish. The default keeps `serve` on the default model under 1.5 GiB of RSS
+    # (docs/batching.md); null: unbounded
+    kv_cache_mib: int | None = Field(default=256, ge=16)
     max_tokens_default: int = Field(default=256, ge=1)
     # max_in_flight / max_queue (AdmissionLimits): the admission gate in front of this provider.
