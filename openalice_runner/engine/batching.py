@@ -264,7 +264,7 @@ class BatchScheduler:
         or where nothing runs; whether the cache changed."""
         if self.kv_cache_bytes is None:
             return False
-        positions = max(reserved, *(r.reserved for r in self._running))  # each running slot writes below its own
+        positions = max([reserved, *(r.reserved for r in self._running)])  # each running slot writes below its own
         in_use = 1 + max((r.seq.slot for r in self._running), default=-1)
         fitting = self.kv_cache_bytes // (positions * self.cache.position_bytes)
         # alone, one slot stays whatever the budget: the request needs it, and it may hold its prefix
