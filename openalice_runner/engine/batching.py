@@ -201,7 +201,12 @@ class BatchScheduler:
                 if self._closed:
                     self._fail_all(RuntimeError("the engine's scheduler closed"))
                     return
-                self._admit()
+                try:
+                    self._admit()
+                except Exception as exc:  # e.g. no memory for a grown cache: answer, never hang the callers
+                    logger.exception("engine admission failed")
+                    self._fail_all(exc)
+                    continue
             try:
                 self._step()
             except Exception as exc:  # a fault mid-pass: fail what ran in it, keep serving

@@ -29,9 +29,10 @@ from openalice_runner.engine.types import GenerationResult, SamplingParams, Spec
 
 DTYPES = ("bf16", "fp32")
 DEFAULT_MAX_BATCH = 8  # sequences decoded together (continuous batching); 1: one at a time
-# The batching scheduler's KV cache at most (admission waits past it): with the default model's
-# ~1 GB of weights, runtime and tables, a sidecar stays under 1.5 GiB (docs/batching.md).
-DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+# The batching scheduler's KV cache at most (admission waits past it). `serve` on the default model
+# holds ~1020 MiB besides it, so it stays near 1.4 GiB, under 1.5 GiB; that is two requests at the
+# whole 8k context, or 8 of 2k (bf16, 23040 bytes a position) (docs/batching.md).
+DEFAULT_KV_CACHE_BYTES = 384 * 2**20
 
 
 def default_draft_layers(n_layers: int) -> int:

@@ -27,6 +27,6 @@ class LocalConfig(AdmissionLimits):
     # the batching engine's KV cache at most, in MiB; a request that would take it past waits for
     # running ones to finish. The default keeps `serve` on the default model under 1.5 GiB of RSS
     # (docs/batching.md); null: unbounded
-    kv_cache_mib: int | None = Field(default=256, ge=16)
+    kv_cache_mib: int | None = Field(default=384, ge=16)
     max_tokens_default: int = Field(default=256, ge=1)
     # max_in_flight / max_queue (AdmissionLimits): the admission gate in front of this provider.
