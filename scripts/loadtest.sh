@@ -2,7 +2,8 @@
 # Load test of the embedded default: `openalice-runner serve` with its defaults (SmolLM2-135M-Instruct,
 # admission 8 in flight + 16 queued), then `openalice-runner loadtest` for DURATION seconds at each
 # concurrency, then the memory check: four long prompts with deeply nested tool schemas and max_tokens
-# 4000 at once (scripts/deep_tools_workload.py; DEEP_TOOLS=0 skips it). Writes one JSON report per run
+# 4000 at once (scripts/deep_tools_workload.py; DEEP_TOOLS=0 skips it), each allowed DEEP_TIMEOUT seconds
+# (default 900) so the replies run to their end and the peak covers the whole KV cache they need. Writes one JSON report per run
 # and a Markdown table (sent/ok/429/failed/5xx, latency and time-to-first-token percentiles, the
 # server's peak RSS from /proc/PID/status VmHWM, over every run); exits 1 when that peak is over 1.5 GiB.
 #
@@ -17,6 +18,7 @@ OUT="${1:-loadtest-results.md}"
 DURATION="${DURATION:-60}"
 CONCURRENCY="${CONCURRENCY:-1 4 16}"
 DEEP_TOOLS="${DEEP_TOOLS:-1}"
+DEEP_TIMEOUT="${DEEP_TIMEOUT:-900}"
 PORT="${PORT:-8765}"
 PY="${PY:-$ROOT/.venv/bin/python}"
 SERVE_ARGS="${SERVE_ARGS:-}"  # e.g. "--providers tiny.yaml" to try the script on the tiny model
@@ -46,7 +48,7 @@ if [ "$DEEP_TOOLS" != 0 ]; then
   echo "== memory check: 4 long prompts with deep tool schemas at once, ${DURATION}s"
   "$PY" "$ROOT/scripts/deep_tools_workload.py" "$WORK/deep_tools.jsonl"
   "$PY" -m openalice_runner loadtest --url "http://127.0.0.1:$PORT" --concurrency 4 --workload "$WORK/deep_tools.jsonl" \
-    --duration "$DURATION" --server-pid "$SERVER" --json "$WORK/cdeep-tools.json" || true
+    --duration "$DURATION" --request-timeout "$DEEP_TIMEOUT" --server-pid "$SERVER" --json "$WORK/cdeep-tools.json" || true
   LEVELS="$CONCURRENCY deep-tools"
 fi
 curl -s "http://127.0.0.1:$PORT/metrics" >"$WORK/metrics.txt"
