@@ -36,7 +36,12 @@ def test_stop_string_cuts_text_and_stream(tiny_engine, method):
     assert result.text == full.text[:cut_at]
     assert "".join(e.text for e in events) == result.text  # the stream never showed the stop string
     assert result.finish_reason == "stop"
-    assert full.token_ids[: len(result.token_ids)] == result.token_ids
+    # the tokens up to the one that completes the stop string, whatever a pass accepted (passes
+    # that accepted several tokens once kept only those up to where the stop string began)
+    completes = next(n for n in range(1, len(full.token_ids) + 1)
+                     if stop in tiny_engine.tokenizer.decode(full.token_ids[:n], skip_special_tokens=True))
+    assert result.token_ids == full.token_ids[:completes]
+    assert result.stats.completion_tokens == completes
 
 
 def test_eos_ends_generation(tiny_engine):
@@ -123,3 +128,20 @@ def test_bad_settings_name_the_field():
         SpecConfig(method="ngram", gamma=0)
     with pytest.raises(ValueError, match="method"):
         SpecConfig(method="magic")
+
+
+def test_a_stop_string_keeps_the_same_tokens_however_many_a_pass_accepted(tiny_engine):
+    """One pass that accepts the whole reply and one-token passes keep the same tokens: up to the
+    one that completes the stop string (the bench-constrained call that counted 18 tokens with
+    forced drafts and 22 without)."""
+    from openalice_runner.engine.stopping import TextStream
+
+    ids = tiny_engine.encode('{"city": "Paris"}\n</tool_call>\nmore text after it')
+    at_once = TextStream(tiny_engine.tokenizer, ("</tool_call>",))
+    at_once.add(ids)
+    one_by_one = TextStream(tiny_engine.tokenizer, ("</tool_call>",))
+    for token in ids:
+        one_by_one.add([token])
+    assert at_once.text == one_by_one.text == '{"city": "Paris"}\n'
+    assert at_once.token_ids == one_by_one.token_ids
+    assert "</tool_call>" in tiny_engine.tokenizer.decode(at_once.token_ids)

@@ -43,15 +43,17 @@ class TextStream:
         # Only text that the new tokens touched (plus a stop string's length) can hold a new match.
         prior = len(self._decode(self.token_ids[:first_new_token])) if first_new_token else 0
         search_from = max(0, prior - longest + 1)
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [(i, len(s)) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if not hits:
             return
-        cut = min(hits)
+        cut, length = min(hits)
         self.stopped = True
         self.text = self.text[:cut]
-        # Keep the fewest tokens whose text reaches the stop string.
+        # Keep the tokens up to the one that completes the stop string: what one-token passes
+        # would have generated when they saw it, so completion_tokens do not depend on how many
+        # tokens a pass accepted.
         for n in range(first_new_token + 1, len(self.token_ids) + 1):
-            if len(self._decode(self.token_ids[:n])) > cut:
+            if len(self._decode(self.token_ids[:n])) >= cut + length:
                 self.token_ids = self.token_ids[:n]
                 break
 
