@@ -9,7 +9,6 @@ and the same test must fail when the sampler is deliberately broken.
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
@@ -30,7 +29,7 @@ from stand_ins.markov import (
 
 from openalice_runner.engine import rejection
 from openalice_runner.engine.generator import new_sequence, run_sequence
-from openalice_runner.engine.sampling import TokenDraws, processed_probs, stream
+from openalice_runner.engine.sampling import TokenDraws, stream
 from openalice_runner.engine.types import SamplingParams, SpecConfig
 
 N = 2500
@@ -318,16 +317,7 @@ def chain_constraint():
 
 
 def exact_masked_joint(table: torch.Tensor, sampling: SamplingParams) -> dict[tuple[int, ...], float]:
-    masked = table.log().masked_fill(~GRAMMAR_ROWS, float("-inf"))
-    rows = processed_probs(masked, sampling)
-    joint = {}
-    for seq in itertools.product(range(VOCAB), repeat=LENGTH):
-        prob, last = 1.0, PROMPT[-1]
-        for t in seq:
-            prob *= float(rows[last, t])
-            last = t
-        joint[seq] = prob
-    return joint
+    return exact_joint(table, sampling, GRAMMAR_ROWS)
 
 
 def sample_constrained(target, make_drafter, sampling, spec, n, seed):

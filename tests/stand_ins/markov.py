@@ -75,8 +75,12 @@ def random_chain(seed: int) -> torch.Tensor:
     return table / table.sum(-1, keepdim=True)
 
 
-def exact_joint(table: torch.Tensor, sampling: SamplingParams) -> dict[tuple[int, ...], float]:
-    rows = processed_probs(table.log(), sampling)
+def exact_joint(table: torch.Tensor, sampling: SamplingParams,
+                allowed: torch.Tensor | None = None) -> dict[tuple[int, ...], float]:
+    """The exact probability of every reply; `allowed` (rows of a grammar's mask) masks and
+    renormalises each row first, as the constrained decoder does."""
+    logits = table.log() if allowed is None else table.log().masked_fill(~allowed, float("-inf"))
+    rows = processed_probs(logits, sampling)
     joint = {}
     for seq in itertools.product(range(VOCAB), repeat=LENGTH):
         prob, last = 1.0, PROMPT[-1]
