@@ -156,6 +156,24 @@ def test_attention_matches_sdpa_on_ragged_rows(kernels, cache_dtype):
         torch.testing.assert_close(got[r], expected[:, 0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n_heads", "n_kv_heads", "dim"), [(9, 3, 64), (4, 2, 16)])  # SmolLM2's shape, another
+def test_attention_rows_get_the_same_bits_alone_as_in_a_run(kernels, cache_dtype, n_heads, n_kv_heads, dim):
+    """Consecutive rows of a slot are attended together in tiles (csrc/attention.c); a row still
+    gets the bits it gets alone, wherever the tiles and key blocks fall. (That the tiles reduce
+    scores as the tree rows' path does is what test_engine_tree's tree-equals-chain checks.)"""
+    torch.manual_seed(4)
+    keys = torch.randn(3, n_kv_heads, 48, dim).to(cache_dtype)
+    values = torch.randn(3, n_kv_heads, 48, dim).to(cache_dtype)
+    row_slot = [0] * 13 + [1] * 5 + [2, 2] + [0]
+    row_pos = list(range(20, 33)) + list(range(7, 12)) + [0, 47] + [40]  # prefill, verify, decodes
+    q = torch.randn(len(row_slot), n_heads, dim)
+    together = kernels.attention(q, keys, values, torch.tensor(row_slot), torch.tensor(row_pos), 0.125)
+    for r, (slot, pos) in enumerate(zip(row_slot, row_pos, strict=True)):
+        alone = kernels.attention(q[r : r + 1], keys, values, torch.tensor([slot]), torch.tensor([pos]), 0.125)
+        assert torch.equal(alone[0], together[r]), (r, slot, pos)
+
+
 def test_attention_refuses_unsupported_shapes(kernels):
     assert not kernels.attention_supports(n_heads=6, n_kv_heads=4, head_dim=16)
     assert not kernels.attention_supports(n_heads=4, n_kv_heads=2, head_dim=12)

@@ -115,6 +115,8 @@ class CpuKernels:
             None if tree is None else tree.bits.data_ptr(),
             rows, n_heads, keys.shape[1], dim, keys.shape[2], scale, keys.dtype == torch.bfloat16,
         )  # fmt: skip
+        if status == -2:
+            raise MemoryError("attention kernel: no memory for its row tiles")
         if status != 0:
             raise ValueError(
                 f"attention kernel: unsupported shape heads={n_heads} kv={keys.shape[1]} dim={dim}"

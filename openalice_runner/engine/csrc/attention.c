@@ -109,55 +109,201 @@ static void attend_group_64_3(const float *q, const void *k, const void *v, floa
         attend_group(q, k, v, out, s, stride, n, extra, n_extra, 64, 3, scale, 0);
 }
 
+/* ---- runs of rows: a prefill chunk, a verify of γ drafts, a decode step ----------------------
+
+   Rows of one slot at consecutive positions see the same keys (each one more than the row
+   before), so up to TILE_ROWS of them are done together: each block of 8 keys (and later of 8
+   values) is loaded and widened once for the tile's TILE_ROWS x G query heads instead of once
+   per row and head, and 8 scores are reduced at once (hsum8) instead of one by one. Every
+   (row, head) still gets the bits of attend_group: the same FMA chain over d per key, the same
+   reduction tree (hsum's), the same softmax, the same FMA chain over keys for the values. */
+#define TILE_ROWS 4
+#define KEY_BLOCK 8
+
+/* The hsums of a[0..7] as one vector, each summed exactly as hsum() sums it:
+   ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). */
+static inline __m256 hsum8(const __m256 *a) {
+    __m256 s[4];
+    for (int i = 0; i < 4; i++) /* [a(2i): l_k + l_k+4, k < 4 | a(2i+1): the same] */
+        s[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    __m256 n[2]; /* [a0: m0+m2, m1+m3, a2: ... | a1: ..., a3: ...] and the same for a4..a7 */
+    for (int i = 0; i < 2; i++)
+        n[i] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 h = _mm256_hadd_ps(n[0], n[1]); /* [a0, a2, a4, a6 | a1, a3, a5, a7] */
+    return _mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Keys (or values) j0..j0+count-1 as KEY_BLOCK rows of D fp32, rows past count zero: straight
+   from an fp32 cache when the block is whole, else widened into `scratch`. */
+static inline __attribute__((always_inline)) const float *kv_block(
+    const void *base, int64_t j0, int64_t count, const int64_t D, const int bf16, float *scratch) {
+    if (!bf16 && count == KEY_BLOCK) return (const float *)base + j0 * D;
+    for (int64_t k = 0; k < KEY_BLOCK; k++)
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(scratch + k * D + d, k < count ? load_kv(base, (j0 + k) * D + d, bf16) : _mm256_setzero_ps());
+    return scratch;
+}
+
+/* One query head against a block of 8 keys: 8 scores (times scale) stored at s. */
+static inline __attribute__((always_inline)) void score_block(const float *q, const float *kb, float *s,
+                                                              const int64_t D, float scale) {
+    __m256 acc[KEY_BLOCK];
+    for (int k = 0; k < KEY_BLOCK; k++) acc[k] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int k = 0; k < KEY_BLOCK; k++) acc[k] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kb + k * D + d), acc[k]);
+    }
+    _mm256_storeu_ps(s, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+}
+
+/* softmax of s[0..n-1] in place (unnormalised exps; s padded to a multiple of 8 with -inf):
+   returns 1 / their sum. As attend_group does it. */
+static inline float softmax_row(float *s, int64_t n) {
+    int64_t padded = (n + 7) & ~(int64_t)7;
+    for (int64_t j = n; j < padded; j++) s[j] = -INFINITY;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < padded; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+    __m256 m = _mm256_set1_ps(hmax(mx));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 8) {
+        __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+        _mm256_storeu_ps(s + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    return 1.0f / hsum(total);
+}
+
+/* Rows p0..p0+T-1 of one slot (row t sees keys 0..p0+t), the G heads of one KV head.
+   q: row t's head g at q + t * q_stride + g * D; out likewise. s: T * G rows of `stride` floats;
+   acc: T * G * D floats; kb: KEY_BLOCK * D floats. */
+static inline __attribute__((always_inline)) void attend_tile(
+    const float *q, int64_t q_stride, const void *k, const void *v, float *out, int64_t p0, int64_t T,
+    float *s, int64_t stride, float *acc, float *kb, const int64_t D, const int64_t G, float scale, const int bf16) {
+    const int64_t n_max = p0 + T;
+    for (int64_t j0 = 0; j0 < n_max; j0 += KEY_BLOCK) {
+        const float *keys = kv_block(k, j0, n_max - j0 < KEY_BLOCK ? n_max - j0 : KEY_BLOCK, D, bf16, kb);
+        for (int64_t t = 0; t < T; t++) {
+            if (j0 > p0 + t) continue; /* row t sees keys 0..p0+t */
+            for (int64_t g = 0; g < G; g++) score_block(q + t * q_stride + g * D, keys, s + (t * G + g) * stride + j0, D, scale);
+        }
+    }
+    float inv[TILE_ROWS * MAX_GROUP];
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < G; g++) inv[t * G + g] = softmax_row(s + (t * G + g) * stride, p0 + t + 1);
+    for (int64_t i = 0; i < T * G * D; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+    for (int64_t j0 = 0; j0 < n_max; j0 += KEY_BLOCK) {
+        const float *values = kv_block(v, j0, n_max - j0 < KEY_BLOCK ? n_max - j0 : KEY_BLOCK, D, bf16, kb);
+        for (int64_t t = 0; t < T; t++) {
+            int64_t jn = p0 + t + 1 - j0; /* this row's keys in the block */
+            if (jn <= 0) continue;
+            if (jn > KEY_BLOCK) jn = KEY_BLOCK;
+            for (int64_t g = 0; g < G; g++) {
+                const float *sg = s + (t * G + g) * stride + j0;
+                float *a = acc + (t * G + g) * D;
+                __m256 av[MAX_DV];
+                for (int64_t d = 0; d < D / 8; d++) av[d] = _mm256_loadu_ps(a + 8 * d);
+                for (int64_t jj = 0; jj < jn; jj++) {
+                    const __m256 p = _mm256_set1_ps(sg[jj]);
+                    for (int64_t d = 0; d < D / 8; d++) av[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(values + jj * D + 8 * d), av[d]);
+                }
+                for (int64_t d = 0; d < D / 8; d++) _mm256_storeu_ps(a + 8 * d, av[d]);
+            }
+        }
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(out + t * q_stride + g * D + d,
+                                 _mm256_mul_ps(_mm256_loadu_ps(acc + (t * G + g) * D + d), _mm256_set1_ps(inv[t * G + g])));
+}
+
+static void attend_tile_any(const float *q, int64_t q_stride, const void *k, const void *v, float *out, int64_t p0,
+                            int64_t T, float *s, int64_t stride, float *acc, float *kb, int64_t D, int64_t G,
+                            float scale, int bf16) {
+    if (D == 64 && G == 3) { /* SmolLM2, Llama 3: constants */
+        if (bf16) attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, 64, 3, scale, 1);
+        else attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, 64, 3, scale, 0);
+    } else if (bf16) {
+        attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, D, G, scale, 1);
+    } else {
+        attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, D, G, scale, 0);
+    }
+}
+
 typedef struct {
     const float *q;
     const void *keys, *values;
     float *out;
     const int64_t *row_slot, *row_pos, *tree_from;
     const uint64_t *tree_bits;
-    int64_t R, n_heads, n_kv_heads, D, max_len;
+    const int64_t *tile_start; /* tiles of rows: tile i is rows tile_start[i]..tile_start[i+1]-1 */
+    int64_t tiles, n_heads, n_kv_heads, D, max_len, stride;
     float scale;
     int bf16;
 } attention_job;
 
-/* Tasks are (row, KV head); shares take every shares-th task, so long and short rows mix. */
+static int is_tree_row(const attention_job *job, int64_t r) {
+    return job->tree_from && job->tree_from[r] < job->row_pos[r] + 1;
+}
+
+/* Tasks are (tile, KV head); shares take every shares-th task, so long and short rows mix. */
 static void attention_share(void *ctx, int share, int shares) {
     const attention_job *job = (const attention_job *)ctx;
-    int64_t group = job->n_heads / job->n_kv_heads, D = job->D, stride = job->max_len + 8;
+    int64_t group = job->n_heads / job->n_kv_heads, D = job->D, stride = job->stride;
     int64_t width = job->bf16 ? 2 : 4; /* bytes per cache entry */
-    float *s = (float *)malloc(sizeof(float) * (size_t)(stride * group));
+    float *s = (float *)malloc(sizeof(float) * (size_t)(stride * group * TILE_ROWS + D * group * TILE_ROWS + D * KEY_BLOCK));
     if (!s) return;
-    for (int64_t task = share; task < job->R * job->n_kv_heads; task += shares) {
-        int64_t r = task / job->n_kv_heads, kvh = task % job->n_kv_heads;
+    float *acc = s + stride * group * TILE_ROWS, *kb = acc + D * group * TILE_ROWS;
+    for (int64_t task = share; task < job->tiles * job->n_kv_heads; task += shares) {
+        int64_t tile = task / job->n_kv_heads, kvh = task % job->n_kv_heads;
+        int64_t r = job->tile_start[tile], T = job->tile_start[tile + 1] - r;
         int64_t base = (job->row_slot[r] * job->n_kv_heads + kvh) * job->max_len * D * width;
         const char *k = (const char *)job->keys + base, *v = (const char *)job->values + base;
         const float *qr = job->q + (r * job->n_heads + kvh * group) * D;
         float *o = job->out + (r * job->n_heads + kvh * group) * D;
-        int64_t n = job->row_pos[r] + 1, extra[64], n_extra = 0;
-        if (job->tree_from && job->tree_from[r] < n) {
-            n = job->tree_from[r];
+        if (is_tree_row(job, r)) { /* a tree row: its visible keys are not one run */
+            int64_t n = job->tree_from[r], extra[64], n_extra = 0;
             for (int b = 0; b < 64; b++)
                 if ((job->tree_bits[r] >> b) & 1) extra[n_extra++] = n + b;
+            if (D == 64 && group == 3)
+                attend_group_64_3(qr, k, v, o, s, stride, n, extra, n_extra, job->scale, job->bf16);
+            else
+                attend_group_any(qr, k, v, o, s, stride, n, extra, n_extra, D, group, job->scale, job->bf16);
+            continue;
         }
-        if (D == 64 && group == 3)
-            attend_group_64_3(qr, k, v, o, s, stride, n, extra, n_extra, job->scale, job->bf16);
-        else
-            attend_group_any(qr, k, v, o, s, stride, n, extra, n_extra, D, group, job->scale, job->bf16);
+        attend_tile_any(qr, job->n_heads * D, k, v, o, job->row_pos[r], T, s, stride, acc, kb, D, group,
+                        job->scale, job->bf16);
     }
     free(s);
 }
 
-/* Returns 0, or -1 where the shape is not supported (D % 8, D > 128, group > 8). `kv_bf16`:
-   keys and values are bf16, else fp32. tree_from, tree_bits: NULL, or per-row tree visibility
-   (see the top of this file). */
+/* Returns 0, or -1 where the shape is not supported (D % 8, D > 128, group > 8), -2 where
+   memory ran out. `kv_bf16`: keys and values are bf16, else fp32. tree_from, tree_bits: NULL,
+   or per-row tree visibility (see the top of this file). */
 int attention(const float *q, const void *keys, const void *values, float *out,
               const int64_t *row_slot, const int64_t *row_pos, const int64_t *tree_from,
               const uint64_t *tree_bits, int64_t R, int64_t n_heads, int64_t n_kv_heads, int64_t D,
               int64_t max_len, float scale, int kv_bf16) {
     int64_t group = n_heads / n_kv_heads;
     if (D % 8 || D / 8 > MAX_DV || group > MAX_GROUP || group * n_kv_heads != n_heads) return -1;
-    attention_job job = {q, keys, values, out, row_slot, row_pos, tree_from, tree_bits,
-                         R, n_heads, n_kv_heads, D, max_len, scale, kv_bf16 != 0};
+    int64_t *tile_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(R + 1));
+    if (!tile_start) return -2;
+    attention_job job = {q, keys, values, out, row_slot, row_pos, tree_from, tree_bits, tile_start,
+                         0, n_heads, n_kv_heads, D, max_len, 0, scale, kv_bf16 != 0};
+    int64_t longest = 0;
+    for (int64_t r = 0; r < R; r++) {
+        /* a row joins the tile before it when it is the next position of the same slot */
+        int64_t first = job.tiles ? tile_start[job.tiles - 1] : -1;
+        int joins = first >= 0 && r - first < TILE_ROWS && row_slot[r] == row_slot[r - 1] &&
+                    row_pos[r] == row_pos[r - 1] + 1 && !is_tree_row(&job, r) && !is_tree_row(&job, first);
+        if (!joins) tile_start[job.tiles++] = r;
+        if (row_pos[r] + 1 > longest) longest = row_pos[r] + 1;
+    }
+    tile_start[job.tiles] = R;
+    job.stride = ((longest + 7) & ~(int64_t)7) + 8;
     pool_run(attention_share, &job);
+    free(tile_start);
     return 0;
 }
