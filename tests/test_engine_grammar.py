@@ -152,6 +152,20 @@ def test_auto_grammar_takes_free_text_or_valid_calls_only(engines):
     assert n == len(text) and bool(masks[-1][eos].all())
 
 
+def test_auto_grammar_forces_the_call_opening_once_the_tag_is_written(engines):
+    """After free text and the open tag, the newline and the call's opening up to the (only)
+    name are forced: drafted for free in one pass, not written one token per pass. What is not
+    a call cannot follow the tag."""
+    engine = engines[0]
+    grammar = engine.grammars.compile(tool_call_grammar([WEATHER], "auto", parallel=False))
+    constraint = grammar.constraint()
+    constraint.advance(engine.encode("Let me look.<tool_call>"))
+    assert engine.tokenizer.decode(constraint.forced(16)).startswith('\n{"name": "get_weather", "arguments": {')
+    stray = engine.encode("<tool_call>then text")
+    n, _ = grammar.constraint().walk(stray)
+    assert n < len(stray)
+
+
 def test_grammar_errors_name_the_problem(engines):
     with pytest.raises(GrammarError):
         engines[0].grammars.compile("start: undefined_rule\n")

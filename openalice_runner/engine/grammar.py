@@ -145,8 +145,11 @@ def tool_call_grammar(
     if mode == "required":
         return f"start: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {close}{repeat}\n{body}{more}"
     content = json_rule("content", content_schema) if content_json else f"content: TEXT\n{no_call_text}"
-    # `pre` is lazy: it ends at the first open tag, so the text before a call cannot hold one
-    pre = f"pre[lazy]: /(?s:.*){TOOL_CALL_OPEN}\\n/\n"
+    # the text before a call holds no open tag, and the first one is followed by its newline: once
+    # the tag is written, the newline and the call's opening up to the name are forced (drafted
+    # for free) rather than left to the model one token per pass
+    no_tag = f"NO_TAG: /(?s:.*)/ & ~/(?s:.*{TOOL_CALL_OPEN}.*)/\n"
+    pre = f"pre: PRE\nPRE: NO_TAG {json.dumps(TOOL_CALL_OPEN + chr(10))}\n{no_tag}"
     return f"start: content | pre body {close}{repeat}\n{content}{pre}{body}{more}"
 
 
