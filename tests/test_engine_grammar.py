@@ -102,6 +102,37 @@ def test_forced_drafts_cut_the_passes(engines):
     assert forced.stats.outcome().forced == forced.stats.forced_tokens
 
 
+@pytest.mark.parametrize("which", [0, 1])  # serial, batching
+def test_forced_tokens_stream_before_the_pass_that_verifies_them(engines, which):
+    """A forced span (here the tool call's opening and name) is certain: its text goes out as
+    its own event before the pass that verifies it, so a client sees the call's name a pass
+    earlier. The streamed text is still the generated reply, token for token."""
+    engine = engines[which]
+    grammar = engine.grammars.compile(tool_call_grammar([WEATHER], "required", parallel=False))
+    prompt, sampling = engine.encode("weather please"), SamplingParams(max_tokens=60)
+    log: list[str] = []
+    forward = engine.model.forward_rows
+    engine.model.forward_rows = lambda *a, **k: (log.append("pass"), forward(*a, **k))[1]
+    try:
+        events = []
+        for event in engine.stream(prompt, sampling, SpecConfig(method="ngram", gamma=4), grammar=grammar):
+            log.append(event.text)
+            events.append(event)
+    finally:
+        del engine.model.forward_rows
+    whole = engine.generate(prompt, sampling, SpecConfig(method="ngram", gamma=4), grammar=grammar)
+    assert "".join(e.text for e in events) == whole.text
+    assert [t for e in events for t in e.token_ids] == whole.token_ids
+    constraint = grammar.constraint()
+    constraint.advance(events[0].token_ids)
+    opening = constraint.forced(16)
+    assert '{"name": "get_weather", "arguments":' in engine.tokenizer.decode(opening)
+    assert events[1].token_ids == opening  # on its own, not with what its pass accepted
+    if which == 0:  # the serial engine runs in this thread: the order is exact
+        before_second_pass = log[: [i for i, x in enumerate(log) if x == "pass"][1]]
+        assert "get_weather" in "".join(before_second_pass)
+
+
 def test_sampled_constrained_replies_parse(engines):
     engine = engines[1]
     grammar = engine.grammars.compile(tool_call_grammar([WEATHER, TIME], "required", parallel=True))

@@ -55,6 +55,7 @@ from openalice_runner.engine.generator import (
     emit,
     final_event,
     plan_round,
+    preview_forced,
     round_rows,
     settle_round,
 )
@@ -371,6 +372,9 @@ class BatchScheduler:
                 # rows so far, plus one for this and each decoding sequence still to come
                 seq.drafter.step_load(decoders, len(tokens) + 1 + unplanned)
             proposal, draft = plan_round(seq, request.gamma_now(batch, waiting))
+            preview = preview_forced(seq, draft)  # certain tokens go out before the pass
+            if preview is not None:
+                request.events.put(preview)
             start = seq.cache.lengths[seq.slot]
             plans.append(_Rows(request, len(tokens), 1 + len(draft), proposal, draft, start))
             tokens += [seq.tokens[-1], *draft]

@@ -71,6 +71,7 @@ class Sequence:
     # this round's allowed sets (k+1, V) along the draft, and how many of its tokens were forced
     round_masks: torch.Tensor | None = None
     round_forced: int = 0
+    previewed: int = 0  # this round's forced tokens whose text went out before its pass (preview_forced)
 
     @property
     def generated(self) -> int:
@@ -227,9 +228,11 @@ def settle_round(
     return accept_tokens(seq, emitted, from_pass=True)
 
 
-def decode_round(model: LlamaModel, seq: Sequence) -> list[int]:
-    """One target pass for one sequence: verify the drafter's proposal and emit 1..k+1 tokens."""
-    proposal, draft = plan_round(seq, seq.spec.gamma)
+def decode_round(model: LlamaModel, seq: Sequence,
+                 planned: tuple[Proposal, list[int]] | None = None) -> list[int]:
+    """One target pass for one sequence: verify the drafter's proposal (`planned`: plan_round's,
+    made by the caller) and emit 1..k+1 tokens."""
+    proposal, draft = planned or plan_round(seq, seq.spec.gamma)
     t0 = time.perf_counter()
     length_before = seq.cache.lengths[seq.slot]
     feed = torch.tensor([[seq.tokens[-1], *draft]])
@@ -303,9 +306,28 @@ def begin(seq: Sequence) -> None:
     seq.tokens = list(seq.prompt)
 
 
+def preview_forced(seq: Sequence, draft: list[int]) -> StreamEvent | None:
+    """The text of this round's forced tokens, sent before the pass that verifies them: the
+    grammar allows nothing else there, so the pass accepts them whatever the model says (the
+    masked target puts all its mass on each). A tool call's name and opening, JSON keys and
+    punctuation thus stream a pass earlier. Not with stop strings (one could end the reply
+    inside the span: the pass decides). `emit` leaves the previewed tokens out afterwards."""
+    if not seq.round_forced or seq.sampling.stop or seq.text.stopped:
+        return None
+    forced = draft[: seq.round_forced]
+    seq.previewed = len(forced)
+    delta = seq.text.add(forced)
+    return StreamEvent(delta, forced)
+
+
 def emit(seq: Sequence, tokens: list[int]) -> StreamEvent | None:
-    """The stream event for tokens just accepted (None when there is nothing to say); a stop
-    string found in the text ends the sequence."""
+    """The stream event for tokens just accepted (None when there is nothing to say), less the
+    ones previewed before their pass; a stop string found in the text ends the sequence."""
+    if seq.previewed:
+        previewed, seq.previewed = seq.previewed, 0
+        if len(tokens) < previewed:  # pragma: no cover - forced tokens are always accepted
+            raise RuntimeError(f"{previewed} previewed forced tokens, but the pass accepted {len(tokens)}")
+        tokens = tokens[previewed:]
     delta = seq.text.add(tokens)
     if seq.text.stopped:
         seq.finish_reason = "stop"
@@ -332,7 +354,11 @@ def run_sequence(model: LlamaModel, seq: Sequence, cancel: threading.Event | Non
         if cancel is not None and cancel.is_set():
             seq.finish_reason = "cancelled"
             break
-        tokens = decode_round(model, seq)
+        planned = plan_round(seq, seq.spec.gamma)
+        preview = preview_forced(seq, planned[1])
+        if preview is not None:
+            yield preview
+        tokens = decode_round(model, seq, planned)
     yield final_event(seq)
 
 
