@@ -52,6 +52,23 @@ static inline __attribute__((always_inline)) void score_key(
     }
 }
 
+/* softmax of s[0..n-1] in place (unnormalised exps; s padded to a multiple of 8 with -inf):
+   returns 1 / their sum. Both paths below use it. */
+static inline float softmax_row(float *s, int64_t n) {
+    int64_t padded = (n + 7) & ~(int64_t)7;
+    for (int64_t j = n; j < padded; j++) s[j] = -INFINITY;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < padded; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+    __m256 m = _mm256_set1_ps(hmax(mx));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 8) {
+        __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+        _mm256_storeu_ps(s + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    return 1.0f / hsum(total);
+}
+
 /* Keys 0..n_prefix-1, then the keys extra[0..n_extra-1], as one run of n_prefix + n_extra. */
 static inline __attribute__((always_inline)) void attend_group(
     const float *q, const void *k, const void *v, float *out, float *s, int64_t stride,
@@ -59,24 +76,10 @@ static inline __attribute__((always_inline)) void attend_group(
     float scale, const int bf16) {
     const int64_t dv = D / 8;
     int64_t n = n_prefix + n_extra;
-    int64_t padded = (n + 7) & ~(int64_t)7;
     for (int64_t j = 0; j < n_prefix; j++) score_key(q, k, s, stride, j, j, D, G, scale, bf16);
     for (int64_t e = 0; e < n_extra; e++) score_key(q, k, s, stride, n_prefix + e, extra[e], D, G, scale, bf16);
     float inv[MAX_GROUP];
-    for (int64_t g = 0; g < G; g++) {
-        float *sg = s + g * stride;
-        for (int64_t j = n; j < padded; j++) sg[j] = -INFINITY;
-        __m256 mx = _mm256_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < padded; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + j));
-        __m256 m = _mm256_set1_ps(hmax(mx));
-        __m256 total = _mm256_setzero_ps();
-        for (int64_t j = 0; j < padded; j += 8) {
-            __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + j), m));
-            _mm256_storeu_ps(sg + j, e);
-            total = _mm256_add_ps(total, e);
-        }
-        inv[g] = 1.0f / hsum(total);
-    }
+    for (int64_t g = 0; g < G; g++) inv[g] = softmax_row(s + g * stride, n);
     for (int64_t g = 0; g < G; g++) {
         const float *sg = s + g * stride;
         __m256 acc[MAX_DV];
@@ -156,23 +159,6 @@ static inline __attribute__((always_inline)) void score_block(const float *q, co
         for (int k = 0; k < KEY_BLOCK; k++) acc[k] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kb + k * D + d), acc[k]);
     }
     _mm256_storeu_ps(s, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
-}
-
-/* softmax of s[0..n-1] in place (unnormalised exps; s padded to a multiple of 8 with -inf):
-   returns 1 / their sum. As attend_group does it. */
-static inline float softmax_row(float *s, int64_t n) {
-    int64_t padded = (n + 7) & ~(int64_t)7;
-    for (int64_t j = n; j < padded; j++) s[j] = -INFINITY;
-    __m256 mx = _mm256_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < padded; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
-    __m256 m = _mm256_set1_ps(hmax(mx));
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t j = 0; j < padded; j += 8) {
-        __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
-        _mm256_storeu_ps(s + j, e);
-        total = _mm256_add_ps(total, e);
-    }
-    return 1.0f / hsum(total);
 }
 
 /* Rows p0..p0+T-1 of one slot (row t sees keys 0..p0+t), the G heads of one KV head.
