@@ -228,11 +228,10 @@ def settle_round(
     return accept_tokens(seq, emitted, from_pass=True)
 
 
-def decode_round(model: LlamaModel, seq: Sequence,
-                 planned: tuple[Proposal, list[int]] | None = None) -> list[int]:
-    """One target pass for one sequence: verify the drafter's proposal (`planned`: plan_round's,
-    made by the caller) and emit 1..k+1 tokens."""
-    proposal, draft = planned or plan_round(seq, seq.spec.gamma)
+def decode_round(model: LlamaModel, seq: Sequence, planned: tuple[Proposal, list[int]]) -> list[int]:
+    """One target pass for one sequence: verify the round `plan_round` planned and emit 1..k+1
+    tokens."""
+    proposal, draft = planned
     t0 = time.perf_counter()
     length_before = seq.cache.lengths[seq.slot]
     feed = torch.tensor([[seq.tokens[-1], *draft]])

@@ -144,13 +144,12 @@ def tool_call_grammar(
     repeat = " more*" if parallel else ""
     if mode == "required":
         return f"start: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {close}{repeat}\n{body}{more}"
-    content = json_rule("content", content_schema) if content_json else f"content: TEXT\n{no_call_text}"
+    content = json_rule("content", content_schema) if content_json else "content: TEXT\n"
     # the text before a call holds no open tag, and the first one is followed by its newline: once
     # the tag is written, the newline and the call's opening up to the name are forced (drafted
     # for free) rather than left to the model one token per pass
-    no_tag = f"NO_TAG: /(?s:.*)/ & ~/(?s:.*{TOOL_CALL_OPEN}.*)/\n"
-    pre = f"pre: PRE\nPRE: NO_TAG {json.dumps(TOOL_CALL_OPEN + chr(10))}\n{no_tag}"
-    return f"start: content | pre body {close}{repeat}\n{content}{pre}{body}{more}"
+    pre = f"pre: PRE\nPRE: TEXT {json.dumps(TOOL_CALL_OPEN + chr(10))}\n"
+    return f"start: content | pre body {close}{repeat}\n{content}{pre}{no_call_text}{body}{more}"
 
 
 # ---------------------------------------------------------------- compiled grammars
