@@ -102,35 +102,61 @@ def test_forced_drafts_cut_the_passes(engines):
     assert forced.stats.outcome().forced == forced.stats.forced_tokens
 
 
-@pytest.mark.parametrize("which", [0, 1])  # serial, batching
-def test_forced_tokens_stream_before_the_pass_that_verifies_them(engines, which):
-    """A forced span (here the tool call's opening and name) is certain: its text goes out as
-    its own event before the pass that verifies it, so a client sees the call's name a pass
-    earlier. The streamed text is still the generated reply, token for token."""
-    engine = engines[which]
-    grammar = engine.grammars.compile(tool_call_grammar([WEATHER], "required", parallel=False))
-    prompt, sampling = engine.encode("weather please"), SamplingParams(max_tokens=60)
+def _stream_logging_passes(engine, prompt, sampling, spec, grammar):
+    """The stream's events, and a log of passes ("pass") and event texts in the order they came
+    (exact for the serial engine, which runs in this thread)."""
     log: list[str] = []
     forward = engine.model.forward_rows
     engine.model.forward_rows = lambda *a, **k: (log.append("pass"), forward(*a, **k))[1]
     try:
         events = []
-        for event in engine.stream(prompt, sampling, SpecConfig(method="ngram", gamma=4), grammar=grammar):
+        for event in engine.stream(prompt, sampling, spec, grammar=grammar):
             log.append(event.text)
             events.append(event)
     finally:
         del engine.model.forward_rows
-    whole = engine.generate(prompt, sampling, SpecConfig(method="ngram", gamma=4), grammar=grammar)
+    return events, log
+
+
+@pytest.mark.parametrize("which", [0, 1])  # serial, batching
+def test_forced_tokens_stream_before_the_pass_that_verifies_them(engines, which):
+    """A forced span (here the arguments' opening after the call's name) is certain: its text
+    goes out as its own event before the pass that verifies it, so a client sees it a pass
+    earlier. The streamed text is still the generated reply, token for token."""
+    engine = engines[which]
+    grammar = engine.grammars.compile(tool_call_grammar([WEATHER], "required", parallel=False))
+    prompt, sampling = engine.encode("weather please"), SamplingParams(max_tokens=60)
+    spec = SpecConfig(method="ngram", gamma=4)
+    events, log = _stream_logging_passes(engine, prompt, sampling, spec, grammar)
+    whole = engine.generate(prompt, sampling, spec, grammar=grammar)
     assert "".join(e.text for e in events) == whole.text
     assert [t for e in events for t in e.token_ids] == whole.token_ids
     constraint = grammar.constraint()
     constraint.advance(events[0].token_ids)
-    opening = constraint.forced(16)
-    assert '{"name": "get_weather", "arguments":' in engine.tokenizer.decode(opening)
-    assert events[1].token_ids == opening  # on its own, not with what its pass accepted
-    if which == 0:  # the serial engine runs in this thread: the order is exact
-        before_second_pass = log[: [i for i, x in enumerate(log) if x == "pass"][1]]
-        assert "get_weather" in "".join(before_second_pass)
+    forced = constraint.forced(16)
+    assert '"unit": "' in engine.tokenizer.decode(forced)
+    assert events[1].token_ids == forced  # on its own, not with what its pass accepted
+    if which == 0:
+        passes = [i for i, x in enumerate(log) if x == "pass"]
+        assert '"unit": "' in "".join(log[passes[0] + 1 : passes[1]])
+
+
+@pytest.mark.parametrize("which", [0, 1])  # serial, batching
+def test_the_replys_forced_start_rides_the_prompts_pass(engines, which):
+    """The prompt's last pass verifies the reply's first round too: a required call's opening
+    and, with one tool, its name come out of that one pass. Nothing streams before it (the
+    reply starts once the prompt has been read), and the reply is the same as without the
+    forced drafts."""
+    engine = engines[which]
+    grammar = engine.grammars.compile(tool_call_grammar([WEATHER], "required", parallel=False))
+    prompt, sampling = engine.encode("weather please"), SamplingParams(max_tokens=60)
+    spec = SpecConfig(method="ngram", gamma=4)
+    events, log = _stream_logging_passes(engine, prompt, sampling, spec, grammar)
+    assert engine.tokenizer.decode(events[0].token_ids).startswith('<tool_call>\n{"name": "get_weather", "arguments":')
+    if which == 0:
+        assert log[0] == "pass" and log[1] == events[0].text and log[2] != "pass"
+    plain = engine.generate(prompt, sampling, SpecConfig(method="ngram", gamma=4, forced_drafts=False), grammar=grammar)
+    assert [t for e in events for t in e.token_ids] == plain.token_ids
 
 
 def test_sampled_constrained_replies_parse(engines):
