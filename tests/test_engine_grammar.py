@@ -142,6 +142,29 @@ def test_forced_tokens_stream_before_the_pass_that_verifies_them(engines, which)
 
 
 @pytest.mark.parametrize("which", [0, 1])  # serial, batching
+def test_forced_tokens_stream_early_with_stop_strings_too(engines, which):
+    """Stop strings do not hold a forced span back: its tokens are certain, so a stop string it
+    completes ends the reply there whatever the pass says (here '"rain"', inside the span after
+    the first argument's value). Text, tokens and finish are those of the reply decoded without
+    forced drafts."""
+    engine = engines[which]
+    grammar = engine.grammars.compile(tool_call_grammar([WEATHER], "required", parallel=False))
+    prompt = engine.encode("weather please")
+    for stop in (("</tool_call>",), ('"rain"',)):
+        sampling = SamplingParams(max_tokens=60, stop=stop)
+        events, _ = _stream_logging_passes(engine, prompt, sampling, SpecConfig(method="ngram", gamma=4), grammar)
+        plain = engine.generate(prompt, sampling, SpecConfig(method="ngram", gamma=4, forced_drafts=False),
+                                grammar=grammar)
+        result = events[-1].result
+        assert "".join(e.text for e in events) == plain.text == result.text
+        assert result.token_ids == plain.token_ids and result.finish_reason == plain.finish_reason == "stop"
+        constraint = grammar.constraint()
+        constraint.advance(events[0].token_ids)
+        assert events[1].token_ids == constraint.forced(16)  # previewed on its own
+    assert plain.text.endswith('"unit": "celsius", ') or plain.text.endswith('"unit": "fahrenheit", ')
+
+
+@pytest.mark.parametrize("which", [0, 1])  # serial, batching
 def test_the_replys_forced_start_rides_the_prompts_pass(engines, which):
     """The prompt's last pass verifies the reply's first round too: a required call's opening
     and, with one tool, its name come out of that one pass. Nothing streams before it (the

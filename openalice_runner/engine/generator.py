@@ -337,9 +337,10 @@ def preview_forced(seq: Sequence, draft: list[int]) -> StreamEvent | None:
     """The text of this round's forced tokens, sent before the pass that verifies them: the
     grammar allows nothing else there, so the pass accepts them whatever the model says (the
     masked target puts all its mass on each). A tool call's name and opening, JSON keys and
-    punctuation thus stream a pass earlier. Not with stop strings (one could end the reply
-    inside the span: the pass decides). `emit` leaves the previewed tokens out afterwards."""
-    if not seq.round_forced or seq.sampling.stop or seq.text.stopped:
+    punctuation thus stream a pass earlier. Stop strings change nothing: one the forced text
+    completes ends the reply there whatever the pass says, and the text stream holds back a
+    possible beginning of one as always. `emit` leaves the previewed tokens out afterwards."""
+    if not seq.round_forced or seq.text.stopped:
         return None
     forced = draft[: seq.round_forced]
     seq.previewed = len(forced)
