@@ -213,25 +213,6 @@ def _drain(scheduler, request):
     return [e.result for e in scheduler.events(request) if e.result is not None][0]
 
 
-def test_the_first_rounds_drafts_ride_the_pass_that_ends_the_prompt(tiny_engine):
-    """The step that feeds a prompt's last chunk verifies the reply's first draft too: with every
-    draft accepted, 30 tokens take 5 steps of 6, the first of them the prompt's."""
-    prompt = tiny_engine.encode("one two three four")
-    sampling = SamplingParams(max_tokens=30)
-    plain = tiny_engine.generate(prompt, sampling)
-    scheduler = BatchScheduler(tiny_engine.model, max_batch=2)
-    try:
-        drafter = OracleDrafter(len(prompt), plain.token_ids, tiny_engine.model.cfg.vocab_size, True)
-        seq = new_sequence(prompt, sampling, SpecConfig(method="draft", gamma=5), drafter, scheduler.cache,
-                           tiny_engine.tokenizer, frozenset(), tiny_engine.context_length, slot=-1)  # fmt: skip
-        got = _drain(scheduler, scheduler.submit(seq))
-    finally:
-        scheduler.close()
-    assert got.token_ids == plain.token_ids
-    assert scheduler.steps == got.stats.target_passes == 5
-    assert got.stats.accept_length_histogram == [0, 0, 0, 0, 0, 5]
-
-
 def test_kv_cache_is_sized_by_the_prompt_and_grows_with_the_reply_not_by_max_tokens(tiny_engine):
     """Four long prompts asking for max_tokens 1500 once held every slot at 2048 positions from
     admission on (a real server peaked past 2 GB on replies that stopped after a few tokens); the

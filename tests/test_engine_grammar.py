@@ -120,8 +120,8 @@ def _stream_logging_passes(engine, prompt, sampling, spec, grammar):
 
 @pytest.mark.parametrize("which", [0, 1])  # serial, batching
 def test_forced_tokens_stream_before_the_pass_that_verifies_them(engines, which):
-    """A forced span (here the arguments' opening after the call's name) is certain: its text
-    goes out as its own event before the pass that verifies it, so a client sees it a pass
+    """A forced span (here the tool call's opening and name) is certain: its text goes out as
+    its own event before the pass that verifies it, so a client sees the call's name a pass
     earlier. The streamed text is still the generated reply, token for token."""
     engine = engines[which]
     grammar = engine.grammars.compile(tool_call_grammar([WEATHER], "required", parallel=False))
@@ -133,12 +133,12 @@ def test_forced_tokens_stream_before_the_pass_that_verifies_them(engines, which)
     assert [t for e in events for t in e.token_ids] == whole.token_ids
     constraint = grammar.constraint()
     constraint.advance(events[0].token_ids)
-    forced = constraint.forced(16)
-    assert '"unit": "' in engine.tokenizer.decode(forced)
-    assert events[1].token_ids == forced  # on its own, not with what its pass accepted
-    if which == 0:
-        passes = [i for i, x in enumerate(log) if x == "pass"]
-        assert '"unit": "' in "".join(log[passes[0] + 1 : passes[1]])
+    opening = constraint.forced(16)
+    assert '{"name": "get_weather", "arguments":' in engine.tokenizer.decode(opening)
+    assert events[1].token_ids == opening  # on its own, not with what its pass accepted
+    if which == 0:  # the serial engine runs in this thread: the order is exact
+        before_second_pass = log[: [i for i, x in enumerate(log) if x == "pass"][1]]
+        assert "get_weather" in "".join(before_second_pass)
 
 
 @pytest.mark.parametrize("which", [0, 1])  # serial, batching
@@ -162,24 +162,6 @@ def test_forced_tokens_stream_early_with_stop_strings_too(engines, which):
         constraint.advance(events[0].token_ids)
         assert events[1].token_ids == constraint.forced(16)  # previewed on its own
     assert plain.text.endswith('"unit": "celsius", ') or plain.text.endswith('"unit": "fahrenheit", ')
-
-
-@pytest.mark.parametrize("which", [0, 1])  # serial, batching
-def test_the_replys_forced_start_rides_the_prompts_pass(engines, which):
-    """The prompt's last pass verifies the reply's first round too: a required call's opening
-    and, with one tool, its name come out of that one pass. Nothing streams before it (the
-    reply starts once the prompt has been read), and the reply is the same as without the
-    forced drafts."""
-    engine = engines[which]
-    grammar = engine.grammars.compile(tool_call_grammar([WEATHER], "required", parallel=False))
-    prompt, sampling = engine.encode("weather please"), SamplingParams(max_tokens=60)
-    spec = SpecConfig(method="ngram", gamma=4)
-    events, log = _stream_logging_passes(engine, prompt, sampling, spec, grammar)
-    assert engine.tokenizer.decode(events[0].token_ids).startswith('<tool_call>\n{"name": "get_weather", "arguments":')
-    if which == 0:
-        assert log[0] == "pass" and log[1] == events[0].text and log[2] != "pass"
-    plain = engine.generate(prompt, sampling, SpecConfig(method="ngram", gamma=4, forced_drafts=False), grammar=grammar)
-    assert [t for e in events for t in e.token_ids] == plain.token_ids
 
 
 def test_sampled_constrained_replies_parse(engines):

@@ -3,8 +3,7 @@
 One scheduler thread owns the model and a KV cache with one slot per running sequence. Each
 step it admits waiting requests into free slots, asks every running sequence for its rows (a
 chunk of prompt while it prefills; the last token plus its own γ drafts once it decodes, γ
-chosen for this step from the batch size and the queue; the chunk that ends a prompt carries
-its first round's drafts too), runs one ragged forward pass over all
+chosen for this step from the batch size and the queue), runs one ragged forward pass over all
 rows (`LlamaModel.forward_rows`), and settles each sequence on its own rows: exact
 verification with its own sampler, its own accepted length, its own cache rollback. Finished
 and cancelled sequences leave at once and free their slot for the next step.
@@ -50,7 +49,9 @@ from openalice_runner.engine.drafters.base import Proposal, observed_rows, taps_
 from openalice_runner.engine.generator import (
     PREFILL_CHUNK,
     Sequence,
+    accept_tokens,
     begin,
+    choose_token,
     emit,
     final_event,
     plan_round,
@@ -357,31 +358,24 @@ class BatchScheduler:
                 seq.finish_reason = "cancelled"
                 self._retire(request)
                 continue
-            first = request.prefilling
-            if first:
+            if request.prefilling:
                 n = min(budget, len(seq.prompt) - request.prefilled)
                 if n <= 0:
                     continue
                 budget -= n
-                # the prompt's last token is fed as the first round's (generator.first_round): the
-                # reply's forced tokens and drafts ride the chunk that ends the prompt
-                body = n - 1 if request.prefilled + n == len(seq.prompt) else n
-                if body:
-                    plans.append(_Rows(request, len(tokens), body))
-                    tokens += seq.prompt[request.prefilled : request.prefilled + body]
-                    row_pos += range(request.prefilled, request.prefilled + body)
-                    row_slot += [seq.slot] * body
-                if body == n:
-                    continue
+                plans.append(_Rows(request, len(tokens), n))
+                tokens += seq.prompt[request.prefilled : request.prefilled + n]
+                row_pos += range(request.prefilled, request.prefilled + n)
+                row_slot += [seq.slot] * n
+                continue
             if seq.drafter is not None:
                 # rows so far, plus one for this and each decoding sequence still to come
-                seq.drafter.step_load(decoders + first, len(tokens) + 1 + unplanned)
-            proposal, draft = plan_round(seq, request.gamma_now(batch, waiting), first=first)
-            # certain tokens go out before the pass, once the prompt has been read
-            preview = None if first else preview_forced(seq, draft)
+                seq.drafter.step_load(decoders, len(tokens) + 1 + unplanned)
+            proposal, draft = plan_round(seq, request.gamma_now(batch, waiting))
+            preview = preview_forced(seq, draft)  # certain tokens go out before the pass
             if preview is not None:
                 request.events.put(preview)
-            start = len(seq.prompt) - 1 if first else seq.cache.lengths[seq.slot]
+            start = seq.cache.lengths[seq.slot]
             plans.append(_Rows(request, len(tokens), 1 + len(draft), proposal, draft, start))
             tokens += [seq.tokens[-1], *draft]
             row_pos += range(start, start + 1 + len(draft))
@@ -398,8 +392,13 @@ class BatchScheduler:
             hidden, tapped = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos, taps, **extra)
         else:
             hidden, tapped = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos, **extra), None
-        # logits only where a token is chosen: the rows of every round
-        wanted = [row for plan in plans if plan.proposal is not None for row in range(plan.first, plan.first + plan.count)]
+        # logits only where a token is chosen: every decode row, the last row of a finished prefill
+        wanted: list[int] = []
+        for plan in plans:
+            if plan.proposal is not None:
+                wanted += range(plan.first, plan.first + plan.count)
+            elif plan.request.prefilled + plan.count == len(plan.request.seq.prompt):
+                wanted.append(plan.first + plan.count - 1)
         logits = self.model.logits(hidden[wanted]) if wanted else None
         pass_s = time.perf_counter() - t0
         self.steps += 1
@@ -419,15 +418,17 @@ class BatchScheduler:
                 seq.cache.lengths[seq.slot] = request.prefilled
                 if seq.drafter is not None and seq.drafter.wants_hidden:
                     seq.drafter.observe(rows)
-                continue
-            own = logits[at : at + plan.count]
-            at += plan.count
-            if request.prefilling:  # the first round: the pass's time is the prefill's
-                request.prefilled = len(seq.prompt)
-                emitted = settle_round(seq, own, rows, plan.proposal, plan.draft, plan.length_before, 0.0)
+                if request.prefilling:
+                    continue
+                first = choose_token(logits[at], seq)
+                at += 1
+                # the invariant of generator.py holds: `first` is emitted but not yet fed
                 seq.stats.prefill_s = time.perf_counter() - request.prefill_started
                 seq.stats.ttft_s = time.perf_counter() - seq.started
+                emitted = accept_tokens(seq, [first])
             else:
+                own = logits[at : at + plan.count]
+                at += plan.count
                 emitted = settle_round(seq, own, rows, plan.proposal, plan.draft, plan.length_before, pass_s)
             event = emit(seq, emitted)
             if event is not None:

@@ -1,7 +1,7 @@
 """The decode loop: prefill, then rounds of (propose, verify in one target pass, roll back).
 
 Plain decoding is the same round with nothing proposed, so one code path serves every method.
-The state of one request lives in `Sequence`; `first_round` and `decode_round` are small
+The state of one request lives in `Sequence`; `prefill` and `decode_round` are small
 functions over it, so a scheduler can interleave many sequences (continuous batching).
 
 Cache invariant: the target's KV cache holds every token of `seq.tokens` except the last one
@@ -23,12 +23,11 @@ from openalice_runner.engine.drafters.base import Drafter, Proposal, observed_ro
 from openalice_runner.engine.grammar import GrammarConstraint, masked_logits, masked_probs
 from openalice_runner.engine.llama import KVCache, LlamaModel
 from openalice_runner.engine.rejection import Verdict, verify_greedy, verify_sampled
-from openalice_runner.engine.sampling import TokenDraws, processed_probs
+from openalice_runner.engine.sampling import TokenDraws, processed_probs, sample, stream
 from openalice_runner.engine.stopping import TextStream
 from openalice_runner.engine.tree import (
     TreeMask,
     TreeVerdict,
-    plain_rows,
     tree_rows,
     verify_tree_greedy,
     verify_tree_sampled,
@@ -89,39 +88,34 @@ class Sequence:
         return self.finish_reason is not None
 
 
-def first_round(model: LlamaModel, seq: Sequence, reused: int = 0) -> list[int]:
-    """Prefill the prompt and emit the reply's first tokens. `reused`: the cache already holds
-    the first `reused` prompt tokens' keys and values (prefix reuse; at most all but the last).
+def choose_token(logits: torch.Tensor, seq: Sequence) -> int:
+    if seq.constraint is not None:
+        logits = masked_logits(logits, seq.constraint.allowed())
+    if seq.sampling.greedy:
+        return int(logits.argmax())
+    # the token lands at position len(seq.tokens): it draws from that position's stream
+    return sample(processed_probs(logits, seq.sampling), stream(seq.draws, len(seq.tokens), TokenDraws.TARGET))
 
-    The prompt's last chunk and the first round share one pass: the prompt's last token is the
-    round's fed token, so what the grammar forces at the reply's start and what the drafter
-    proposes there (an agent's next call often opens as its last one did) are verified by the
-    prefill pass itself, a few rows more on a pass of many, instead of waiting for passes of
-    their own after it."""
+
+def prefill(model: LlamaModel, seq: Sequence, reused: int = 0) -> list[int]:
+    """Feed the prompt in chunks and pick the first token from its last position. `reused`: the
+    cache already holds the first `reused` prompt tokens' keys and values (prefix reuse; at most
+    all but the last prompt token, whose logits start the reply)."""
     start = time.perf_counter()
     seq.cache.lengths[seq.slot] = reused
     seq.stats.cached_prompt_tokens = reused
-    last = len(seq.prompt) - 1
-    fed = reused
-    while last - fed > PREFILL_CHUNK:
-        prefill_chunk(model, seq, seq.prompt[fed : fed + PREFILL_CHUNK])
-        fed += PREFILL_CHUNK
-    rest = seq.prompt[fed:last]
-    if seq.drafter is not None:
-        seq.drafter.step_load(1, len(rest) + 1)  # the draft's rows ride a pass of this many
-    planned = plan_round(seq, seq.spec.gamma, first=True)
-    if seq.drafter is not None:
-        seq.drafter.step_load(1, 1)
-    tokens = decode_round(model, seq, planned, prompt_rows=rest)
-    seq.stats.prefill_s = time.perf_counter() - start
-    return tokens
-
-
-def prefill_chunk(model: LlamaModel, seq: Sequence, chunk: list[int]) -> None:
+    hidden = None
+    wants_hidden = seq.drafter is not None and seq.drafter.wants_hidden
     taps = taps_for([seq.drafter])
-    hidden, tapped = _forward(model, torch.tensor([chunk]), seq, taps)
-    if seq.drafter is not None and seq.drafter.wants_hidden:
-        seq.drafter.observe(observed_rows(seq.drafter, hidden[0], tapped, taps))
+    for i in range(reused, len(seq.prompt), PREFILL_CHUNK):
+        chunk = torch.tensor([seq.prompt[i : i + PREFILL_CHUNK]])
+        hidden, tapped = _forward(model, chunk, seq, taps)
+        if wants_hidden:
+            seq.drafter.observe(observed_rows(seq.drafter, hidden[0], tapped, taps))
+    first = choose_token(model.logits(hidden[0, -1]), seq)
+    seq.stats.prefill_s = time.perf_counter() - start
+    # The invariant holds again: `first` is the emitted but not yet fed last token.
+    return accept_tokens(seq, [first])
 
 
 def round_rows(spec: SpecConfig, constrained: bool) -> int:
@@ -130,11 +124,10 @@ def round_rows(spec: SpecConfig, constrained: bool) -> int:
     return spec.draft_rows + (MAX_FORCED if constrained and spec.forced_drafts else 0)
 
 
-def plan_round(seq: Sequence, gamma: int, first: bool = False) -> tuple[Proposal, list[int]]:
+def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
     """The drafter's proposal for this round (possibly empty), cut to what the budget and the
     context leave room for; returns it with the draft tokens to feed after the last token (a
-    tree's nodes in order). `first`: the round rides the prompt's last prefill pass
-    (`first_round`), so a drafter that reads hidden states has none of the prompt yet.
+    tree's nodes in order).
 
     Under a grammar the draft starts with the tokens the grammar forces (when `spec.forced_drafts`;
     no drafter work, always accepted), the drafter continues from there, and the draft ends at
@@ -144,17 +137,10 @@ def plan_round(seq: Sequence, gamma: int, first: bool = False) -> tuple[Proposal
     forced: list[int] = []
     if seq.constraint is not None and seq.spec.forced_drafts:
         forced = seq.constraint.forced(min(MAX_FORCED, room_budget - 1, room_context))
-    if first and gamma > 0 and seq.drafter is not None and not seq.drafter.samples:
-        # a draft row rides a pass of prompt rows: a lookup drafter may use all the rows a round
-        # has room for (the forced tokens' too) and weighs what is worth proposing; a drafter
-        # that draws from a model pays per token and keeps its γ
-        gamma = max(gamma, round_rows(seq.spec, seq.constraint is not None) - len(forced))
     max_draft = min(gamma, room_budget - 1 - len(forced), room_context - len(forced))
     proposal = Proposal([])
-    # a drafter reading hidden states has none for forced tokens not yet fed, nor for a prompt
-    # not yet fed: forced only then
-    drafting = (seq.drafter is not None and max_draft > 0
-                and not ((forced or first) and seq.drafter.wants_hidden))
+    # a drafter reading hidden states has none for forced tokens not yet fed: forced only then
+    drafting = seq.drafter is not None and max_draft > 0 and not (forced and seq.drafter.wants_hidden)
     if drafting:
         t0 = time.perf_counter()
         generator = None if seq.draws is None else seq.draws.stream(len(seq.tokens), TokenDraws.DRAFT)
@@ -194,12 +180,9 @@ def first_branch(proposal: Proposal) -> Proposal:
     return Proposal(tokens, None, proposal.probe)
 
 
-def round_mask(proposal: Proposal, start: int, prompt_rows: int = 0) -> TreeMask | None:
-    """The tree mask of a round whose root is fed at `start`, after `prompt_rows` plain rows of
-    prompt in the same pass (None for a chain)."""
-    if proposal.parents is None:
-        return None
-    return TreeMask.from_rows(plain_rows(start - prompt_rows, prompt_rows) + tree_rows(start, proposal.parents))
+def round_mask(proposal: Proposal, start: int) -> TreeMask | None:
+    """The tree mask of a round whose root is fed at `start` (None for a chain)."""
+    return None if proposal.parents is None else TreeMask.from_rows(tree_rows(start, proposal.parents))
 
 
 def settle_round(
@@ -245,32 +228,21 @@ def settle_round(
     return accept_tokens(seq, emitted, from_pass=True)
 
 
-def decode_round(model: LlamaModel, seq: Sequence, planned: tuple[Proposal, list[int]],
-                 prompt_rows: list[int] | None = None) -> list[int]:
+def decode_round(model: LlamaModel, seq: Sequence, planned: tuple[Proposal, list[int]]) -> list[int]:
     """One target pass for one sequence: verify the round `plan_round` planned and emit 1..k+1
-    tokens. `prompt_rows` (the first round): prompt tokens still to prefill, fed in the same pass
-    before the prompt's last token; the pass's time is then the prefill's, not verification's."""
+    tokens."""
     proposal, draft = planned
-    before = prompt_rows or []
     t0 = time.perf_counter()
-    length_before = seq.cache.lengths[seq.slot] + len(before)
-    feed = torch.tensor([[*before, seq.tokens[-1], *draft]])
+    length_before = seq.cache.lengths[seq.slot]
+    feed = torch.tensor([[seq.tokens[-1], *draft]])
     taps = taps_for([seq.drafter])
-    hidden, tapped = _forward(model, feed, seq, taps, round_mask(proposal, length_before, len(before)))
-    n = len(before)
-    logits = model.logits(hidden[0, n:])  # (k+1, V)
+    hidden, tapped = _forward(model, feed, seq, taps, round_mask(proposal, length_before))
+    logits = model.logits(hidden[0])  # (k+1, V)
     pass_s = time.perf_counter() - t0
-    if seq.costs is not None and prompt_rows is None:
+    if seq.costs is not None:
         seq.costs.record(len(draft) + 1, pass_s, context=length_before + len(draft) + 1)
-    if seq.drafter is None:
-        observed = hidden[0, n:]
-    else:
-        rows = observed_rows(seq.drafter, hidden[0], tapped, taps)
-        if n and seq.drafter.wants_hidden:
-            seq.drafter.observe(rows[:n])
-        observed = rows[n:]
-    return settle_round(seq, logits, observed, proposal, draft, length_before,
-                        pass_s if prompt_rows is None else 0.0)
+    observed = hidden[0] if seq.drafter is None else observed_rows(seq.drafter, hidden[0], tapped, taps)
+    return settle_round(seq, logits, observed, proposal, draft, length_before, pass_s)
 
 
 def _forward(model: LlamaModel, feed: torch.Tensor, seq: Sequence, taps: tuple[int, ...],
@@ -371,7 +343,7 @@ def run_sequence(model: LlamaModel, seq: Sequence, cancel: threading.Event | Non
                  reused: int = 0) -> Iterator[StreamEvent]:
     """Drive one sequence to the end on its own, yielding text as it is accepted (`reused`: see prefill)."""
     begin(seq)
-    tokens = first_round(model, seq, reused)
+    tokens = prefill(model, seq, reused)
     seq.stats.ttft_s = time.perf_counter() - seq.started
     while True:
         event = emit(seq, tokens)
