@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 from openalice_runner.engine.drafters.base import Drafter, Proposal
@@ -226,6 +227,53 @@ def test_auto_grammar_forces_the_call_opening_once_the_tag_is_written(engines):
     stray = engine.encode("<tool_call>then text")
     n, _ = grammar.constraint().walk(stray)
     assert n < len(stray)
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes the given tokens, once."""
+
+    name = "scripted"
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def propose(self, history, gamma, sampling, generator):
+        tokens, self.tokens = self.tokens[:gamma], []
+        return Proposal(tokens)
+
+
+def test_a_draft_reaching_a_forced_span_carries_the_span(engines):
+    """A draft the grammar allows to its end is followed by the tokens the grammar forces after
+    it: here the rest of the tag after '<' and, once the tag is written, the call's opening and
+    the only tool's name, verified in the same pass. Accepted, they count as forced tokens, not
+    as the drafter's."""
+    from openalice_runner.engine.generator import begin, new_sequence, plan_round, settle_round
+    from openalice_runner.engine.llama import KVCache
+
+    engine = engines[0]
+    grammar = engine.grammars.compile(tool_call_grammar([WEATHER], "auto", parallel=False))
+    prompt = engine.encode("weather please")
+    opening = engine.encode("<tool_call>")
+    rest_of_tag = opening[1:]
+    seq = new_sequence(prompt, SamplingParams(max_tokens=60), SpecConfig(method="draft", gamma=8),
+                       ScriptedDrafter(rest_of_tag), KVCache(engine.model.cfg, 1, 128, torch.float32),
+                       engine.tokenizer, engine.eos_token_ids, 128, constraint=grammar.constraint())
+    begin(seq)
+    seq.tokens.append(opening[0])  # the reply so far: '<' (free text could go on from it)
+    seq.constraint.advance(opening[:1])
+    proposal, draft = plan_round(seq, 8)
+    assert draft[: len(rest_of_tag)] == rest_of_tag and seq.round_forced == 0
+    after = draft[len(rest_of_tag):]
+    assert engine.tokenizer.decode(after).startswith('\n{"name": "get_weather", "arguments": {')
+    assert seq.round_forced_after == len(after) and seq.round_masks.shape[0] == len(draft) + 1
+    # the target agrees with every drafted token: all are accepted, then a bonus token
+    logits = torch.full((len(draft) + 1, engine.model.cfg.vocab_size), -1.0)
+    logits[torch.arange(len(draft)), torch.tensor(draft)] = 1.0
+    logits[-1] = seq.round_masks[-1].float()[: logits.shape[1]]  # any allowed token
+    emitted = settle_round(seq, logits, torch.zeros(len(draft) + 1, 1), proposal, draft, 0, 0.0)
+    assert emitted[: len(draft)] == draft and len(emitted) == len(draft) + 1
+    assert seq.stats.draft_proposed == seq.stats.draft_accepted == len(rest_of_tag)
+    assert seq.stats.forced_tokens == len(after) and seq.stats.target_passes == 1
 
 
 def test_grammar_errors_name_the_problem(engines):

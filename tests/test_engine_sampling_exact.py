@@ -316,17 +316,17 @@ def chain_constraint():
     return ChainConstraint(ChainGrammar(PROMPT[-1]), SimpleNamespace(vocab_size=VOCAB, eos_ids=()))
 
 
-def exact_masked_joint(table: torch.Tensor, sampling: SamplingParams) -> dict[tuple[int, ...], float]:
-    return exact_joint(table, sampling, GRAMMAR_ROWS)
+def exact_masked_joint(table: torch.Tensor, sampling: SamplingParams, length: int = LENGTH) -> dict[tuple[int, ...], float]:
+    return exact_joint(table, sampling, GRAMMAR_ROWS, length)
 
 
-def sample_constrained(target, make_drafter, sampling, spec, n, seed):
+def sample_constrained(target, make_drafter, sampling, spec, n, seed, length=LENGTH):
     model = MarkovModel(target)
     counts: dict[tuple[int, ...], int] = {}
     forced = proposed = 0
     for i in range(n):
         s = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed * 100_000 + i,
-                           max_tokens=LENGTH)
+                           max_tokens=length)
         seq = new_sequence(PROMPT, s, spec, make_drafter(), ToyCache(), SilentTokenizer(), frozenset(),
                            context_length=64, constraint=chain_constraint())
         result = None
@@ -386,3 +386,54 @@ def test_broken_residual_under_grammar_is_caught(monkeypatch):
     spec = SpecConfig(method="draft", gamma=3)
     counts, _, _ = sample_constrained(target, lambda: MarkovDrafter(draft, deterministic=False), sampling, spec, N, 12)
     assert chi_square_p(joint, counts, N) < 1e-6
+
+
+# ---- forced tokens after a draft ----------------------------------------------------------------
+# Five tokens leave room for a draft that ends in 1 to carry the span the grammar forces after it
+# (3, then 2) and still get a bonus token after the span, whose mask is the span's end state's.
+SPAN_LENGTH = 5
+
+
+def _counting_spans(monkeypatch, break_masks: bool = False) -> list[int]:
+    """Counts the rounds whose draft carried forced tokens after it; `break_masks`: a broken
+    sampler that takes the position after the span as forced too (its first allowed token)."""
+    from openalice_runner.engine.grammar import GrammarConstraint
+
+    walk_on, spans = GrammarConstraint.walk_on, []
+
+    def counted(self, draft, then_forced):
+        n, masks, after = walk_on(self, draft, then_forced)
+        if after:
+            spans.append(len(after))
+            if break_masks:
+                masks = masks.clone()
+                first = int(masks[-1].nonzero()[0, 0])
+                masks[-1] = False
+                masks[-1, first] = True
+        return n, masks, after
+
+    monkeypatch.setattr(GrammarConstraint, "walk_on", counted)
+    return spans
+
+
+def test_forced_span_after_a_draft_keeps_the_masked_joint(monkeypatch):
+    target, draft = random_chain(1), random_chain(2)
+    sampling = SamplingParams(temperature=0.9, max_tokens=SPAN_LENGTH)
+    joint = exact_masked_joint(target, sampling, SPAN_LENGTH)
+    spans = _counting_spans(monkeypatch)
+    spec = SpecConfig(method="draft", gamma=1)
+    counts, _, _ = sample_constrained(target, lambda: MarkovDrafter(draft, deterministic=False), sampling, spec, N,
+                                      seed=21, length=SPAN_LENGTH)
+    assert len(spans) > N // 10  # drafts reached the span often
+    assert chi_square_p(joint, counts, N) > 1e-3
+
+
+def test_a_span_sampler_that_forces_the_bonus_is_caught(monkeypatch):
+    target, draft = random_chain(1), random_chain(2)
+    sampling = SamplingParams(temperature=0.9, max_tokens=SPAN_LENGTH)
+    joint = exact_masked_joint(target, sampling, SPAN_LENGTH)
+    spans = _counting_spans(monkeypatch, break_masks=True)
+    spec = SpecConfig(method="draft", gamma=1)
+    counts, _, _ = sample_constrained(target, lambda: MarkovDrafter(draft, deterministic=False), sampling, spec, N,
+                                      seed=22, length=SPAN_LENGTH)
+    assert spans and chi_square_p(joint, counts, N) < 1e-6

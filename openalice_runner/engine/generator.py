@@ -71,6 +71,7 @@ class Sequence:
     # this round's allowed sets (k+1, V) along the draft, and how many of its tokens were forced
     round_masks: torch.Tensor | None = None
     round_forced: int = 0
+    round_forced_after: int = 0  # forced tokens drafted after the drafter's (constrained_proposal)
     previewed: int = 0  # this round's forced tokens whose text went out before its pass (preview_forced)
 
     @property
@@ -131,7 +132,8 @@ def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
 
     Under a grammar the draft starts with the tokens the grammar forces (when `spec.forced_drafts`;
     no drafter work, always accepted), the drafter continues from there, and the draft ends at
-    the first token the grammar forbids; the masks along it are kept for verification."""
+    the first token the grammar forbids; the masks along it are kept for verification. A draft the
+    grammar allows to its end carries on through the tokens the grammar forces after it."""
     room_context = seq.context_length - len(seq.tokens)  # cache after the pass holds len + k
     room_budget = seq.sampling.max_tokens - seq.generated
     forced: list[int] = []
@@ -151,23 +153,41 @@ def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
         proposal = proposal.cut(max_draft, min(room_context - len(forced), room_cache))
     if seq.constraint is None:
         return proposal, proposal.tokens
-    return constrained_proposal(seq, forced, proposal)
+    room_after = 0  # forced tokens after the draft: within round_rows and the room left
+    if proposal.tokens and seq.spec.forced_drafts:
+        drafted = len(forced) + len(proposal.tokens)
+        room_after = min(MAX_FORCED - len(forced), room_budget - 1 - drafted, room_context - drafted,
+                         seq.cache.max_len - len(seq.tokens) - drafted)
+    return constrained_proposal(seq, forced, proposal, room_after)
 
 
-def constrained_proposal(seq: Sequence, forced: list[int], proposal: Proposal) -> tuple[Proposal, list[int]]:
+def constrained_proposal(seq: Sequence, forced: list[int], proposal: Proposal,
+                         room_after: int = 0) -> tuple[Proposal, list[int]]:
     """Forced tokens, then the drafter's chain (a tree's first branch), cut where the grammar
-    forbids a token; the round's masks and forced count are left on `seq`."""
+    forbids a token; the round's masks and forced counts are left on `seq`.
+
+    Where the grammar allows the whole chain and then forces tokens (a tool call's opening after
+    its tag, a key after a value), up to `room_after` of them follow the chain: certain once the
+    chain is accepted, so the pass that verifies a draft reaching a forced span takes the span
+    too, instead of leaving it to the next pass."""
     if proposal.parents is not None:
         proposal = first_branch(proposal)
     tokens = forced + proposal.tokens
-    n, seq.round_masks = seq.constraint.walk(tokens)
+    n, seq.round_masks, after = seq.constraint.walk_on(tokens, room_after)
     seq.round_forced = min(len(forced), n)
+    seq.round_forced_after = len(after)
+    tokens += after
     q = proposal.q
     if q is not None:
-        onehot = torch.zeros(len(forced), q.shape[-1], dtype=q.dtype)
-        onehot[torch.arange(len(forced)), torch.tensor(forced, dtype=torch.long)] = 1.0
-        q = torch.cat([onehot, q])[:n]
+        q = torch.cat([_onehot(forced, q), q[: len(proposal.tokens)], _onehot(after, q)])[:n]
     return Proposal(tokens[:n], q, proposal.probe), tokens[:n]
+
+
+def _onehot(tokens: list[int], like: torch.Tensor) -> torch.Tensor:
+    """Draft distributions of forced tokens: all mass on each (rows shaped like `like`'s)."""
+    out = torch.zeros(len(tokens), like.shape[-1], dtype=like.dtype)
+    out[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+    return out
 
 
 def first_branch(proposal: Proposal) -> Proposal:
@@ -208,11 +228,11 @@ def settle_round(
     seq.cache.lengths[seq.slot] = length_before + 1 + verdict.accepted
     seq.stats.verify_s += pass_s + time.perf_counter() - t0
     seq.stats.target_passes += 1
-    # forced tokens are always accepted; the drafter's figures are its own tokens' alone
-    forced = min(seq.round_forced, verdict.accepted)
-    seq.stats.forced_tokens += forced
-    proposed, accepted = len(draft) - seq.round_forced, verdict.accepted - forced
-    seq.round_masks, seq.round_forced = None, 0
+    # forced tokens are always accepted once reached; the drafter's figures are its own tokens' alone
+    proposed = len(draft) - seq.round_forced - seq.round_forced_after
+    accepted = min(verdict.accepted - min(seq.round_forced, verdict.accepted), proposed)
+    seq.stats.forced_tokens += verdict.accepted - accepted  # those before the drafter's and after
+    seq.round_masks, seq.round_forced, seq.round_forced_after = None, 0, 0
     if proposed > 0:
         seq.stats.draft_proposed += proposed
         seq.stats.draft_accepted += accepted

@@ -283,18 +283,35 @@ class GrammarConstraint:
         """Masks along a draft: (n, masks) where draft[:n] is the longest prefix every token of
         which its mask allows, and masks (n + 1, V) are the allowed sets after draft[:i] for
         i = 0..n. The matcher ends where it started."""
+        n, masks, _ = self.walk_on(draft, 0)
+        return n, masks
+
+    def walk_on(self, draft: list[int], then_forced: int) -> tuple[int, torch.Tensor, list[int]]:
+        """`walk`, and where the whole draft is allowed, on through up to `then_forced` tokens
+        the grammar forces after it: (n, masks, forced_after), n and masks counting those too."""
         masks = [self.allowed()]
         n = 0
         for token in draft:
             if not bool(masks[-1][token]) or token in self._compiler.eos_ids:
                 break
-            if not self._matcher.consume_token(token):  # pragma: no cover - the mask allowed it
-                raise GrammarError(_short(self._matcher.get_error()))
+            self._consume(token)
             n += 1
             masks.append(self.allowed())
-        if n:
-            self._matcher.rollback(n)
-        return n, torch.stack(masks)
+        after: list[int] = []
+        if n == len(draft) and then_forced > 0:
+            for token in self.forced(then_forced):
+                if token in self._compiler.eos_ids:
+                    break
+                self._consume(token)
+                after.append(token)
+                masks.append(self.allowed())
+        if n + len(after):
+            self._matcher.rollback(n + len(after))
+        return n + len(after), torch.stack(masks), after
+
+    def _consume(self, token: int) -> None:
+        if not self._matcher.consume_token(token):  # pragma: no cover - the mask allowed it
+            raise GrammarError(_short(self._matcher.get_error()))
 
     def advance(self, tokens: list[int]) -> None:
         """The sequence emitted `tokens` (EOS excluded): the matcher follows."""

@@ -76,13 +76,13 @@ def random_chain(seed: int) -> torch.Tensor:
 
 
 def exact_joint(table: torch.Tensor, sampling: SamplingParams,
-                allowed: torch.Tensor | None = None) -> dict[tuple[int, ...], float]:
-    """The exact probability of every reply; `allowed` (rows of a grammar's mask) masks and
-    renormalises each row first, as the constrained decoder does."""
+                allowed: torch.Tensor | None = None, length: int = LENGTH) -> dict[tuple[int, ...], float]:
+    """The exact probability of every reply of `length` tokens; `allowed` (rows of a grammar's
+    mask) masks and renormalises each row first, as the constrained decoder does."""
     logits = table.log() if allowed is None else table.log().masked_fill(~allowed, float("-inf"))
     rows = processed_probs(logits, sampling)
     joint = {}
-    for seq in itertools.product(range(VOCAB), repeat=LENGTH):
+    for seq in itertools.product(range(VOCAB), repeat=length):
         prob, last = 1.0, PROMPT[-1]
         for t in seq:
             prob *= float(rows[last, t])
