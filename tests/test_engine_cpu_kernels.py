@@ -1,5 +1,6 @@
-"""The engine's CPU kernels (linear, attention, the per-row layer steps): right results, the
-same bits for any row count, and a clean fallback to torch where they are turned off."""
+"""The engine's CPU kernels (linear, attention, the per-row layer steps, greedy argmax): right
+results, the same bits for any row count, and a clean fallback to torch where they are turned
+off."""
 
 from __future__ import annotations
 
@@ -226,6 +227,28 @@ def test_silu_mul_matches_torch(kernels, rows):
     gate_up = torch.randn(rows, 2 * 24) * 6  # both signs, large magnitudes
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_argmax_is_torch_argmax_within_the_allowed_tokens(kernels):
+    """The greedy choice per row, as torch's argmax over logits masked to -inf makes it: ties to
+    the first index, tokens past the mask's width (a padded vocabulary) never chosen, a row with
+    nothing allowed giving 0."""
+    from openalice_runner.engine.grammar import masked_logits
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, padded = 1000, 1011  # widths that leave a tail past the 8-lane blocks
+    for trial in range(120):
+        rows = 1 + trial % 13
+        logits = torch.randn(rows, padded, generator=gen)
+        if trial % 3 == 0:
+            logits = torch.round(logits * 2) / 2  # many ties
+        if trial % 4 == 0:
+            assert kernels.argmax(logits) == logits.argmax(dim=-1).tolist()
+            continue
+        allowed = torch.rand(rows, vocab, generator=gen) > (0.5 if trial % 4 == 1 else 0.995)
+        if trial % 4 == 3:
+            allowed[0] = False  # nothing allowed in the first row
+        assert kernels.argmax(logits, allowed) == masked_logits(logits, allowed).argmax(dim=-1).tolist(), trial
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
