@@ -232,7 +232,7 @@ def settle_round(
     seq.stats.target_passes += 1
     # forced tokens are always accepted once reached; the drafter's figures are its own tokens' alone
     proposed = len(draft) - seq.round_forced - seq.round_forced_after
-    accepted = min(verdict.accepted - min(seq.round_forced, verdict.accepted), proposed)
+    accepted = min(max(verdict.accepted - seq.round_forced, 0), proposed)
     seq.stats.forced_tokens += verdict.accepted - accepted  # those before the drafter's and after
     seq.round_masks, seq.round_forced, seq.round_forced_after = None, 0, 0
     if proposed > 0:
