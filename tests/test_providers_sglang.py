@@ -481,3 +481,69 @@ def test_prometheus_parsing():
     )
     assert parse_prometheus_sum(text, "sglang:num_running_reqs") == 5.0
     assert parse_prometheus_sum(text, "sglang:num_queue_reqs") is None
+
+
+async def test_a_conversation_stays_on_its_replica_while_its_load_is_within_bounds(servers):
+    a, b, c = servers(), servers(), servers()
+    p = provider({"off": {"replicas": [a.url, b.url, c.url]}}, load_cache_s=0)
+    for _ in range(4):
+        await p.chat(REQ, CallContext(conversation_id="conv-1"))
+    served = [s for s in (a, b, c) if s.requests]
+    assert len(served) == 1 and len(served[0].requests) == 4  # affinity, not least-loaded spreading
+    # other conversations hash elsewhere (a rendezvous order per key)
+    for k in range(12):
+        await p.chat(REQ, CallContext(conversation_id=f"c{k}"))
+    assert sum(1 for s in (a, b, c) if s.requests) >= 2
+    # its replica gets busy past the bound (mean load x 1.5 + 1): the conversation moves
+    served[0].running = 30
+    n = len(served[0].requests)
+    await p.chat(REQ, CallContext(conversation_id="conv-1"))
+    assert len(served[0].requests) == n
+    await p.aclose()
+
+
+async def test_affinity_off_is_least_loaded_alone(servers):
+    a, b = servers(running=3), servers(running=0)
+    p = provider({"off": {"replicas": [a.url, b.url]}}, affinity_load_factor=0, load_cache_s=0)
+    for k in range(4):
+        await p.chat(REQ, CallContext(conversation_id=f"c{k}"))
+    assert len(b.requests) == 4 and not a.requests
+    await p.aclose()
+
+
+async def test_unknown_load_is_not_batch_one_and_is_logged_once(servers, caplog):
+    from openalice_runner.policies import PolicyStore, RequestContext
+    from openalice_runner.providers.deciding import PolicyProvider
+
+    blind = servers(legacy=True)  # neither /v1/loads nor /metrics
+    p = provider(
+        {"ngram": {"replicas": [blind.url], "launch": {"algorithm": "NGRAM", "num_draft_tokens": 5}},
+         "off": {"replicas": [blind.url]}},
+        load_cache_s=0,
+    )  # fmt: skip
+    policy = PolicyStore.from_text(
+        "version: 1\nrules:\n"
+        "  - {name: small, match: {batch_size: {min: 1, max: 2}}, method: ngram, gamma: 4, pool: ngram}\n"
+        "  - {name: big, match: {batch_size: {min: 3}}, method: off, pool: off}\n"
+        "default: {method: ngram, gamma: 4, pool: ngram}\n"
+    )
+    deciding = PolicyProvider(p, policy)
+    with caplog.at_level("WARNING", logger="openalice_runner.providers.pool"):
+        for _ in range(3):
+            r = await deciding.chat(REQ, CallContext())
+            assert r.speculation.rule == "big" and r.speculation.pool == "off"  # the conservative rule
+    assert p.load().unknown and p.load().batch_size is None
+    said = [m for m in caplog.messages if "load unknown" in m]
+    assert len(said) == 2  # once per replica (two pool entries of the same server), not per read
+    # a rule may match the unknown batch size itself
+    policy = PolicyStore.from_text(
+        "version: 1\nrules:\n"
+        "  - {name: small, match: {batch_size: {min: 1, max: 2}}, method: ngram, gamma: 4, pool: ngram}\n"
+        "  - {name: unknown, match: {batch_size: {min: 9, unknown: true}}, method: ngram, gamma: 2, pool: ngram}\n"
+        "  - {name: big, match: {batch_size: {min: 3}}, method: off, pool: off}\n"
+        "default: {method: off}\n"
+    )
+    r = await PolicyProvider(p, policy).chat(REQ, CallContext())
+    assert r.speculation.rule == "unknown"
+    assert policy.decide(RequestContext(batch_size=None)).reason.startswith("batch size unknown")
+    await p.aclose()

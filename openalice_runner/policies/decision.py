@@ -23,7 +23,8 @@ _INF = float("inf")
 @dataclass(frozen=True, slots=True)
 class RequestContext:
     turn_type: str = "chat"
-    batch_size: int = 1
+    # None: the provider reads its servers' load and could read none ("unknown", never batch 1)
+    batch_size: int | None = 1
     provider: str | None = None  # provider or SGLang pool name the request will go to
     model: str | None = None
 
@@ -40,6 +41,8 @@ class CompiledRule:
     models: frozenset[str] | None
     batch_lo: int
     batch_hi: float
+    batch_any: bool  # no batch_size condition: matches an unknown batch size too
+    batch_unknown: bool  # batch_size.unknown: true
     method: str
     auto: bool
     gamma_lo: int
@@ -71,6 +74,8 @@ def _compile_one(spec: DecisionSpec, name: str, where: str, version: str, match:
         models=_names(match.model) if match is not None else None,
         batch_lo=b.min if b else 1,
         batch_hi=(b.max if b and b.max is not None else _INF),
+        batch_any=b is None,
+        batch_unknown=bool(b and b.unknown),
         method=spec.method,
         auto=auto,
         gamma_lo=lo,
@@ -104,6 +109,8 @@ class CompiledPolicy:
 
     def match(self, ctx: RequestContext) -> CompiledRule:
         turn, batch, provider, model = ctx.turn_type, ctx.batch_size, ctx.provider, ctx.model
+        if batch is None:
+            return self._match_unknown(ctx)
         for r in self.rules:
             if (
                 (r.turn_types is None or turn in r.turn_types)
@@ -114,20 +121,38 @@ class CompiledPolicy:
                 return r
         return self.default
 
+    def _match_unknown(self, ctx: RequestContext) -> CompiledRule:
+        """Batch size unknown: the first rule that matches it (no batch_size condition, or
+        `batch_size: {unknown: true}`); else the rule the request meets at the largest batch
+        sizes, the most conservative (speculation pays least there)."""
+        turn, provider, model = ctx.turn_type, ctx.provider, ctx.model
+        for r in self.rules:
+            if (
+                (r.batch_any or r.batch_unknown)
+                and (r.turn_types is None or turn in r.turn_types)
+                and (r.providers is None or provider in r.providers)
+                and (r.models is None or model in r.models)
+            ):
+                return r
+        pieces = self.pieces(ctx)
+        return pieces[-1][1] if pieces else self.default
+
     def decide(self, ctx: RequestContext, adaptive: AdaptiveGamma) -> Decision:
         r = self.match(ctx)
         f = r.fixed
         if f is not None:
             table = self.gamma_table(ctx, r, f.method, f.gamma, adaptive) if f.gamma > 0 else None
+            reason = f.reason if ctx.batch_size is not None else f"batch size unknown; {f.reason}"
             return Decision(
-                f.method, f.gamma, f.rule, f.reason, f.policy_version, f.pool, dict(f.options), None, table
+                f.method, f.gamma, f.rule, reason, f.policy_version, f.pool, dict(f.options), None, table
             )
         choice = adaptive.choose(ctx.turn_type, r.method, ctx.provider, r.gamma_lo, r.gamma_hi, r.prior_alpha)
+        where = r.where if ctx.batch_size is not None else f"batch size unknown; {r.where}"
         if choice.gamma <= 0:
-            return Decision("off", 0, r.name, f"{r.where}; {choice.describe()}", self.version, r.pool, {},
+            return Decision("off", 0, r.name, f"{where}; {choice.describe()}", self.version, r.pool, {},
                             (r.gamma_lo, r.gamma_hi))  # fmt: skip
         return Decision(
-            r.method, choice.gamma, r.name, f"{r.where}; {choice.describe()}", self.version, r.pool,
+            r.method, choice.gamma, r.name, f"{where}; {choice.describe()}", self.version, r.pool,
             dict(r.options), (r.gamma_lo, r.gamma_hi), self.gamma_table(ctx, r, r.method, choice.gamma, adaptive),
         )  # fmt: skip
 

@@ -34,6 +34,9 @@ class BatchRange(_Strict):
 
     min: int = Field(1, ge=1)
     max: int | None = Field(None, ge=1)
+    # also match when the batch size is unknown (a self-hosted pool whose load could not be read);
+    # without such a rule the request meets the rule it would at the largest batch sizes
+    unknown: bool = False
 
 
 class Match(_Strict):

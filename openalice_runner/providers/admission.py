@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -169,9 +169,7 @@ class AdmittedProvider(WrapperProvider):
 
     def load(self) -> ProviderLoad:
         inner = self.wrapped.load()
-        return ProviderLoad(
-            batch_size=inner.batch_size, queue_depth=(inner.queue_depth or 0) + self.gate.queued
-        )
+        return replace(inner, queue_depth=(inner.queue_depth or 0) + self.gate.queued)
 
     async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
         self.wrapped.precheck(request)  # a request that can never be served does not queue

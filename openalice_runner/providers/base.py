@@ -34,6 +34,9 @@ class ProviderLoad:
     # the largest batch the provider decodes (SGLang's --max-running-requests): a request that
     # arrives when it is full waits, so the batch it joins is no larger
     max_batch: int | None = None
+    # the provider reads its servers' load and could read none: the policy sees an unknown batch
+    # size, never batch 1 (providers that do not read load leave it False)
+    unknown: bool = False
 
     @property
     def total(self) -> int | None:

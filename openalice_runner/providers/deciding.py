@@ -33,9 +33,11 @@ class PolicyProvider(WrapperProvider):
         from openalice_runner.policies import RequestContext
 
         load = await self.wrapped.current_load()
-        batch = (load.batch_size or 0) + 1
-        if load.max_batch is not None:  # SGLang: the running batch, capped by max_running_requests
-            batch = min(batch, load.max_batch)
+        batch: int | None = None  # unknown: the provider reads load and could read none
+        if not load.unknown:
+            batch = (load.batch_size or 0) + 1
+            if load.max_batch is not None:  # SGLang: the running batch, capped by max_running_requests
+                batch = min(batch, load.max_batch)
         decision = self.policy.decide(
             RequestContext(
                 turn_type=ctx.turn_type,

@@ -1,0 +1,566 @@
+"""Self-hosted engine pools: the model SGLang and vLLM share, and the one replica attempt loop.
+
+Both engines fix speculation per server at launch, so the runner realises a policy by routing:
+the Decision's `pool` (or, failing that, the pool whose method matches the Decision's method, or
+the default pool) picks the pool; inside it one replica serves. A dialect (providers/sglang.py,
+providers/vllm.py) says what differs: how a replica's load is read, what the request body adds,
+where the per-request speculation figures come back, and the engine's name in messages.
+
+Replica choice (`rank_replicas`): with a conversation id, consistent hashing keeps a conversation
+on one replica (its prefix cache lives there) as long as that replica's load stays within
+`affinity_load_factor` of the pool's mean (consistent hashing with bounded loads); without one,
+or past the bound, the least-loaded healthy replica. A replica whose load cannot be read has
+unknown load: it goes after the ones whose load is known, and the runner logs it once.
+
+One attempt loop (`_over_replicas`) serves plain and streamed calls: a replica that refuses the
+connection, answers 5xx, or whose stream ends before its first token is marked down for
+`down_for_s` and the next one is tried; once a token went out a failure is StreamBroken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from pydantic import Field, field_validator, model_validator
+
+from openalice_runner.config_files.models import StrictModel
+from openalice_runner.providers import openai_wire as wire
+from openalice_runner.providers.admission import AdmissionLimits
+from openalice_runner.providers.base import (
+    CallContext,
+    Capabilities,
+    Provider,
+    ProviderBadRequest,
+    ProviderBadResponse,
+    ProviderError,
+    ProviderLoad,
+    ProviderRateLimited,
+    ProviderTimeout,
+    ProviderUnavailable,
+    StreamBroken,
+)
+from openalice_runner.providers.streams import ChatStream, chat_stream
+from openalice_runner.redaction import register_secret
+from openalice_runner.speculation import SpecMethod, SpeculationOutcome
+from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, SpeculationInfo, Usage
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------- config
+
+
+class PoolBase(StrictModel):
+    """What every pool has: its replicas' base URLs (e.g. http://10.0.0.5:30000). A dialect adds
+    its `launch` settings and how γ follows from them."""
+
+    replicas: list[str] = Field(min_length=1)
+
+    @field_validator("replicas")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"replica {url!r} must be an http(s) URL")
+        return [u.rstrip("/") for u in v]
+
+    @property
+    def method(self) -> SpecMethod:
+        raise NotImplementedError
+
+    @property
+    def adaptive(self) -> bool:  # γ varies per round (SGLang adaptive, vLLM per-batch-size table)
+        return False
+
+    def gamma_for(self, decision: Any = None) -> int:
+        raise NotImplementedError
+
+
+def decision_gamma(decision: Any) -> int | None:
+    """The deciding rule's largest γ (an auto rule's range even where auto chose off: the pool's
+    servers draft regardless); None without a decision or with one that never speculates."""
+    if decision is None:
+        return None
+    bounds = getattr(decision, "gamma_range", None)
+    if bounds:
+        return int(bounds[1])
+    return int(getattr(decision, "gamma", 0) or 0) or None
+
+
+class PoolConfigBase(AdmissionLimits):  # max_in_flight / max_queue: the gate in front of it
+    model: str  # the served model name the servers answer to
+    pools: dict[str, Any]  # a dialect narrows it to its own pool class
+    default_pool: str | None = None
+    api_key_env: str | None = None  # env var holding the servers' --api-key, if set
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    first_token_timeout_s: float = Field(default=60.0, gt=0)  # also the gap allowed between chunks
+    load_cache_s: float = Field(default=0.5, ge=0)
+    load_timeout_s: float = Field(default=0.5, gt=0)
+    down_for_s: float = Field(default=2.0, ge=0)  # how long a refusing replica is skipped
+    # A conversation stays on its replica (its prefix cache) while that replica's load is at most
+    # this factor of the pool's mean load (+1); 0 turns affinity off (least-loaded alone).
+    affinity_load_factor: float = Field(default=1.5, ge=0)
+
+    @model_validator(mode="after")
+    def _default_pool_exists(self) -> PoolConfigBase:
+        if self.default_pool is None:
+            self.default_pool = next(iter(self.pools))
+        elif self.default_pool not in self.pools:
+            raise ValueError(f"default_pool {self.default_pool!r} is not one of the pools {list(self.pools)}")
+        return self
+
+
+# ---------------------------------------------------------------- replica load
+
+
+@dataclass
+class Replica:
+    url: str
+    running: int | None = None
+    waiting: int | None = None
+    max_running: int | None = None  # the server's batch cap, where its load endpoint reports it
+    read_at: float = 0.0  # monotonic time of the last load read
+    down_until: float = 0.0
+    load_endpoint: str | None = None  # the endpoint that answered last time
+    in_flight: int = 0  # our own requests on it, counted between load reads
+    unknown_logged: bool = False  # "load unknown" said once until it is read again
+
+    @property
+    def load(self) -> float:
+        if self.running is None:
+            return float("inf")
+        return self.running + (self.waiting or 0) + self.in_flight
+
+
+Figures = tuple[int, int, int | None]  # running, waiting, max running (None: not reported)
+LoadReader = Callable[[httpx.AsyncClient, str, float], Awaitable["Figures | None"]]
+
+
+async def read_replica_load(
+    client: httpx.AsyncClient, replica: Replica, timeout: float, readers: dict[str, LoadReader]
+) -> None:
+    """Fill `replica.running/waiting` from whichever load endpoint the server offers."""
+    order = list(readers)
+    if replica.load_endpoint in readers:
+        order.remove(replica.load_endpoint)
+        order.insert(0, replica.load_endpoint)
+    for endpoint in order:
+        try:
+            figures = await readers[endpoint](client, replica.url, timeout)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            figures = None
+        if figures is not None:
+            replica.running, replica.waiting, replica.max_running = figures
+            replica.load_endpoint = endpoint
+            replica.read_at = time.monotonic()
+            replica.in_flight = 0
+            replica.unknown_logged = False
+            return
+    replica.running = replica.waiting = None
+    replica.read_at = time.monotonic()
+    if not replica.unknown_logged:
+        replica.unknown_logged = True
+        logger.warning(
+            "replica %s: load unknown (no answer from %s); the policy sees an unknown batch size",
+            replica.url,
+            ", ".join(order),
+        )
+
+
+def parse_prometheus_sum(text: str, metric: str) -> float | None:
+    """Sum of all samples of one metric (over label sets) in Prometheus text format."""
+    total = None
+    for line in text.splitlines():
+        if not line.startswith(metric) or line.startswith("#"):
+            continue
+        rest = line[len(metric) :]
+        if rest and rest[0] not in "{ ":
+            continue  # a longer metric name sharing the prefix
+        try:
+            value = float(rest.rsplit(None, 1)[-1] if "}" not in rest else rest.split("}", 1)[1].split()[0])
+        except (ValueError, IndexError):
+            continue
+        total = (total or 0.0) + value
+    return total
+
+
+def _affinity_score(key: str, url: str) -> int:
+    """Rendezvous (highest-random-weight) hashing: a stable order of replicas per key, which moves
+    only the keys of a replica that leaves or joins."""
+    return int.from_bytes(hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest(), "big")
+
+
+def rank_replicas(
+    replicas: list[Replica], key: str | None, now: float, load_factor: float
+) -> list[Replica]:
+    """Replicas in the order to try them: healthy before marked-down ones; among the healthy, with
+    a key, its hash order while within the load bound, then the rest least loaded first; without
+    a key, least loaded first (unknown load last)."""
+    up = [r for r in replicas if r.down_until <= now]
+    down = sorted((r for r in replicas if r.down_until > now), key=lambda r: r.load)
+    by_load = sorted(up, key=lambda r: r.load)
+    if key is None or load_factor <= 0 or len(up) < 2:
+        return by_load + down
+    known = [r.load for r in up if r.running is not None]
+    order = sorted(up, key=lambda r: _affinity_score(key, r.url), reverse=True)
+    if not known:  # nothing to bound by: keep the conversation where it hashes
+        return order + down
+    bound = load_factor * (sum(known) + 1) / len(known) + 1
+    within = [r for r in order if r.running is not None and r.load + 1 <= bound]
+    rest = [r for r in by_load if r not in within]
+    return within + rest + down
+
+
+# ---------------------------------------------------------------- the provider
+
+
+class _NextReplica(Exception):
+    """This replica failed before anything went out: mark it down, try the next."""
+
+
+class PoolProvider(Provider):
+    """A provider over pools of OpenAI-compatible engine servers; subclasses are the dialects."""
+
+    engine = "engine"  # the engine's name in messages ("SGLang", "vLLM")
+
+    def __init__(self, name: str, config: PoolConfigBase, client: httpx.AsyncClient | None = None) -> None:
+        self.name = name
+        self.config = config
+        methods = frozenset(p.method for p in config.pools.values())
+        self.capabilities = Capabilities(tools=True, streaming=True, spec_methods=methods)
+        self.pools: dict[str, list[Replica]] = {
+            pool_name: [Replica(url) for url in pool.replicas] for pool_name, pool in config.pools.items()
+        }
+        headers = {}
+        if config.api_key_env:
+            key = os.environ.get(config.api_key_env)
+            if not key:
+                raise ValueError(f"provider {name!r}: environment variable {config.api_key_env} is not set")
+            register_secret(key)
+            headers["Authorization"] = f"Bearer {key}"
+        self._client = client or httpx.AsyncClient(headers=headers)
+        self._owns_client = client is None
+        self._refresh_lock = asyncio.Lock()
+
+    # ---- the dialect ----
+
+    def load_readers(self) -> dict[str, LoadReader]:
+        raise NotImplementedError
+
+    def body(self, request: ChatRequest, stream: bool) -> dict[str, Any]:
+        body = wire.request_body(request, self.config.model)
+        if stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def capture(self, ext: dict[str, Any], data: dict[str, Any]) -> None:
+        """Keep what the dialect's speculation figures need from a response or stream event."""
+
+    def spec_figures(self, ext: dict[str, Any], pool: str, gamma: int, usage: Usage) -> dict[str, Any]:
+        """SpeculationOutcome figures from what `capture` kept ({} when there are none)."""
+        return {}
+
+    def request_error(self, resp: httpx.Response) -> ProviderError:
+        return http_error(resp, self.name)
+
+    # ---- load and choice ----
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.config.model]
+
+    def _all_replicas(self) -> list[Replica]:
+        return [r for replicas in self.pools.values() for r in replicas]
+
+    def load(self) -> ProviderLoad:
+        """The least-loaded replica's figures (what a request joining now would see); unknown
+        (`ProviderLoad(unknown=True)`) where no replica's load could be read."""
+        known = [r for r in self._all_replicas() if r.running is not None]
+        if not known:
+            return ProviderLoad(unknown=True)
+        best = min(known, key=lambda r: r.load)
+        return ProviderLoad(
+            batch_size=best.running + best.in_flight, queue_depth=best.waiting, max_batch=best.max_running
+        )
+
+    async def current_load(self) -> ProviderLoad:
+        await self.refresh_loads()
+        return self.load()
+
+    async def refresh_loads(self, replicas: list[Replica] | None = None) -> None:
+        now = time.monotonic()
+        stale = [r for r in (replicas or self._all_replicas()) if now - r.read_at >= self.config.load_cache_s]
+        if not stale:
+            return
+        async with self._refresh_lock:  # concurrent requests share one round of reads
+            now = time.monotonic()
+            stale = [r for r in stale if now - r.read_at >= self.config.load_cache_s]
+            readers = self.load_readers()
+            await asyncio.gather(
+                *(read_replica_load(self._client, r, self.config.load_timeout_s, readers) for r in stale)
+            )
+
+    def choose_pool(self, ctx: CallContext) -> str:
+        decision = ctx.decision
+        pool = getattr(decision, "pool", None) if decision is not None else None
+        if pool:
+            if pool in self.pools:
+                return pool
+            logger.warning("%s: policy pool %r is not configured; choosing by method", self.name, pool)
+        method = getattr(decision, "method", None) if decision is not None else None
+        if method:
+            for name, cfg in self.config.pools.items():
+                if cfg.method == method:
+                    return name
+        return self.config.default_pool  # type: ignore[return-value]
+
+    async def ranked_replicas(self, pool: str, conversation_id: str | None = None) -> list[Replica]:
+        replicas = self.pools[pool]
+        await self.refresh_loads(replicas)
+        return rank_replicas(replicas, conversation_id, time.monotonic(), self.config.affinity_load_factor)
+
+    # ---- the attempt loop ----
+
+    def _timeout(self) -> httpx.Timeout:
+        c = self.config
+        return httpx.Timeout(c.first_token_timeout_s, connect=c.connect_timeout_s)
+
+    async def _over_replicas(
+        self,
+        pool: str,
+        ctx: CallContext,
+        attempt: Callable[[Replica], AsyncIterator[Any]],
+    ) -> AsyncGenerator[Any, None]:
+        """What `attempt(replica)` yields, from the first replica that serves: one loop for plain
+        calls (one item) and streams (chunks)."""
+        errors: list[str] = []
+        for replica in await self.ranked_replicas(pool, ctx.conversation_id):
+            replica.in_flight += 1
+            yielded = False
+            try:
+                async with aclosing(attempt(replica)) as items:
+                    async for item in items:
+                        yielded = True
+                        yield item
+                return
+            except _NextReplica as exc:
+                self._mark_down(replica, errors, f"{replica.url}: {exc}")
+            except httpx.TimeoutException as exc:
+                if yielded:
+                    raise StreamBroken(f"{self.engine} stream stalled: {exc!r}", provider=self.name) from exc
+                raise ProviderTimeout(f"{replica.url}: no first token in time ({exc!r})", provider=self.name) from exc
+            except httpx.TransportError as exc:
+                if yielded:
+                    raise StreamBroken(f"{self.engine} stream broke: {exc!r}", provider=self.name) from exc
+                self._mark_down(replica, errors, f"{replica.url}: {exc!r}")
+            finally:
+                replica.in_flight = max(0, replica.in_flight - 1)
+        raise ProviderUnavailable(f"no replica of pool {pool!r} served: {'; '.join(errors)}", provider=self.name)
+
+    def _mark_down(self, replica: Replica, errors: list[str], why: str) -> None:
+        replica.down_until = time.monotonic() + self.config.down_for_s
+        errors.append(why)
+        logger.warning("%s: replica failed before the first token, trying the next: %s", self.name, why)
+
+    # ---- plain ----
+
+    async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
+        pool = self.choose_pool(ctx)
+        body = self.body(request, stream=False)
+
+        async def attempt(replica: Replica) -> AsyncIterator[ChatResult]:
+            resp = await self._client.post(f"{replica.url}/v1/chat/completions", json=body, timeout=self._timeout())
+            if resp.status_code >= 500:
+                raise _NextReplica(f"HTTP {resp.status_code} {error_message(resp)}")
+            if resp.status_code != 200:
+                raise self.request_error(resp)
+            yield self._result(resp, pool, ctx)
+
+        async with aclosing(self._over_replicas(pool, ctx, attempt)) as results:
+            async for result in results:
+                return result
+        raise ProviderUnavailable(f"{self.engine} returned nothing", provider=self.name)  # pragma: no cover
+
+    def _result(self, resp: httpx.Response, pool: str, ctx: CallContext) -> ChatResult:
+        try:
+            data = resp.json()
+        except ValueError as exc:
+            raise ProviderBadResponse(
+                f"{self.engine} answered 200 with a body that is not JSON: {exc}", provider=self.name
+            ) from None
+        body = wire.read_response(data, self.name)
+        choice = body.choices[0]
+        finish = choice.finish_reason or "stop"
+        if finish == "abort":  # the server dropped the request; nothing usable came back
+            raise ProviderUnavailable(f"{self.engine} aborted the request", provider=self.name)
+        usage = body.usage.usage() if body.usage else Usage()
+        tool_calls = wire.tool_calls_of(choice.message, self.name)
+        ext: dict[str, Any] = {}
+        self.capture(ext, data)
+        outcome = self._speculation(ext, pool, ctx, usage)
+        result = ChatResult.single(
+            id=body.id,
+            model=body.model or self.config.model,
+            # SGLang sends content "" beside tool calls; OpenAI's shape has null there
+            content=choice.message.content or (None if tool_calls else ""),
+            tool_calls=tool_calls,
+            finish_reason=wire.finish_reason(finish, bool(tool_calls)),
+            usage=usage,
+            speculation=SpeculationInfo.from_outcome(outcome),
+            provider=self.name,
+        )
+        return result.attach_outcome(outcome)
+
+    def _speculation(self, ext: dict[str, Any], pool: str, ctx: CallContext, usage: Usage) -> SpeculationOutcome:
+        cfg = self.config.pools[pool]
+        decision = ctx.decision
+        gamma = cfg.gamma_for(decision)
+        figures = self.spec_figures(ext, pool, gamma, usage) if cfg.method != "off" else {}
+        return SpeculationOutcome(
+            method=cfg.method,
+            gamma=gamma,
+            completion_tokens=usage.completion_tokens,
+            rule=decision.rule if decision is not None else None,
+            policy_version=decision.policy_version if decision is not None else None,
+            pool=pool,
+            **figures,
+        )
+
+    # ---- streamed ----
+
+    def stream(self, request: ChatRequest, ctx: CallContext) -> AbstractAsyncContextManager[ChatStream]:
+        return chat_stream(self._stream(request, ctx))
+
+    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncGenerator[ChatChunk, None]:
+        pool = self.choose_pool(ctx)
+        body = self.body(request, stream=True)
+
+        async def attempt(replica: Replica) -> AsyncIterator[ChatChunk]:
+            async with self._client.stream(
+                "POST", f"{replica.url}/v1/chat/completions", json=body, timeout=self._timeout()
+            ) as resp:
+                if resp.status_code >= 500:
+                    await resp.aread()
+                    raise _NextReplica(f"HTTP {resp.status_code} {error_message(resp)}")
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise self.request_error(resp)
+                async with aclosing(self._chunks(resp, pool, ctx)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+
+        async with aclosing(self._over_replicas(pool, ctx, attempt)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _chunks(self, resp: httpx.Response, pool: str, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+        """SSE events -> ChatChunks. A failure before the first chunk tries the next replica
+        (transport errors reach the attempt loop as they are); after it, StreamBroken."""
+        acc = wire.ChunkAccumulator(self.config.model)
+        ext: dict[str, Any] = {}
+        engine = self.engine
+        try:
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # comments, `event:` lines (SGLang's framed `sglext_ids`), blanks
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                data = json.loads(payload)
+                if isinstance(data, dict) and "error" in data:
+                    err = error_from_body(data["error"], self.name)
+                    if acc.started:
+                        raise StreamBroken(f"{engine} stream error: {err.message}", provider=self.name)
+                    if err.fallback_ok:
+                        raise _NextReplica(f"stream error before the first token: {err.message}")
+                    raise err
+                if isinstance(data, dict):
+                    self.capture(ext, data)
+                for chunk in acc.feed(wire.read_chunk(data, self.name)):
+                    yield chunk
+        except (json.JSONDecodeError, ProviderBadResponse) as exc:
+            if acc.started:
+                raise StreamBroken(f"{engine} stream unreadable: {exc}", provider=self.name) from exc
+            if isinstance(exc, ProviderBadResponse):
+                raise
+            raise ProviderBadResponse(f"{engine} stream event is not JSON: {exc}", provider=self.name) from exc
+        if acc.finish is None:
+            if acc.started:
+                raise StreamBroken(f"{engine} stream ended without a finish_reason", provider=self.name)
+            raise _NextReplica("stream ended before any token")
+        if acc.finish == "abort":
+            if acc.started:
+                raise StreamBroken(f"{engine} aborted the request mid-stream", provider=self.name)
+            raise ProviderUnavailable(f"{engine} aborted the request", provider=self.name)
+        usage = acc.usage or Usage()
+        outcome = self._speculation(ext, pool, ctx, usage)
+        yield acc.final(SpeculationInfo.from_outcome(outcome), self.name).attach_outcome(outcome)
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+
+# ---------------------------------------------------------------- errors
+
+
+def error_message(resp: httpx.Response) -> str:
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text[:200]
+    if isinstance(data, dict):
+        inner = data.get("error") if isinstance(data.get("error"), dict) else data
+        return str(inner.get("message") or inner.get("detail") or data)[:500]
+    return str(data)[:200]
+
+
+def error_param(resp: httpx.Response) -> str | None:
+    try:
+        data = resp.json()
+    except ValueError:
+        return None
+    if isinstance(data, dict):
+        inner = data.get("error") if isinstance(data.get("error"), dict) else data
+        param = inner.get("param")
+        return str(param) if param else None
+    return None
+
+
+def http_error(resp: httpx.Response, provider: str, param: str | None = None) -> ProviderError:
+    message = error_message(resp)
+    code = resp.status_code
+    if code == 429:
+        return ProviderRateLimited(
+            message, provider=provider, status_code=code, retry_after=wire.retry_after(resp.headers)
+        )
+    if code in (408, 504):
+        return ProviderTimeout(message, provider=provider, status_code=code)
+    if code >= 500:
+        return ProviderUnavailable(message, provider=provider, status_code=code)
+    return ProviderBadRequest(message, provider=provider, status_code=code, param=param or error_param(resp))
+
+
+def error_from_body(err: Any, provider: str) -> ProviderError:
+    if not isinstance(err, dict):
+        return ProviderUnavailable(str(err), provider=provider)
+    message = str(err.get("message") or err)
+    try:
+        code = int(err.get("code") or 500)
+    except (TypeError, ValueError):
+        code = 500
+    if code == 429:
+        return ProviderRateLimited(message, provider=provider, status_code=code)
+    if code >= 500:
+        return ProviderUnavailable(message, provider=provider, status_code=code)
+    return ProviderBadRequest(message, provider=provider, status_code=code, param=err.get("param") or None)
