@@ -3,6 +3,10 @@
 PyYAML's composer keeps a mark (line, column) on every node; we construct the data ourselves
 from the node tree so that each path like ("rules", 2, "gamma") maps back to its position.
 Duplicate keys, which PyYAML silently lets the last one win, are reported as problems.
+
+Bounded: a file is parsed only within LIMITS (its size, nesting depth, number of aliases, and the
+values the aliases expand to), so a few hundred bytes of anchors ("billion laughs") or an alias
+inside the node it names are a problem at the alias's FILE:LINE:COL, not gigabytes and a pegged CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +20,20 @@ import yaml
 from openalice_runner.config_files.errors import ConfigError, Problem
 
 Path = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class YamlLimits:
+    """What an operator file may cost to read. Real policy and providers files are a few KiB with
+    a handful of aliases; these are far above that and far below what hurts a server."""
+
+    max_bytes: int = 1 << 20
+    max_depth: int = 64  # nested mappings and sequences
+    max_aliases: int = 1_000
+    max_values: int = 100_000  # every value once per place it appears, aliases expanded
+
+
+LIMITS = YamlLimits()
 
 
 @dataclass
@@ -44,7 +62,52 @@ class Located:
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 booleans: only true/false, so `method: off` stays the string "off"."""
+    """SafeLoader with YAML 1.2 booleans: only true/false, so `method: off` stays the string "off";
+    its composer counts aliases and depth and refuses an alias inside the node it names."""
+
+    limits = LIMITS
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.alias_uses: list[tuple[yaml.Node, yaml.Mark, str]] = []  # (target, where, name)
+        self._open_anchors: set[str] = set()
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            if event.anchor in self._open_anchors:
+                raise yaml.composer.ComposerError(
+                    None, None, f"alias *{event.anchor} is inside the node &{event.anchor} it names "
+                    "(a recursive alias)", event.start_mark)  # fmt: skip
+            if len(self.alias_uses) >= self.limits.max_aliases:
+                raise yaml.composer.ComposerError(
+                    None, None, f"more than {self.limits.max_aliases} aliases", event.start_mark
+                )
+            node = super().compose_node(parent, index)
+            self.alias_uses.append((node, event.start_mark, event.anchor))
+            return node
+        return super().compose_node(parent, index)
+
+    def _nested(self, compose: Any, anchor: str | None) -> Any:
+        self._depth += 1
+        if self._depth > self.limits.max_depth:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested more than {self.limits.max_depth} deep", self.peek_event().start_mark
+            )
+        if anchor is not None:
+            self._open_anchors.add(anchor)
+        try:
+            return compose(anchor)
+        finally:
+            self._open_anchors.discard(anchor)
+            self._depth -= 1
+
+    def compose_sequence_node(self, anchor: str | None) -> Any:
+        return self._nested(super().compose_sequence_node, anchor)
+
+    def compose_mapping_node(self, anchor: str | None) -> Any:
+        return self._nested(super().compose_mapping_node, anchor)
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -68,6 +131,9 @@ def load_located(
     `empty` says what the file needs, for the empty-file problem; `error` is the caller's ConfigError
     subclass (PolicyError, RoutingConfigError), so its callers catch the one they expect.
     """
+    limit = LIMITS.max_bytes
+    if len(text) > limit:  # characters; a byte cap is the caller's (the file's size)
+        raise error([Problem(source, 1, 1, f"file is larger than {limit} bytes; the limit is {limit}")])
     try:
         loader = _Loader(text)
     except yaml.YAMLError as exc:  # the reader rejects control characters up front
@@ -84,6 +150,9 @@ def load_located(
         located = Located(data=None, source=source)
         if root is None:
             raise error([Problem(source, 1, 1, f"file is empty: {empty}")])
+        too_big = _expansion_problem(root, loader, source)
+        if too_big is not None:
+            raise error([too_big])
         problems: list[Problem] = []
         located.data = _build(root, (), loader, located, problems)
         if problems:
@@ -91,6 +160,36 @@ def load_located(
         return located
     finally:
         loader.dispose()
+
+
+def _expansion_problem(root: yaml.Node, loader: _Loader, source: str) -> Problem | None:
+    """The alias that makes the file too large once expanded (the largest one), or None.
+
+    Sizes are counted over the node graph, each distinct node once (memoised), so counting a
+    bomb costs what its few hundred bytes hold, not what it would expand to."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        if isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(item) for item in node.value)
+        else:
+            total = 1
+        sizes[id(node)] = total
+        return total
+
+    limit = LIMITS.max_values
+    total = size(root)
+    if total <= limit:
+        return None
+    target, mark, name = max(loader.alias_uses, key=lambda use: size(use[0]), default=(root, root.start_mark, ""))
+    what = f"alias *{name} repeats {size(target)} values" if name else "the file holds"
+    return Problem(source, mark.line + 1, mark.column + 1,
+                   f"{what}; expanded, the file would hold {total} values, more than the limit of {limit}")  # fmt: skip
 
 
 def _build(node: yaml.Node, path: Path, loader: _Loader, loc: Located, problems: list[Problem]) -> Any:

@@ -6,6 +6,9 @@
   a broken file is reported through `last_error` and the log, and the last good policy stays.
 * The watcher polls mtime and size each `interval` seconds and reloads when the content hash changes
   (polling works everywhere, needs no inotify, and an editor's rename-into-place is seen too).
+  It runs in its own thread, never on an event loop; the YAML loader's limits (size, depth,
+  aliases and what they expand to: config_files/yaml_nodes.py) bound what one parse can cost, so a
+  hostile edit fails fast and the next valid edit applies at the next poll.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import threading
 from pathlib import Path
 
 from openalice_runner.config_files.errors import Problem
+from openalice_runner.config_files.yaml_nodes import LIMITS
 from openalice_runner.policies.adaptive import AdaptiveGamma
 from openalice_runner.policies.decision import CompiledPolicy, Decision, RequestContext
 from openalice_runner.policies.errors import PolicyError
@@ -172,8 +176,11 @@ def _stat(path: Path) -> tuple[int, int] | None:
 
 
 def _read(path: Path) -> tuple[bytes, tuple[int, int] | None]:
+    limit = LIMITS.max_bytes
     try:
         stat = _stat(path)
+        if stat is not None and stat[1] > limit:  # not read at all: the loader would refuse it anyway
+            raise PolicyError([Problem(str(path), 1, 1, f"file is {stat[1]} bytes; the limit is {limit}")])
         return path.read_bytes(), stat
     except OSError as exc:
         raise PolicyError(

@@ -4,6 +4,10 @@ An edit that validates is applied live (routes, admission limits, new providers:
 a provider whose definition changed keeps its old one until a restart, and /health says so. An edit
 that does not validate changes nothing: the last good config stays in force, the problems (each
 FILE:LINE:COL) go to the log and to /health until the file is fixed.
+
+The file is read and parsed in a worker thread (the YAML loader's limits bound what that costs:
+config_files/yaml_nodes.py), so a hostile or huge edit never stalls the event loop; only applying
+a validated config runs on the loop, as requests read it there.
 """
 
 from __future__ import annotations
@@ -46,13 +50,26 @@ class RoutingWatcher:
 
     def check(self) -> bool:
         """Reload if the file changed; True when a new config was applied."""
+        return self._apply(self._parse())
+
+    _UNCHANGED = object()
+
+    def _parse(self) -> Any:
+        """The edited file's config; _UNCHANGED, or None when it was rejected. Runs in a thread."""
         stamp = self._stat()
         if stamp == self._stamp:
-            return False
+            return self._UNCHANGED
         self._stamp = stamp
+        from openalice_runner.config_files.yaml_nodes import LIMITS
+
+        if stamp is not None and stamp[1] > LIMITS.max_bytes:  # not even read
+            self._digest = None
+            self.last_error = f"{self.path}:1:1: file is {stamp[1]} bytes; the limit is {LIMITS.max_bytes}"
+            log.error("providers file rejected; the last good one stays in force", problems=self.last_error)
+            return None
         digest = self._hash()
         if digest == self._digest:
-            return False
+            return self._UNCHANGED
         self._digest = digest
         from openalice_runner.providers.config import load_routing_file
 
@@ -63,6 +80,11 @@ class RoutingWatcher:
             self.last_error = str(exc)
             log.error("providers file rejected; the last good one stays in force", source=str(self.path),
                       problems=self.last_error)  # fmt: skip
+            return None
+        return routing
+
+    def _apply(self, routing: Any) -> bool:
+        if routing is None or routing is self._UNCHANGED:
             return False
         try:
             self.needs_restart = self.runner.apply_routing(routing)
@@ -90,7 +112,7 @@ class RoutingWatcher:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                self.check()
+                self._apply(await asyncio.to_thread(self._parse))
             except Exception as exc:  # the watcher must outlive anything a file can do to it
                 log.error("providers watch failed", error_type=type(exc).__name__)
 
