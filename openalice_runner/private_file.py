@@ -2,8 +2,10 @@
 readable by its owner only.
 
 The path must not be a symbolic link (O_NOFOLLOW: someone who can write the directory could point
-it at a file they can read), must be a regular file this user owns, and ends up mode 0600 even when
-it existed with a wider mode (fchmod on the open descriptor, so no other path is involved).
+it at a file they can read), must be a regular file this user owns with no other hard link (a
+link elsewhere is another name for the same data, maybe readable: chmod fixes this name's inode
+but the other path was chosen by whoever made the link), and ends up mode 0600 even when it
+existed with a wider mode (fchmod on the open descriptor, so no other path is involved).
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ def open_private_append(path: str | os.PathLike[str], what: str) -> int:
             raise PrivateFileError(
                 f"{what} {path} is owned by uid {info.st_uid}, not by this user ({os.geteuid()}); "
                 "refusing to write private data into it"
+            )
+        if info.st_nlink > 1:
+            raise PrivateFileError(
+                f"{what} {path} has {info.st_nlink} hard links; another name for the same file could "
+                "expose what is written here, so it is refused (give a file with one link, or a new path)"
             )
         os.fchmod(fd, 0o600)  # an existing file keeps no wider mode
     except BaseException:
