@@ -125,6 +125,9 @@ def check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     names another); ValueError naming the first problem."""
     import jsonschema
 
+    from openalice_runner.schema_limits import check_schema_limits
+
+    check_schema_limits(schema)  # before jsonschema's check, which recurses
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -254,7 +257,7 @@ class SamplingSettings(StrictModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)  # OpenAI's range (a uint64)
     stop: list[str] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
 
@@ -291,7 +294,7 @@ class ChatRequest(SamplingSettings):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    stream: bool = False
+    stream: bool = Field(default=False, strict=True)  # "yes" or 1 is refused, not taken as true
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None

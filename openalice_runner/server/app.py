@@ -24,8 +24,10 @@ from openalice_runner.providers.base import CallContext
 from openalice_runner.providers.instrumented import OTEL_CONTEXT_KEY
 from openalice_runner.providers.streams import ChatStream
 from openalice_runner.redaction import register_secret
+from openalice_runner.server.body import read_chat_request
 from openalice_runner.server.context import caller_trace_context, turn_context
 from openalice_runner.server.deadline import ClientGone, Deadline, DeadlineExceeded, race, request_deadline
+from openalice_runner.server.error_log import ERRORS
 from openalice_runner.server.errors import APIError, install_error_handlers
 from openalice_runner.server.guard import PUBLIC_PATHS, GuardMiddleware
 from openalice_runner.server.health import authenticated, file_status
@@ -136,11 +138,12 @@ def create_app(
         public_paths=PUBLIC_PATHS | {"/metrics"} if settings.metrics_public else PUBLIC_PATHS,
     )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ServerChatRequest, request: Request) -> Response:
+    @app.post("/v1/chat/completions", openapi_extra=_CHAT_BODY_DOC)
+    async def chat_completions(request: Request) -> Response:
+        body = await read_chat_request(request)  # parsed and validated off the loop (server/body.py)
         tc = turn_context(request.headers, body.metadata)
         deadline = request_deadline(request.headers, body.timeout, settings.request_timeout_s)
-        check_request(body, max_tokens_limit=settings.max_tokens_limit)
+        await anyio.to_thread.run_sync(lambda: check_request(body, max_tokens_limit=settings.max_tokens_limit))
         refused = _refusal(tc.turn_type, body.model)
         if refused is not None:  # every provider of the route is full: 429 before any work
             labels = {"turn_type": bounds.turn_type(tc.turn_type), "stream": str(body.stream).lower()}
@@ -300,7 +303,25 @@ def create_app(
         text = await anyio.to_thread.run_sync(metrics.scrape, settings.metrics_max_age_s)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
+    _with_chat_schemas(app)
     return app
+
+
+# The body is read by read_chat_request, not by FastAPI; the OpenAPI document still shows its schema.
+_CHAT_SCHEMA = ServerChatRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+_CHAT_DEFS = _CHAT_SCHEMA.pop("$defs", {})
+_CHAT_BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {"schema": _CHAT_SCHEMA}}}}
+
+
+def _with_chat_schemas(app: FastAPI) -> None:
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        doc = generate()
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(_CHAT_DEFS)
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _model_object(name: str, created: int) -> dict[str, Any]:
@@ -310,7 +331,7 @@ def _model_object(name: str, created: int) -> dict[str, Any]:
 def api_error_from(exc: BaseException) -> APIError:
     error = _map_error(exc)
     if error.status_code >= 500 and error.code == "internal_error":
-        log.error("request failed", error_type=type(exc).__name__, exc_info=exc)
+        ERRORS.report("request failed", exc)  # one line, the traceback once per distinct error
     return error
 
 

@@ -152,5 +152,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("unhandled error", path=request.url.path, error_type=type(exc).__name__, exc_info=exc)
+        from openalice_runner.server.error_log import ERRORS
+
+        ERRORS.report("unhandled error", exc, path=request.url.path)  # rate-limited; traceback once per kind
         return APIError(500, "internal error", code="internal_error").response()

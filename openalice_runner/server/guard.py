@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import secrets
 import time
 from typing import Any
 
 import structlog
 from fastapi import HTTPException
 
+from openalice_runner.server.error_log import REQUEST_ID
 from openalice_runner.server.errors import APIError
 from openalice_runner.server.metrics import ServerMetrics
 
@@ -68,11 +70,14 @@ class GuardMiddleware:
         response = _ResponseState()
         state = scope.setdefault("state", {})
         extra: dict[str, Any] = {}
+        request_id = secrets.token_hex(8)  # in the access log, error lines and X-Request-Id
+        REQUEST_ID.set(request_id)
 
         async def send_wrapper(message: dict) -> None:
             response.note(message)
             if message["type"] == "http.response.start":
                 status_holder["status"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
             await send(message)
 
         try:
@@ -102,6 +107,7 @@ class GuardMiddleware:
                 extra.update(trace_id=ids[0], span_id=ids[1])
             log.info(
                 "request",
+                request_id=request_id,
                 method=scope.get("method"),
                 path=route,
                 status=status,

@@ -1,0 +1,42 @@
+"""What a request's JSON Schema (tools[].function.parameters, response_format.json_schema.schema)
+may cost, checked before anything recursive reads it.
+
+jsonschema's meta-schema check, our schema rewrites and the grammar compiler all recurse over a
+schema: a few KB nested 100 deep was a RecursionError (500) and 300 KB of traceback per request.
+The walk here is iterative. OpenAI itself allows 10 levels of nesting and 5,000 properties in a
+structured-output schema; these limits are well above that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SchemaLimits:
+    max_depth: int = 64  # nested JSON objects and arrays
+    max_nodes: int = 50_000  # JSON values in all
+
+
+LIMITS = SchemaLimits()
+
+
+def check_schema_limits(schema: Any, limits: SchemaLimits = LIMITS) -> None:
+    """ValueError naming the limit `schema` passes (depth or size); nothing recursive runs here."""
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    nodes = 0
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > limits.max_nodes:
+            raise ValueError(f"the schema has more than {limits.max_nodes} JSON values (the limit)")
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > limits.max_depth:
+            raise ValueError(f"the schema is nested more than {limits.max_depth} levels deep (the limit)")
+        stack.extend((child, depth + 1) for child in children)
