@@ -55,6 +55,10 @@ def build_provider(name: str, config: Any, engine: Any = None) -> Provider:
         from openalice_runner.providers.sglang import SGLangProvider
 
         return SGLangProvider(name, config)
+    if config.type == "vllm":
+        from openalice_runner.providers.vllm import VLLMProvider
+
+        return VLLMProvider(name, config)
     if config.type == "hosted":
         from openalice_runner.providers.hosted import HostedProvider
 

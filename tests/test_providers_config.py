@@ -124,7 +124,7 @@ PARSED = "p: {replicas: [http://x], launch: {tool_call_parser: llama3}}"  # a de
 @pytest.mark.parametrize(
     ("policy", "pools", "expected"),
     [
-        ("default: {method: off, pool: nope}\n", PARSED, "p.yaml:1:30: unknown pool 'nope': no SGLang provider"),
+        ("default: {method: off, pool: nope}\n", PARSED, "p.yaml:1:30: unknown pool 'nope': no SGLang or vLLM provider"),
         (  # the pool's algorithm decides which methods it serves
             "default: {method: eagle, gamma: 2, pool: n}\n",
             "{n: {replicas: [http://x], launch: {algorithm: NGRAM, tool_call_parser: llama3}}, " + PARSED + "}",

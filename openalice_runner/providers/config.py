@@ -3,6 +3,7 @@
     providers:
       local: {type: local}
       gpu:   {type: sglang, model: ..., pools: {eagle3: {...}, ngram: {...}}}
+      cpu:   {type: vllm, model: ..., pools: {ngram: {...}, plain: {...}}}
       cloud: {type: hosted, model: openai/gpt-4o-mini, api_key_env: OPENAI_API_KEY}
     routes:                      # first match wins
       - name: tools
@@ -34,8 +35,12 @@ from openalice_runner.providers.hosted import HostedConfig
 from openalice_runner.providers.local_config import LocalConfig
 from openalice_runner.providers.sglang import SGLangConfig
 from openalice_runner.providers.sglang_launch import launch_problems
+from openalice_runner.providers.vllm import VLLMConfig
+from openalice_runner.providers.vllm_launch import launch_problems as vllm_launch_problems
 
-ProviderConfig = Annotated[LocalConfig | SGLangConfig | HostedConfig, Field(discriminator="type")]
+ProviderConfig = Annotated[
+    LocalConfig | SGLangConfig | VLLMConfig | HostedConfig, Field(discriminator="type")
+]
 
 
 CATCH_ALL_MODEL = "*"
@@ -149,20 +154,25 @@ def load_routing_text(text: str, source: str = "<providers>") -> RoutingConfig:
         config = RoutingConfig.model_validate(loc.data)
     except ValidationError as exc:
         raise RoutingConfigError(_problems(exc, loc)) from None
-    _check_sglang_launch(config, loc)
+    _check_pool_launch(config, loc)
     _check_engine_extra(config, loc)
     return config
 
 
-def _check_sglang_launch(config: RoutingConfig, loc: Located) -> None:
-    """Each SGLang pool's launch settings, checked where they sit (they become its servers' flags)."""
+def _check_pool_launch(config: RoutingConfig, loc: Located) -> None:
+    """Each SGLang or vLLM pool's launch settings, checked where they sit (they become its
+    servers' flags)."""
     problems = []
     for name, provider in config.providers.items():
-        if not isinstance(provider, SGLangConfig):
+        if isinstance(provider, SGLangConfig):
+            check = launch_problems
+        elif isinstance(provider, VLLMConfig):
+            check = vllm_launch_problems
+        else:
             continue
         for pool_name, pool in provider.pools.items():
             at = ("providers", name, "pools", pool_name, "launch")
-            for sub, message, key in launch_problems(pool.launch):
+            for sub, message, key in check(pool.launch):
                 problems.append(loc.problem((*at, *sub), f"pool {pool_name!r}: {message}", key=key))
     if problems:
         raise RoutingConfigError(problems)
@@ -208,7 +218,7 @@ def _label(err_loc: tuple) -> str:
     parts = [
         str(p)
         for i, p in enumerate(err_loc)
-        if not (i == 2 and err_loc[0] == "providers" and p in ("local", "sglang", "hosted"))
+        if not (i == 2 and err_loc[0] == "providers" and p in ("local", "sglang", "vllm", "hosted"))
     ]
     return ".".join(parts) or "(top level)"
 

@@ -159,7 +159,9 @@ async def read_replica_load(
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             figures = None
         if figures is not None:
-            replica.running, replica.waiting, replica.max_running = figures
+            replica.running, replica.waiting, cap = figures
+            if cap is not None:  # a server that reports its cap; else what the launch says stays
+                replica.max_running = cap
             replica.load_endpoint = endpoint
             replica.read_at = time.monotonic()
             replica.in_flight = 0

@@ -1,19 +1,20 @@
-"""Cross-file checks: a policy's rules against the SGLang pools a routing file deploys.
+"""Cross-file checks: a policy's rules against the SGLang and vLLM pools a routing file deploys.
 
 The routing file owns each pool (replicas and launch settings); a policy rule only names one
 (`pool:`). What a rule needs of the pool it names is checked with both files, at load
 (`Runner.from_config` with both as files) and by `policy check POLICY --providers F`, each problem
 at the offending value (FILE:LINE:COL):
 
-- the pool exists in an SGLang provider of the routing file (rules that only fire for providers
-  the file lacks, or that are no SGLang, are not held against it);
+- the pool exists in an SGLang or vLLM provider of the routing file (rules that only fire for
+  providers the file lacks, or that have no pools, are not held against it);
 - the rule's method is one the pool's algorithm serves;
 - a pool serving tool_call turns (a rule naming it whose `turn_type` includes `tool_call` or is
   absent, the policy's default decision, or a provider's default_pool) has a tool_call_parser;
-- on an adaptive pool, a rule's batch range stays within max_running_requests (SGLang picks the
-  adaptive slot from its running requests, which never pass it);
-- the flags of a pool the rules route to can be generated (policies/sglang_args.py), e.g. an
-  adaptive pool's num_steps among the rules' candidates.
+- on an adaptive SGLang pool, a rule's batch range stays within max_running_requests (SGLang
+  picks the adaptive slot from its running requests, which never pass it); on a vLLM pool with
+  max_num_seqs, a rule's range neither starts nor ends past it (its running batch never does);
+- the flags of a pool the rules route to can be generated (policies/sglang_args.py,
+  policies/vllm_args.py), e.g. an adaptive pool's num_steps among the rules' candidates.
 """
 
 from __future__ import annotations
@@ -27,42 +28,55 @@ from openalice_runner.policies.errors import PolicyError
 from openalice_runner.policies.loader import parse_policy
 from openalice_runner.policies.schema import Policy
 from openalice_runner.policies.sglang_args import SGLangLaunch, compile_pool
+from openalice_runner.policies.vllm_args import VLLMLaunchLine, compile_vllm_pool
 from openalice_runner.providers.config import RoutingConfig, RoutingConfigError, load_routing_text
 from openalice_runner.providers.sglang import SGLangConfig, SGLangPool
 from openalice_runner.providers.sglang_launch import SERVES
+from openalice_runner.providers.vllm import VLLMConfig, VLLMPool
+from openalice_runner.providers.vllm_launch import SERVES as VLLM_SERVES
+
+ENGINE = {"sglang": "SGLang", "vllm": "vLLM"}
 
 
 @dataclass(frozen=True)
 class DeployedPool:
     provider: str
     name: str
-    pool: SGLangPool
+    pool: SGLangPool | VLLMPool
     model: str
+    dialect: str = "sglang"  # sglang | vllm
 
     @property
     def path(self) -> tuple:
         return ("providers", self.provider, "pools", self.name)
 
+    @property
+    def engine(self) -> str:
+        return ENGINE[self.dialect]
 
-def deployed_pools(routing: RoutingConfig) -> list[DeployedPool]:
+
+def deployed_pools(routing: RoutingConfig, dialect: str | None = None) -> list[DeployedPool]:
     return [
-        DeployedPool(provider, name, pool, cfg.model)
+        DeployedPool(provider, name, pool, cfg.model, cfg.type)
         for provider, cfg in routing.providers.items()
-        if isinstance(cfg, SGLangConfig)
+        if isinstance(cfg, SGLangConfig | VLLMConfig) and dialect in (None, cfg.type)
         for name, pool in cfg.pools.items()
     ]
 
 
-def find_pool(routing: RoutingConfig, pool: str, provider: str | None = None) -> DeployedPool:
-    """The pool named `pool` (of `provider`, when given). KeyError naming what there is otherwise."""
-    pools = deployed_pools(routing)
+def find_pool(
+    routing: RoutingConfig, pool: str, provider: str | None = None, dialect: str = "sglang"
+) -> DeployedPool:
+    """The `dialect` pool named `pool` (of `provider`, when given). KeyError naming what there is otherwise."""
+    pools = deployed_pools(routing, dialect)
+    engine = ENGINE[dialect]
     found = [p for p in pools if p.name == pool and provider in (None, p.provider)]
     if not found:
         known = ", ".join(sorted({f"{p.provider}.{p.name}" for p in pools})) or "none"
-        raise KeyError(f"unknown pool {pool!r} (SGLang pools in the routing file: {known})")
+        raise KeyError(f"unknown pool {pool!r} ({engine} pools in the routing file: {known})")
     if len(found) > 1:
         raise KeyError(
-            f"pool {pool!r} is in several SGLang providers ({', '.join(p.provider for p in found)}): "
+            f"pool {pool!r} is in several {engine} providers ({', '.join(p.provider for p in found)}): "
             "name one with --provider"
         )
     return found[0]
@@ -71,8 +85,20 @@ def find_pool(routing: RoutingConfig, pool: str, provider: str | None = None) ->
 def pool_launch(
     deployed: DeployedPool, policy: Policy | None, adaptive_config_path: str | None = None
 ) -> SGLangLaunch:
-    """The one flag generator's output for a deployed pool (ValueError where it cannot be made)."""
-    return compile_pool(deployed.pool.launch, deployed.name, policy, adaptive_config_path, deployed.model)
+    """The one flag generator's output for a deployed SGLang pool (ValueError where it cannot be made)."""
+    return compile_pool(deployed.pool.launch, deployed.name, policy, adaptive_config_path, deployed.model)  # type: ignore[arg-type]
+
+
+def vllm_pool_launch(deployed: DeployedPool, policy: Policy | None) -> VLLMLaunchLine:
+    """The vLLM server flags for a deployed vLLM pool (ValueError where they cannot be made)."""
+    return compile_vllm_pool(deployed.pool.launch, deployed.name, policy, deployed.model)  # type: ignore[arg-type]
+
+
+def _compile(deployed: DeployedPool, policy: Policy) -> None:
+    if deployed.dialect == "vllm":
+        vllm_pool_launch(deployed, policy)
+    else:
+        pool_launch(deployed, policy, "adaptive.json")
 
 
 def check_pool_files(policy_file: str | Path, routing_file: str | Path) -> list[Problem]:
@@ -90,7 +116,7 @@ def check_pool_files(policy_file: str | Path, routing_file: str | Path) -> list[
 def check_pools(policy: Policy, policy_loc: Located, routing: RoutingConfig, routing_loc: Located) -> list[Problem]:
     pools = deployed_pools(routing)
     if not pools:
-        return []  # no SGLang provider: the rules' pools never come into play
+        return []  # no pool provider: the rules' pools never come into play
     sglang_providers = {p.provider for p in pools}
     problems: list[Problem] = []
     named_pools: set[tuple[str, str]] = set()  # (provider, pool) some rule sends requests to
@@ -110,7 +136,7 @@ def check_pools(policy: Policy, policy_loc: Located, routing: RoutingConfig, rou
             problems.append(
                 policy_loc.problem(
                     (*path, "pool"),
-                    f"unknown pool {d.pool!r}: no SGLang provider in {routing_loc.source} has it "
+                    f"unknown pool {d.pool!r}: no SGLang or vLLM provider in {routing_loc.source} has it "
                     f"(pools there: {known})",
                 )
             )
@@ -129,14 +155,14 @@ def check_pools(policy: Policy, policy_loc: Located, routing: RoutingConfig, rou
                 routing_loc.problem(
                     at,
                     f"pool {target.name!r} is provider {target.provider!r}'s default_pool, so it serves "
-                    "tool_call turns, but has no launch.tool_call_parser: SGLang returns tool calls as text "
-                    "unless launched with --tool-call-parser",
+                    f"tool_call turns, but has no launch.tool_call_parser: {target.engine} returns tool "
+                    "calls as text unless launched with --tool-call-parser",
                 )
             )
         if (target.provider, target.name) not in named_pools:
             continue  # no rule of this policy routes there: its flags come from the launch alone
         try:
-            pool_launch(target, policy, "adaptive.json")
+            _compile(target, policy)
         except ValueError as exc:
             problems.append(routing_loc.problem((*target.path, "launch"), str(exc)))
     return problems
@@ -146,12 +172,12 @@ def _routed_problems(d, path: tuple, match, target: DeployedPool, loc: Located) 
     """What the pool a rule (or the default) names must offer the turns and batch sizes it sends."""
     launch = target.pool.launch
     name = target.name
-    if d.method not in SERVES[launch.algorithm]:
-        return [
-            loc.problem(
-                (*path, "method"), f"method {d.method} cannot be served by pool {name!r} ({launch.algorithm})"
-            )
-        ]
+    if target.dialect == "vllm":
+        serves, algorithm = VLLM_SERVES[launch.method], f"vLLM {launch.method}"  # type: ignore[union-attr]
+    else:
+        serves, algorithm = SERVES[launch.algorithm], launch.algorithm  # type: ignore[union-attr]
+    if d.method not in serves:
+        return [loc.problem((*path, "method"), f"method {d.method} cannot be served by pool {name!r} ({algorithm})")]
     problems = []
     turns = match.turn_type if match is not None else None
     serves_tools = turns is None or "tool_call" in ([turns] if isinstance(turns, str) else turns)
@@ -159,10 +185,12 @@ def _routed_problems(d, path: tuple, match, target: DeployedPool, loc: Located) 
         problems.append(
             loc.problem(
                 (*path, "pool"),
-                f"pool {name!r} serves tool_call turns but has no tool_call_parser: SGLang returns tool "
-                "calls as text unless launched with --tool-call-parser",
+                f"pool {name!r} serves tool_call turns but has no tool_call_parser: {target.engine} returns "
+                "tool calls as text unless launched with --tool-call-parser",
             )
         )
+    if target.dialect == "vllm":
+        return problems + _vllm_batch_problems(path, match, target, loc)
     limit = launch.max_running_requests
     if launch.adaptive and limit is not None and match is not None:
         b = match.batch_size
@@ -179,6 +207,27 @@ def _routed_problems(d, path: tuple, match, target: DeployedPool, loc: Located) 
                 )
             )
     return problems
+
+
+def _vllm_batch_problems(path: tuple, match, target: DeployedPool, loc: Located) -> list[Problem]:
+    """A vLLM pool runs at most max_num_seqs requests: a rule's range past it never fires there."""
+    limit = target.pool.launch.max_num_seqs  # type: ignore[union-attr]
+    b = match.batch_size if match is not None else None
+    if limit is None or b is None:
+        return []
+    for field, value in (("min", b.min), ("max", b.max)):
+        if value is not None and value > limit:
+            at = (*path, "match", "batch_size", field)
+            if at not in loc.values:
+                at = (*path, "match", "batch_size")
+            return [
+                loc.problem(
+                    at,
+                    f"batch_size {field} {value} is past vLLM pool {target.name!r}'s max_num_seqs {limit} "
+                    "(its running batch never passes it): bound the range at or below it",
+                )
+            ]
+    return []
 
 
 def _read(path: str | Path, error: type[ConfigError]) -> str:

@@ -1,0 +1,70 @@
+"""`openalice-runner vllm args`: one vLLM pool's server command line, from the routing file that deploys it.
+
+The routing file owns each pool's launch settings; the policy adds what only its rules know (γ where
+the launch leaves it out, `num_speculative_tokens_per_batch_size` from their batch ranges). Prints
+`python -m vllm.entrypoints.openai.api_server ...`. Exit codes: 0 ok, 2 invalid files or arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from openalice_runner import defaults
+
+DEFAULT_POLICY = str(defaults.path(defaults.POLICY))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("vllm", help="vLLM pools: server command lines")
+    sub = p.add_subparsers(dest="vllm_command", required=True, metavar="SUBCOMMAND")
+    a = sub.add_parser("args", help="the vLLM server command line for one pool, shell-quoted")
+    a.add_argument("--providers", required=True, metavar="FILE", help="the routing file that deploys the pool")
+    a.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        help="the policy whose rules route to the pool (γ, the per-batch table; default: the shipped one)",
+    )
+    a.add_argument("--pool", required=True)
+    a.add_argument("--provider", default=None, help="the vLLM provider, where several have the pool")
+    a.add_argument("--python", default="python", help="the interpreter of vLLM's venv (default: python)")
+    a.add_argument("--json", action="store_true", help='print {"pool", "args", "line", "speculative_config"}')
+    a.set_defaults(func=vllm_args)
+
+
+def vllm_args(args: argparse.Namespace) -> int:
+    from openalice_runner.config_files import ConfigError
+    from openalice_runner.policies import load_policy_file
+    from openalice_runner.providers.config import load_routing_file
+    from openalice_runner.providers.pool_checks import check_pool_files, find_pool, vllm_pool_launch
+
+    try:
+        problems = check_pool_files(args.policy, args.providers)
+        policy = load_policy_file(args.policy).policy
+        routing = load_routing_file(args.providers)
+    except ConfigError as exc:
+        problems = exc.problems
+    if problems:
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        return 2
+    try:
+        launch = vllm_pool_launch(find_pool(routing, args.pool, args.provider, dialect="vllm"), policy)
+    except KeyError as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = {
+            "pool": launch.pool,
+            "args": launch.args,
+            "line": launch.line(args.python),
+            "speculative_config": launch.speculative_config,
+        }
+        print(json.dumps(out))
+    else:
+        print(launch.line(args.python))
+    return 0

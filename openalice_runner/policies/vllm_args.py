@@ -1,0 +1,160 @@
+"""A vLLM pool's server command line: the routing file's launch settings plus the rules routed to it.
+
+vLLM, like SGLang, fixes speculation per server at launch (`--speculative-config` JSON), with at
+most a table of γ by running batch size (`num_speculative_tokens_per_batch_size`, a list of
+inclusive `[first, last, k]` ranges starting at 1; vLLM carries a range's k over gaps and past the
+last range, and caps every k at num_speculative_tokens: v1/spec_decode/dynamic/utils.py). This is
+the one generator of that line (`openalice-runner vllm args`):
+
+* `--model` (the launch's model_path, else the provider's model) served as `--served-model-name`
+  the provider's model, so requests name it.
+* `--speculative-config`: method (`ngram`, `suffix`, `eagle`/`eagle3` and `draft_model` with their
+  `model`), `num_speculative_tokens` (the launch's, else the largest γ of the rules routed to the
+  pool), the n-gram lookup bounds (the launch's, else the rules' ngram_min/ngram_max), and the
+  per-batch table cut where those rules' batch ranges start and end (`batch_table.py`, as for the
+  engine's γ tables and SGLang's adaptive slots); a piece takes the largest γ of the rules that
+  cover it (fixed γ, an auto rule's max_gamma, 0 for off). Left out when one γ holds throughout.
+* `--per-request-spec-decode-metrics summary` with speculation (the per-request figures the
+  provider reads), `--max-num-seqs`, `--max-model-len`, `--dtype`, `--enable-prefix-caching`,
+  `--enable-auto-tool-choice --tool-call-parser`, `--reasoning-parser`, `--chat-template`.
+Flag names and the JSON are checked with vLLM 0.32's own parser and SpeculativeConfig
+(tests/test_policy_vllm.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from openalice_runner.policies.batch_table import batch_segments
+from openalice_runner.policies.schema import DecisionSpec, Policy, Rule
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+_POLICY_METHOD = {"ngram": "ngram", "suffix": "suffix", "eagle": "eagle", "eagle3": "eagle", "draft_model": "draft"}
+
+
+class VLLMLaunchSettings(Protocol):
+    """providers/vllm_launch.py's VLLMLaunch, named by shape (policies/ does not import providers/)."""
+
+    model_path: str | None
+    method: str
+    draft_model: str | None
+    num_speculative_tokens: int | None
+    prompt_lookup_min: int | None
+    prompt_lookup_max: int | None
+    per_batch_size: bool
+    max_num_seqs: int | None
+    max_model_len: int | None
+    dtype: str | None
+    enable_prefix_caching: bool
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    chat_template: str | None
+    extra_args: list[str]
+
+
+@dataclass(frozen=True)
+class VLLMLaunchLine:
+    pool: str
+    args: list[str]  # the server's flags
+    speculative_config: dict[str, Any] | None
+
+    def line(self, python: str = "python") -> str:
+        return shlex.join([python, "-m", SERVER_MODULE, *self.args])
+
+
+def _routed(policy: Policy, pool: str) -> list[tuple[int, float, DecisionSpec]]:
+    out: list[tuple[int, float, DecisionSpec]] = []
+    for rule in policy.rules:
+        if rule.pool == pool:
+            b = rule.match.batch_size
+            out.append((b.min if b else 1, b.max if b and b.max is not None else float("inf"), rule))
+    if policy.default.pool == pool:
+        out.append((1, float("inf"), policy.default))
+    return out
+
+
+def _top_gamma(d: DecisionSpec | Rule, method: str) -> int:
+    """The most a rule lets a step of this pool draft: 0 for off or another method."""
+    if d.method == "off" or d.method != method:
+        return 0
+    return d.gamma_bounds[1]
+
+
+def batch_schedule(
+    routed: list[tuple[int, float, DecisionSpec]], method: str, cap: int, max_num_seqs: int | None
+) -> list[list[int]] | None:
+    """`num_speculative_tokens_per_batch_size` for the rules routed to a pool; None when one γ
+    holds throughout (or no rule says anything about batch sizes)."""
+    pieces = [
+        (lo, min(cap, max(_top_gamma(d, method) for d in covering)))
+        for lo, covering in batch_segments(routed)
+        if covering and (max_num_seqs is None or lo <= max_num_seqs)
+    ]
+    merged: list[tuple[int, int]] = []
+    for lo, k in pieces:
+        if not merged or merged[-1][1] != k:
+            merged.append((lo, k))
+    if len(merged) < 2:
+        return None
+    rows = []
+    for i, (lo, k) in enumerate(merged):
+        end = merged[i + 1][0] - 1 if i + 1 < len(merged) else max(lo, max_num_seqs or lo)
+        rows.append([1 if i == 0 else lo, end, k])  # vLLM wants the first range to start at 1
+    return rows
+
+
+def compile_vllm_pool(
+    launch: VLLMLaunchSettings, pool_name: str, policy: Policy | None, model: str
+) -> VLLMLaunchLine:
+    """The server flags for one pool. ValueError where neither the launch nor the rules set γ."""
+    routed = _routed(policy, pool_name) if policy is not None else []
+    args: list[str] = ["--model", launch.model_path or model, "--served-model-name", model]
+    spec: dict[str, Any] | None = None
+    if launch.method != "none":
+        policy_method = _POLICY_METHOD[launch.method]
+        tops = [_top_gamma(d, policy_method) for _, _, d in routed]
+        k = launch.num_speculative_tokens or max((t for t in tops if t > 0), default=None)
+        if k is None:
+            raise ValueError(
+                f"pool {pool_name!r}: no rule routes to it with speculation on; set num_speculative_tokens"
+            )
+        spec = {"method": launch.method, "num_speculative_tokens": k}
+        if launch.draft_model:
+            spec["model"] = launch.draft_model
+        if launch.method == "ngram":
+            lo, hi = launch.prompt_lookup_min, launch.prompt_lookup_max
+            if lo is None and hi is None:  # the rules' n-gram sizes, where they give them
+                sizes = [(d.options.ngram_min, d.options.ngram_max) for _, _, d in routed if d.method == "ngram"]
+                mins = [a for a, _ in sizes if a is not None]
+                maxs = [b for _, b in sizes if b is not None]
+                lo = min(mins) if mins else None
+                hi = max(maxs) if maxs else None
+            if lo is not None:
+                spec["prompt_lookup_min"] = lo
+            if hi is not None:
+                spec["prompt_lookup_max"] = max(hi, lo or hi)
+        if launch.per_batch_size:
+            table = batch_schedule(routed, policy_method, k, launch.max_num_seqs)
+            if table is not None:
+                spec["num_speculative_tokens_per_batch_size"] = table
+        args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+        args += ["--per-request-spec-decode-metrics", "summary"]
+    for flag, value in (
+        ("--max-num-seqs", launch.max_num_seqs),
+        ("--max-model-len", launch.max_model_len),
+        ("--dtype", launch.dtype),
+    ):
+        if value is not None:
+            args += [flag, str(value)]
+    args.append("--enable-prefix-caching" if launch.enable_prefix_caching else "--no-enable-prefix-caching")
+    if launch.tool_call_parser:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", launch.tool_call_parser]
+    if launch.reasoning_parser:
+        args += ["--reasoning-parser", launch.reasoning_parser]
+    if launch.chat_template:
+        args += ["--chat-template", launch.chat_template]
+    args += list(launch.extra_args)
+    return VLLMLaunchLine(pool_name, args, spec)
