@@ -159,7 +159,8 @@ def _guarded_server(header_timeout: float, max_connections: int) -> ServerThread
         return {"status": "ok"}
 
     args = argparse.Namespace(
-        host="127.0.0.1", port=0, shutdown_grace=1.0, header_timeout=header_timeout, max_connections=max_connections
+        host="127.0.0.1", port=0, shutdown_grace=1.0, header_timeout=header_timeout, max_connections=max_connections,
+        reserved_connections=0, body_timeout=30.0, body_grace=5.0, min_body_rate=1024.0,
     )
     server = ServerThread(app)
     server.server = uvicorn.Server(uvicorn_config(app, args))

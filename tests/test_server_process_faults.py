@@ -88,14 +88,15 @@ def test_sigterm_lets_the_request_in_flight_finish_refuses_new_ones_and_flushes(
                     break
             serve.proc.send_signal(signal.SIGTERM)  # mid-stream
 
-            def probe() -> None:  # new connections are refused while the stream still runs
+            def probe() -> None:  # new requests are answered 503 while the stream still runs (issue 34)
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline:
                     try:
-                        httpx.get(f"{serve.url}/health", timeout=1)
-                    except httpx.ConnectError:
-                        refused_at.append(time.monotonic())
-                        return
+                        r = httpx.get(f"{serve.url}/health", timeout=1)
+                        if r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down":
+                            assert r.headers["retry-after"] == "1"
+                            refused_at.append(time.monotonic())
+                            return
                     except httpx.HTTPError:
                         pass
                     time.sleep(0.05)
@@ -112,7 +113,7 @@ def test_sigterm_lets_the_request_in_flight_finish_refuses_new_ones_and_flushes(
     assert events[-1] == "[DONE]"  # the stream in flight finished whole
     usage = json.loads(events[-2])["usage"]
     assert usage["completion_tokens"] > 0
-    assert refused_at and refused_at[0] < finished_at, "new connections were still accepted"
+    assert refused_at and refused_at[0] < finished_at, "new requests were still served"
     spans = [json.loads(x) for x in trace.read_text().splitlines()]
     chats = [s for s in spans if s["attributes"].get("gen_ai.operation.name") == "chat"]
     assert (

@@ -78,7 +78,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "--max-connections", type=int, default=512, metavar="N",
-        help="open connections allowed; past it a new one gets 503 at once and is closed",
+        help="open connections allowed for requests; past it (and the reserved slice) a new one gets 503 at "
+        "once and is closed",
+    )  # fmt: skip
+    p.add_argument(
+        "--reserved-connections", type=int, default=16, metavar="N",
+        help="connections past --max-connections let in for /health and /metrics only (others get 503)",
+    )  # fmt: skip
+    p.add_argument(
+        "--body-timeout", type=float, default=30.0, metavar="S",
+        help="a request body must arrive within S seconds of its head; a slower one gets 408 and is closed",
+    )  # fmt: skip
+    p.add_argument(
+        "--min-body-rate", type=float, default=1024.0, metavar="B",
+        help="bytes a second a request body must average after its first --body-grace seconds (0: no minimum)",
+    )  # fmt: skip
+    p.add_argument("--body-grace", type=float, default=5.0, metavar="S", help="see --min-body-rate")
+    p.add_argument(
+        "--grammar-timeout", type=float, default=10.0, metavar="S",
+        help="longest a request's JSON schema or tool grammar may take to compile; past it: 400 grammar_timeout",
     )  # fmt: skip
     p.add_argument(
         "--metrics-public", action="store_true",
@@ -89,11 +107,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from openalice_runner.private_file import PrivateFileError
+    from openalice_runner.schema_limits import COMPILE
     from openalice_runner.server.app import ServerSettings, create_app
+    from openalice_runner.server.connections import DrainingServer
     from openalice_runner.server.metrics import ServerMetrics
     from openalice_runner.tracing.setup import configure_logging, configure_telemetry, exporters_from_env
     from openalice_runner.tracing.telemetry import RunnerTelemetry
@@ -112,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    COMPILE.timeout_s = args.grammar_timeout  # this process's grammar compiles (engine/grammar.py)
     api_key = args.api_key or os.environ.get(ENV_API_KEY) or None
     reader = InMemoryMetricReader()  # /metrics renders the GenAI histograms from it
     try:
@@ -152,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     # so the process goes on to flush its spans and exits 0 instead of dying by the signal.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        uvicorn.Server(config).run()
+        DrainingServer(config).run()  # after SIGTERM: 503 + Retry-After while in-flight requests finish
     finally:
         signal.signal(signal.SIGTERM, previous)
         providers.shutdown()  # flush the spans still queued
@@ -189,7 +209,10 @@ def uvicorn_config(app, args: argparse.Namespace):
         access_log=False,  # GuardMiddleware logs each request with its trace id
         timeout_graceful_shutdown=max(1, round(args.shutdown_grace)),
         # h11 with a request-head deadline and a connection cap (server/connections.py)
-        http=guarded_h11(args.header_timeout, args.max_connections),
+        http=guarded_h11(
+            args.header_timeout, args.max_connections, reserved_connections=args.reserved_connections,
+            body_timeout_s=args.body_timeout, body_grace_s=args.body_grace, min_body_rate=args.min_body_rate,
+        ),
         timeout_keep_alive=5,  # idle keep-alive connections close after this (uvicorn's default)
     )
 
@@ -224,6 +247,14 @@ def _check_limits(args: argparse.Namespace) -> str | None:
         return "--header-timeout must be between 0 and 3600 seconds"
     if args.max_connections < 1:
         return "--max-connections must be at least 1"
+    if args.reserved_connections < 0:
+        return "--reserved-connections must be at least 0"
+    if not 0 < args.body_timeout <= 3600:
+        return "--body-timeout must be between 0 and 3600 seconds"
+    if args.min_body_rate < 0 or args.body_grace < 0:
+        return "--min-body-rate and --body-grace must be at least 0"
+    if not 0 < args.grammar_timeout <= 3600:
+        return "--grammar-timeout must be between 0 and 3600 seconds"
     return None
 
 

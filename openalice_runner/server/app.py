@@ -25,6 +25,7 @@ from openalice_runner.providers.instrumented import OTEL_CONTEXT_KEY
 from openalice_runner.providers.streams import ChatStream
 from openalice_runner.redaction import register_secret
 from openalice_runner.server.body import read_chat_request
+from openalice_runner.server.connections import Drain
 from openalice_runner.server.context import caller_trace_context, turn_context
 from openalice_runner.server.deadline import ClientGone, Deadline, DeadlineExceeded, race, request_deadline
 from openalice_runner.server.error_log import ERRORS
@@ -130,8 +131,10 @@ def create_app(
     )
     app.state.runner, app.state.tracker, app.state.metrics = runner, tracker, metrics
     install_error_handlers(app)
+    app.state.drain = Drain()  # set by DrainingServer on SIGTERM (server/connections.py)
     app.add_middleware(
         GuardMiddleware,
+        drain=app.state.drain,
         api_key=settings.api_key,
         max_body_bytes=settings.max_body_bytes,
         metrics=metrics,

@@ -1,4 +1,6 @@
-"""Connection guards below the app: a deadline for the request head and a cap on open connections.
+"""Connection guards below the app: deadlines for the request head and body, a cap on open
+connections with a slice kept for /health and /metrics, OpenAI-shaped answers to what h11 cannot
+parse, and a drain after SIGTERM.
 
 uvicorn closes idle keep-alive connections (`timeout_keep_alive`) but gives a client that sends its
 request head slowly as long as it likes, before any route (or API key check) runs: a probe held
@@ -6,6 +8,16 @@ request head slowly as long as it likes, before any route (or API key check) run
 connection whose head has not arrived `header_timeout_s` after the connection opened or after the
 previous response, and answers 503 at once to a connection past `max_connections` (uvicorn's own
 `limit_concurrency` only answers once the head is in, which a slow client never sends).
+
+After the head, the body must arrive within `body_timeout_s` and, past `body_grace_s`, at no less
+than `min_body_rate` bytes a second (600 clients sending one body byte a second held every
+connection for as long as they liked); a slow one gets 408 and is closed. Past `max_connections`,
+`reserved_connections` more are let in for /health and /metrics only (a probe or scraper still gets
+an answer when clients hold every ordinary slot); past both, 503 at once.
+
+`DrainingServer`: on SIGTERM the listening socket stays open while requests in flight finish (up
+to the shutdown grace) and every new request gets 503 JSON with Retry-After, instead of a refused
+connection; then uvicorn's own shutdown closes it.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ import json
 from typing import Any
 
 import structlog
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = structlog.get_logger("openalice_runner.server")
@@ -42,28 +55,119 @@ _HEAD_TIMEOUT = _raw_response(
 )  # fmt: skip
 
 
+_BODY_TIMEOUT = _raw_response(
+    "408 Request Timeout",
+    {"error": {"message": "the request body did not arrive in time (too slow after the head)",
+               "type": "timeout_error", "param": None, "code": "body_timeout"}},
+)  # fmt: skip
+_BAD_HTTP = _raw_response(
+    "400 Bad Request",
+    {"error": {"message": "the request is not valid HTTP/1.1 (a malformed request line or header, e.g. "
+               "a Content-Length that is not a number)", "type": "invalid_request_error", "param": None,
+               "code": "invalid_http"}},
+)  # fmt: skip
+# Answered on a connection of the reserved slice (past max_connections).
+RESERVED_PATHS = frozenset({"/health", "/metrics"})
+_BUSY_BODY = json.loads(_BUSY.split(b"\r\n\r\n", 1)[1])
+
+
+def _reserved_only(app: Any) -> Any:
+    """`app` for /health and /metrics; anything else is 503 too_many_connections."""
+
+    async def reserved(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path") in RESERVED_PATHS:
+            await app(scope, receive, send)
+            return
+        body = json.dumps(_BUSY_BODY).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"retry-after", b"1"), (b"connection", b"close")]  # fmt: skip
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return reserved
+
+
 class GuardedH11Protocol(H11Protocol):
     header_timeout_s: float = 10.0
     max_connections: int | None = None
+    reserved_connections: int = 0
+    body_timeout_s: float = 30.0
+    body_grace_s: float = 5.0
+    min_body_rate: float = 1024.0  # bytes per second, after body_grace_s
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_started = False
         self._waiting_after: Any = None
-        if self.max_connections is not None and len(self.connections) > self.max_connections:
-            log.warning("connection refused: too many open", limit=self.max_connections)
-            transport.write(_BUSY)
-            transport.close()
-            return
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_cycle: Any = None
+        self._body_bytes = 0
+        self._body_t0 = 0.0
+        if self.max_connections is not None:
+            open_now = len(self.connections)
+            if open_now > self.max_connections + self.reserved_connections:
+                log.warning("connection refused: too many open", limit=self.max_connections)
+                transport.write(_BUSY)
+                transport.close()
+                return
+            if open_now > self.max_connections:
+                self.app = _reserved_only(self.app)  # this connection may ask for /health and /metrics only
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
         if self._head_timer is not None:
             self._head_started = True
+        if self._body_timer is not None:
+            self._body_bytes += len(data)
         super().data_received(data)
         if self._head_timer is not None and self.cycle is not self._waiting_after:
             self._disarm_head_timer()  # a new request's head is in: its route runs now
+        cycle = self.cycle
+        if cycle is not None and cycle is not self._body_cycle and cycle.more_body and not cycle.response_started:
+            self._watch_body(cycle)  # a head is in and its body is still to come
+
+    def send_400_response(self, msg: str) -> None:
+        """What h11 cannot parse (e.g. `Content-Length: abc`) gets OpenAI's error shape, not text/plain."""
+        log.info("connection closed: invalid HTTP", detail=msg)
+        self.transport.write(_BAD_HTTP)
+        self.transport.close()
+
+    # ---- the body's deadline and rate
+
+    def _watch_body(self, cycle: Any) -> None:
+        self._disarm_body_timer()
+        self._body_cycle = cycle
+        self._body_bytes = 0
+        self._body_t0 = self.loop.time()
+        self._body_timer = self.loop.call_later(self._body_check_every(), self._check_body)
+
+    def _body_check_every(self) -> float:
+        return max(0.05, min(1.0, self.body_timeout_s / 4, self.body_grace_s / 2 or 1.0))
+
+    def _disarm_body_timer(self) -> None:
+        timer = getattr(self, "_body_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._body_timer = None
+
+    def _check_body(self) -> None:
+        self._body_timer = None
+        cycle = self._body_cycle
+        if self.transport.is_closing() or cycle is not self.cycle or not cycle.more_body or cycle.response_started:
+            return  # the body is in (or the app answered without it)
+        elapsed = self.loop.time() - self._body_t0
+        if self.flow.read_paused:  # the app is not reading: not the client's fault
+            self._body_t0 += self._body_check_every()
+        elif elapsed >= self.body_timeout_s or (
+            elapsed >= self.body_grace_s and self._body_bytes < self.min_body_rate * elapsed
+        ):
+            log.info("connection closed: request body too slow", received=self._body_bytes,
+                     seconds=round(elapsed, 2), timeout_s=self.body_timeout_s, min_rate=self.min_body_rate)  # fmt: skip
+            self.transport.write(_BODY_TIMEOUT)
+            self.transport.close()
+            return
+        self._body_timer = self.loop.call_later(self._body_check_every(), self._check_body)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -74,6 +178,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        self._disarm_body_timer()
         super().connection_lost(exc)
 
     def _arm_head_timer(self) -> None:
@@ -100,10 +205,49 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def guarded_h11(header_timeout_s: float, max_connections: int | None) -> type[GuardedH11Protocol]:
+def guarded_h11(
+    header_timeout_s: float,
+    max_connections: int | None,
+    *,
+    reserved_connections: int = 0,
+    body_timeout_s: float = 30.0,
+    body_grace_s: float = 5.0,
+    min_body_rate: float = 1024.0,
+) -> type[GuardedH11Protocol]:
     """The protocol class for `uvicorn.Config(http=...)`, with these limits."""
     return type(
         "GuardedH11Protocol",
         (GuardedH11Protocol,),
-        {"header_timeout_s": header_timeout_s, "max_connections": max_connections},
-    )
+        {"header_timeout_s": header_timeout_s, "max_connections": max_connections,
+         "reserved_connections": reserved_connections, "body_timeout_s": body_timeout_s,
+         "body_grace_s": min(body_grace_s, body_timeout_s), "min_body_rate": min_body_rate},
+    )  # fmt: skip
+
+
+class Drain:
+    """Whether the server is draining (SIGTERM came): GuardMiddleware answers new requests 503."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0  # requests admitted and not yet answered (the drain waits for these)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining first on shutdown: the socket stays open and new requests get
+    503 + Retry-After while those in flight finish, up to the graceful-shutdown timeout."""
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        drain = getattr(getattr(self.config.app, "state", None), "drain", None)
+        grace = self.config.timeout_graceful_shutdown
+        if isinstance(drain, Drain) and grace and not self.force_exit:
+            drain.draining = True
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + grace
+            log.info("draining: new requests get 503 while those in flight finish", grace_s=grace)
+            while self._busy(drain) and not self.force_exit and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            self.config.timeout_graceful_shutdown = max(0.0, deadline - loop.time())
+        await super().shutdown(sockets)
+
+    def _busy(self, drain: Drain) -> bool:
+        return drain.in_flight > 0

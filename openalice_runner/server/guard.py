@@ -52,8 +52,10 @@ class GuardMiddleware:
         max_body_bytes: int,
         metrics: ServerMetrics,
         public_paths: frozenset[str] = PUBLIC_PATHS,
+        drain: Any = None,
     ) -> None:
         self.app = app
+        self.drain = drain  # server/connections.py Drain: after SIGTERM, new requests get 503
         self.public_paths = public_paths
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
@@ -80,11 +82,18 @@ class GuardMiddleware:
                 message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
             await send(message)
 
+        admitted = False
         try:
+            if self.drain is not None and self.drain.draining:
+                await _send_error(send_wrapper, DRAINING)
+                return
             error = self._check(scope, path)
             if error is not None:
                 await _send_error(send_wrapper, error)
                 return
+            if self.drain is not None:
+                self.drain.in_flight += 1
+                admitted = True
             await self.app(scope, self._limited(receive), send_wrapper)
         except asyncio.CancelledError:
             # uvicorn cancels what still runs past --shutdown-grace. Answer in OpenAI's terms rather
@@ -95,6 +104,8 @@ class GuardMiddleware:
             extra = {"cut": "shutdown", "status_sent": status_holder["status"]} if response.started else {}
             status_holder["status"] = 503
         finally:
+            if admitted:
+                self.drain.in_flight -= 1
             status = status_holder["status"]
             elapsed = time.perf_counter() - t0
             method = scope.get("method", "")
@@ -177,6 +188,14 @@ SHUTTING_DOWN = APIError(
     "the server is shutting down and stopped this request before it was complete; retry",
     code="server_shutting_down",
     headers={"Retry-After": "1"},
+)
+
+
+DRAINING = APIError(
+    503,
+    "the server is shutting down and takes no new requests; retry (another replica, or this one once restarted)",
+    code="server_shutting_down",
+    headers={"Retry-After": "1", "Connection": "close"},
 )
 
 
