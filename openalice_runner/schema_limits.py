@@ -22,6 +22,17 @@ class SchemaLimits:
 LIMITS = SchemaLimits()
 
 
+@dataclass
+class CompileLimits:
+    """How long a request's grammar may take to compile before it is refused (400); `serve
+    --grammar-timeout` sets it for the process (engine/grammar.py reads it at each compile)."""
+
+    timeout_s: float = 10.0
+
+
+COMPILE = CompileLimits()
+
+
 def check_schema_limits(schema: Any, limits: SchemaLimits = LIMITS) -> None:
     """ValueError naming the limit `schema` passes (depth or size); nothing recursive runs here."""
     stack: list[tuple[Any, int]] = [(schema, 1)]
