@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from openalice_runner.engine.engine import Engine
-    from openalice_runner.engine.generator import ContextLengthError
+    from openalice_runner.engine.errors import ContextLengthError, InvalidRequest
     from openalice_runner.engine.model_loading import ModelNotFoundError
     from openalice_runner.engine.types import (
         GenerationResult,
@@ -23,10 +23,11 @@ if TYPE_CHECKING:
     )
 
 _WHERE = {
-    "ContextLengthError": "generator",
+    "ContextLengthError": "errors",
     "Engine": "engine",
     "GenerationResult": "types",
     "GenerationStats": "types",
+    "InvalidRequest": "errors",
     "ModelNotFoundError": "model_loading",
     "SamplingParams": "types",
     "SpecConfig": "types",
@@ -38,6 +39,7 @@ __all__ = [
     "Engine",
     "GenerationResult",
     "GenerationStats",
+    "InvalidRequest",
     "ModelNotFoundError",
     "SamplingParams",
     "SpecConfig",

@@ -21,6 +21,7 @@ import torch
 from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.cpu_kernels import cpu_kernels
 from openalice_runner.engine.drafters.base import Drafter, Proposal, observed_rows, taps_for
+from openalice_runner.engine.errors import ContextLengthError, InvalidRequest
 from openalice_runner.engine.grammar import GrammarConstraint, masked_logits, masked_probs
 from openalice_runner.engine.llama import KVCache, LlamaModel
 from openalice_runner.engine.rejection import Verdict, verify_greedy, verify_sampled
@@ -43,10 +44,6 @@ from openalice_runner.engine.types import (
 
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds the attention-score memory
 MAX_FORCED = 16  # grammar-forced tokens drafted in one round (they ride the pass for free)
-
-
-class ContextLengthError(ValueError):
-    """The prompt does not fit the model's context window."""
 
 
 @dataclass
@@ -435,7 +432,7 @@ def new_sequence(
     constraint: GrammarConstraint | None = None,
 ) -> Sequence:
     if not prompt:
-        raise ValueError("prompt is empty")
+        raise InvalidRequest("prompt is empty", param="messages")
     if len(prompt) >= context_length:
         raise ContextLengthError(
             f"prompt has {len(prompt)} tokens; the model's context is {context_length} tokens "

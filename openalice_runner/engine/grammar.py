@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from openalice_runner.engine.errors import InvalidRequest
+
 try:  # the engine extra installs it; the error says so where it is missing
     import llguidance
     import llguidance.hf
@@ -36,8 +38,10 @@ TOOL_CALL_OPEN = "<tool_call>"  # the fallback tool format's tags (providers/too
 TOOL_CALL_CLOSE = "</tool_call>"
 
 
-class GrammarError(ValueError):
-    """A grammar (or the JSON Schema it was built from) that cannot be compiled."""
+class GrammarError(InvalidRequest):
+    """A grammar (or the JSON Schema it was built from) that cannot be compiled: the request's
+    schema is at fault. A matcher that refuses a token its own mask allowed is a fault of ours
+    (RuntimeError), not this."""
 
 
 # ---------------------------------------------------------------- grammar texts (Lark)
@@ -180,8 +184,8 @@ class GrammarCompiler:
     agent loop: every turn sends the same tools)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: frozenset[int], cache_size: int = 64):
-        if llguidance is None:
-            raise GrammarError(
+        if llguidance is None:  # the install's fault, not the request's
+            raise RuntimeError(
                 "grammar-constrained decoding needs llguidance: pip install 'openalice-runner[engine]'"
             )
         self.vocab_size = vocab_size
@@ -311,13 +315,13 @@ class GrammarConstraint:
 
     def _consume(self, token: int) -> None:
         if not self._matcher.consume_token(token):  # pragma: no cover - the mask allowed it
-            raise GrammarError(_short(self._matcher.get_error()))
+            raise RuntimeError(f"grammar matcher refused a token its mask allowed: {_short(self._matcher.get_error())}")
 
     def advance(self, tokens: list[int]) -> None:
         """The sequence emitted `tokens` (EOS excluded): the matcher follows."""
         tokens = [t for t in tokens if t not in self._compiler.eos_ids]
-        if tokens and not self._matcher.consume_tokens(tokens):
-            raise GrammarError(_short(self._matcher.get_error()))
+        if tokens and not self._matcher.consume_tokens(tokens):  # the masks allowed them: ours
+            raise RuntimeError(f"grammar matcher refused emitted tokens: {_short(self._matcher.get_error())}")
 
     @property
     def accepting(self) -> bool:

@@ -1,7 +1,8 @@
 """Plain data types of the embedded engine: what a request asks for and what it reports.
 
 These are dataclasses, not pydantic models: the engine is internal and hot; validation of
-user input happens at the edges (CLI, Runner types, HTTP server) before it gets here.
+user input happens at the edges (CLI, Runner types, HTTP server) before it gets here, and what
+still arrives out of range is refused here as `InvalidRequest` (errors.py), naming the field.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from openalice_runner.engine.errors import InvalidRequest
 from openalice_runner.speculation import (
     MAX_GAMMA,
     SPEC_METHODS,
@@ -38,15 +40,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}", param="temperature")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+            raise InvalidRequest(f"top_k must be >= 0, got {self.top_k!r}", param="top_k")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens!r}", param="max_tokens")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidRequest("stop strings must be non-empty", param="stop")
 
     @property
     def greedy(self) -> bool:
@@ -95,19 +97,23 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
-            raise ValueError(f"method must be one of {SPEC_METHODS}, got {self.method!r}")
+            raise InvalidRequest(f"method must be one of {SPEC_METHODS}, got {self.method!r}", param="method")
         if self.method != "off" and not (1 <= self.gamma <= MAX_GAMMA):
-            raise ValueError(f"gamma must be in [1, {MAX_GAMMA}], got {self.gamma!r}")
+            raise InvalidRequest(f"gamma must be in [1, {MAX_GAMMA}], got {self.gamma!r}", param="gamma")
         if not (1 <= self.ngram_min <= self.ngram_max):
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+            raise InvalidRequest(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}",
+                                 param="ngram_min")
         if self.eagle_lookup and self.method != "eagle":
-            raise ValueError(f"eagle_lookup applies to method 'eagle' only, got method {self.method!r}")
+            raise InvalidRequest(f"eagle_lookup applies to method 'eagle' only, got method {self.method!r}",
+                                 param="eagle_lookup")
         if self.eagle_tree and self.method != "eagle":
-            raise ValueError(f"eagle_tree applies to method 'eagle' only, got method {self.method!r}")
+            raise InvalidRequest(f"eagle_tree applies to method 'eagle' only, got method {self.method!r}",
+                                 param="eagle_tree")
         if self.eagle_tree != 0 and not (2 <= self.eagle_tree <= 63):
-            raise ValueError(f"eagle_tree must be 0 (a chain) or in [2, 63] tokens, got {self.eagle_tree!r}")
+            raise InvalidRequest(f"eagle_tree must be 0 (a chain) or in [2, 63] tokens, got {self.eagle_tree!r}",
+                                 param="eagle_tree")
         if self.draft_layers is not None and self.draft_layers < 1:
-            raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers!r}")
+            raise InvalidRequest(f"draft_layers must be >= 1, got {self.draft_layers!r}", param="draft_layers")
 
 
 @dataclass
@@ -126,12 +132,16 @@ class GenerationStats:
     probe_proposed: int = 0
     probe_accepted: int = 0
     forced_tokens: int = 0  # tokens a grammar forced, drafted for free (not in draft_proposed)
+    closing_tokens: int = 0  # tokens forced to close the grammar's structure within the budget (closing.py)
     mask_s: float = 0.0  # time spent computing grammar masks
     acceptance_rate: float = 0.0  # accepted / proposed (0 when nothing was proposed)
     # tokens the target passes produced / target passes: >= 1, exactly 1 for plain decoding (a stop token
     # a pass produced counts; the first token, from the prefill, does not)
     mean_tokens_per_pass: float = 0.0
     accept_length_histogram: list[int] = field(default_factory=list)  # [n rounds that accepted k drafts]
+    # [d][a]: rounds whose drafter's tokens reached depth d (a chain's length, a tree's deepest node)
+    # and accepted a of them: what the exactness tests read to show drafts of every length ran
+    draft_depth_histogram: list[list[int]] = field(default_factory=list)
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -141,6 +151,18 @@ class GenerationStats:
     finish_reason: str = "length"
     rule: str | None = None  # policy rule that decided method and gamma, when a policy did
     policy_version: str | None = None
+
+    def count_round(self, proposed: int, accepted: int, parents: list[int] | None = None) -> None:
+        """One round of the drafter's: `proposed` tokens (a tree's nodes where `parents`), `accepted` of them."""
+        depth = proposed
+        if parents is not None:
+            depths: list[int] = []
+            for parent in parents:
+                depths.append(1 if parent < 0 else depths[parent] + 1)
+            depth = max(depths, default=0)
+        while len(self.draft_depth_histogram) <= depth:
+            self.draft_depth_histogram.append([0] * (len(self.draft_depth_histogram) + 1))
+        self.draft_depth_histogram[depth][accepted] += 1
 
     def to_dict(self) -> dict:
         return asdict(self)

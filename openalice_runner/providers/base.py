@@ -103,6 +103,14 @@ class ProviderBadResponse(ProviderUnavailable):
     code = "bad_response"
 
 
+class ProviderInternalError(ProviderUnavailable):
+    """The provider itself failed (an embedded engine's bug, not the request's input): reported as
+    a 500 that says so, its traceback logged where it was raised. Before the first token another
+    provider may serve; `code` names the failure."""
+
+    code = "internal_error"
+
+
 class ProviderRateLimited(ProviderError):
     """429 from upstream. Nothing was produced, so another provider may serve."""
 

@@ -18,6 +18,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from openalice_runner.engine.errors import InvalidRequest
 from openalice_runner.engine.histories import ConversationHistories, align_prompt
 from openalice_runner.engine.types import EngineOverloaded, SamplingParams, SpecConfig
 from openalice_runner.providers import tool_format
@@ -27,6 +28,7 @@ from openalice_runner.providers.base import (
     Provider,
     ProviderBadRequest,
     ProviderError,
+    ProviderInternalError,
     ProviderLoad,
     ProviderRateLimited,
     StreamBroken,
@@ -78,6 +80,7 @@ class LocalProvider(Provider):
         self._kv_tokens = 0  # KV positions held by running generations (back to 0 when they end)
         self._kv_lock = threading.Lock()  # worker threads update it
         self._unusable_heads: set[str | None] = set()  # eagle heads already reported as not loading
+        self._refused_rules: set[str | None] = set()  # policy rules already reported as not runnable
         self._histories = ConversationHistories()  # conversation id -> its last call's token ids
 
     # ---- engine ----
@@ -284,7 +287,7 @@ class LocalProvider(Provider):
         spec = SpecConfig()
         if decision is not None:
             if decision.method in ENGINE_SPEC_METHODS:
-                spec = SpecConfig.from_plan(decision)
+                spec = self._planned_spec(decision)
                 if spec.method == "eagle":
                     spec = self._usable_head(spec, decision)
             else:
@@ -294,6 +297,23 @@ class LocalProvider(Provider):
                     decision.method,
                 )
         return sampling, spec
+
+    def _planned_spec(self, decision: SpeculationPlan) -> SpecConfig:
+        """The engine's settings for the policy's plan. Options the engine refuses (`policy check`
+        refuses them first) are the operator's to fix, not the request's: no speculation, with a
+        warning once per rule, rather than a 400 for a request that did nothing wrong."""
+        try:
+            spec = SpecConfig.from_plan(decision)
+            if spec.method == "draft" and spec.draft_model:
+                raise InvalidRequest("options.draft_model: the embedded engine drafts from the target's own "
+                                     "layers only (options.draft_layers)", param="draft_model")
+            return spec
+        except (TypeError, ValueError) as exc:
+            if decision.rule not in self._refused_rules:
+                self._refused_rules.add(decision.rule)
+                logger.warning("%s: rule %r: the engine cannot run its plan (%s); running without speculation",
+                               self.name, decision.rule, exc)
+            return SpecConfig()
 
     def _usable_head(self, spec: SpecConfig, decision: SpeculationPlan) -> SpecConfig:
         """`spec` where its EAGLE head loads; otherwise no speculation, with a warning: a policy
@@ -357,8 +377,10 @@ class LocalProvider(Provider):
                 raise
             except EngineOverloaded as exc:
                 raise ProviderRateLimited(str(exc), provider=self.name) from exc
-            except ValueError as exc:  # ContextLengthError and other bad input
+            except InvalidRequest as exc:  # the engine's checks of the request's input
                 raise _bad_request(exc, self.name) from exc
+            except Exception as exc:  # anything else is ours, not the client's
+                raise _internal(exc, self.name) from exc
         except asyncio.CancelledError:
             cancel.set()  # the worker thread stops at its next round
             raise
@@ -407,14 +429,16 @@ class LocalProvider(Provider):
                 raise
             except EngineOverloaded as exc:
                 raise ProviderRateLimited(str(exc), provider=self.name) from exc
-            except ValueError as exc:
+            except InvalidRequest as exc:
                 if started:
                     raise StreamBroken(str(exc), provider=self.name) from exc
                 raise _bad_request(exc, self.name) from exc
-            except Exception as exc:
+            except Exception as exc:  # anything else is ours, not the client's
                 if started:
-                    raise StreamBroken(f"engine failed mid-stream: {exc!r}", provider=self.name) from exc
-                raise ProviderError(f"engine failed: {exc!r}", provider=self.name) from exc
+                    logger.error("%s: engine failed mid-stream", self.name, exc_info=exc)
+                    raise StreamBroken(f"engine failed mid-stream ({type(exc).__name__})",
+                                       provider=self.name) from exc
+                raise _internal(exc, self.name) from exc
             finally:
                 await events.aclose()
         finally:
@@ -443,12 +467,14 @@ class LocalProvider(Provider):
 # ---------------------------------------------------------------- helpers
 
 
-def _bad_request(exc: ValueError, provider: str) -> ProviderBadRequest:
-    if type(exc).__name__ == "ContextLengthError":
-        return ProviderBadRequest(
-            str(exc), provider=provider, param="messages", code="context_length_exceeded"
-        )
-    return ProviderBadRequest(str(exc), provider=provider)
+def _bad_request(exc: InvalidRequest, provider: str) -> ProviderBadRequest:
+    return ProviderBadRequest(str(exc), provider=provider, param=exc.param, code=exc.code)
+
+
+def _internal(exc: BaseException, provider: str) -> ProviderInternalError:
+    """An engine fault: logged here with its traceback (the reply says only that it happened)."""
+    logger.error("%s: engine fault", provider, exc_info=exc)
+    return ProviderInternalError(f"engine fault ({type(exc).__name__}): {exc}", provider=provider, status_code=500)
 
 
 def _split(prompt: _Prompt, text: str) -> tuple[str | None, list[ToolCall] | None]:

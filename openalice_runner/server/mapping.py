@@ -11,6 +11,7 @@ from openalice_runner.providers.base import (
     NoProviderAvailable,
     ProviderBadRequest,
     ProviderError,
+    ProviderInternalError,
     ProviderRateLimited,
     ProviderTimeout,
     ProviderUnavailable,
@@ -43,8 +44,6 @@ def _api_error_from(exc: BaseException) -> APIError:
     if name == "UnknownModelError" or isinstance(exc, LookupError) and "model" in str(exc).lower():
         # OpenAI answers an unknown model with 404, type invalid_request_error, code model_not_found.
         return APIError(404, str(exc), param="model", code="model_not_found", type="invalid_request_error")
-    if name == "ContextLengthError":
-        return APIError(400, str(exc), param="messages", code="context_length_exceeded")
     if (
         isinstance(exc, NoProviderAvailable)
         and exc.errors
@@ -58,12 +57,22 @@ def _api_error_from(exc: BaseException) -> APIError:
         and all(isinstance(e, ProviderTimeout) for e in exc.errors)
     ):
         return _api_error_from(exc.errors[-1])  # all timed out: a 504 says so better than a 503
+    if (
+        isinstance(exc, NoProviderAvailable)
+        and exc.errors
+        and all(isinstance(e, ProviderInternalError) for e in exc.errors)
+    ):
+        return _api_error_from(exc.errors[-1])  # every provider failed by a fault of its own: a 500
     if isinstance(exc, AdmissionRefused):
         return APIError(429, f"server busy ({exc.provider}: {exc.message}); retry later", code="server_busy",
                         headers=_retry_after(exc.retry_after))  # fmt: skip
     if isinstance(exc, ProviderRateLimited):
         return APIError(429, "upstream provider is rate limiting; retry later", code="rate_limited",
                         headers=_retry_after(exc.retry_after))  # fmt: skip
+    if isinstance(exc, ProviderInternalError):
+        # the details (and traceback) are in the log where it was raised, not in the reply
+        return APIError(500, f"internal error in provider {exc.provider or '?'}: the request did not fail "
+                        "by its input; see the server log", code="internal_error")  # fmt: skip
     if isinstance(exc, ProviderTimeout):
         return APIError(504, "the provider did not answer in time", code="provider_timeout")
     if isinstance(exc, ProviderUnavailable):
