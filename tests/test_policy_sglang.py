@@ -126,7 +126,9 @@ print(json.dumps(out))
 """
 
 
-_VENV = os.environ.get("OPENALICE_SGLANG_VENV")  # scripts/sglang-contract-venv.sh
+_VENV = os.environ.get("OPENALICE_SGLANG_VENV") or str(  # scripts/sglang-contract-venv.sh; .ci/run caches it here
+    Path(os.environ.get("OPENALICE_CACHE_DIR", Path.home() / ".cache" / "openalice-runner"), "venvs", "sglang-contract-0.5.23")
+)
 _SRC = os.environ.get("OPENALICE_SGLANG_SRC")
 
 

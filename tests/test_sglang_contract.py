@@ -23,7 +23,9 @@ from openalice_runner.providers.base import CallContext, ProviderBadRequest, Str
 from openalice_runner.providers.sglang import SGLangConfig, SGLangProvider
 from openalice_runner.types import ChatRequest
 
-VENV = os.environ.get("OPENALICE_SGLANG_VENV")
+VENV = os.environ.get("OPENALICE_SGLANG_VENV") or str(  # scripts/sglang-contract-venv.sh; .ci/run caches it here
+    Path(os.environ.get("OPENALICE_CACHE_DIR", Path.home() / ".cache" / "openalice-runner"), "venvs", "sglang-contract-0.5.23")
+)
 PYTHON = Path(VENV, "bin", "python") if VENV else None
 CHECKER = Path(__file__).parent / "contract" / "sglang_check.py"
 
