@@ -547,3 +547,25 @@ async def test_unknown_load_is_not_batch_one_and_is_logged_once(servers, caplog)
     assert r.speculation.rule == "unknown"
     assert policy.decide(RequestContext(batch_size=None)).reason.startswith("batch size unknown")
     await p.aclose()
+
+
+async def test_the_policy_sees_the_batch_of_the_pool_its_rule_names(servers):
+    from openalice_runner.policies import PolicyStore
+    from openalice_runner.providers.deciding import PolicyProvider
+
+    busy, idle = servers(method="ngram", running=5), servers(running=0)
+    p = provider(
+        {"ngram": {"replicas": [busy.url], "launch": {"algorithm": "NGRAM", "num_draft_tokens": 5}},
+         "plain": {"replicas": [idle.url]}},
+        load_cache_s=0,
+    )  # fmt: skip
+    policy = PolicyStore.from_text(
+        "version: 1\nrules:\n"
+        "  - {name: small, match: {batch_size: {min: 1, max: 4}}, method: ngram, gamma: 4, pool: ngram}\n"
+        "  - {name: big, match: {batch_size: {min: 5}}, method: ngram, gamma: 1, pool: ngram}\n"
+        "default: {method: off, pool: plain}\n"
+    )
+    # the provider-wide figure is the idle plain replica's (batch 1); the ngram pool runs 5 (batch 6)
+    r = await PolicyProvider(p, policy).chat(REQ, CallContext())
+    assert r.speculation.rule == "big" and len(busy.requests) == 1
+    await p.aclose()

@@ -175,6 +175,10 @@ class Provider(ABC):
         """Load fresh enough to decide on; may refresh a cache (SGLang reads its servers)."""
         return self.load()
 
+    def pool_load(self, pool: str) -> ProviderLoad | None:
+        """The last known load of one pool (SGLang, vLLM); None where the provider has no such pool."""
+        return None
+
     @property
     def model_names(self) -> list[str]:
         return []

@@ -14,11 +14,22 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
-from openalice_runner.providers.base import CallContext, Provider
+from openalice_runner.providers.base import CallContext, Provider, ProviderLoad
 from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.providers.wrapper import WrapperProvider
 from openalice_runner.speculation import SpeculationOutcome
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
+
+
+def _batch(load: ProviderLoad) -> int | None:
+    """The batch a request joining now makes: running + 1, capped by the provider's batch limit;
+    None (unknown) where the provider reads load and could read none."""
+    if load.unknown:
+        return None
+    batch = (load.batch_size or 0) + 1
+    if load.max_batch is not None:  # SGLang max_running_requests, vLLM max_num_seqs
+        batch = min(batch, load.max_batch)
+    return batch
 
 
 class PolicyProvider(WrapperProvider):
@@ -33,19 +44,24 @@ class PolicyProvider(WrapperProvider):
         from openalice_runner.policies import RequestContext
 
         load = await self.wrapped.current_load()
-        batch: int | None = None  # unknown: the provider reads load and could read none
-        if not load.unknown:
-            batch = (load.batch_size or 0) + 1
-            if load.max_batch is not None:  # SGLang: the running batch, capped by max_running_requests
-                batch = min(batch, load.max_batch)
-        decision = self.policy.decide(
-            RequestContext(
-                turn_type=ctx.turn_type,
-                batch_size=batch,
-                provider=self.provider_name,
-                model=request.model or ctx.model,
+
+        def decide(load: ProviderLoad) -> Any:
+            return self.policy.decide(
+                RequestContext(
+                    turn_type=ctx.turn_type,
+                    batch_size=_batch(load),
+                    provider=self.provider_name,
+                    model=request.model or ctx.model,
+                )
             )
-        )
+
+        decision = decide(load)
+        # A pool provider's rules name a pool, and the batch a request joins is that pool's: decide
+        # again on its load where it differs from the provider-wide figure (once: the pool the second
+        # decision names is where the request goes)
+        pool_load = self.wrapped.pool_load(decision.pool) if decision.pool else None
+        if pool_load is not None and _batch(pool_load) != _batch(load):
+            decision = decide(pool_load)
         return replace(ctx, decision=decision)
 
     def observe(self, ctx: CallContext, outcome: SpeculationOutcome | None) -> None:

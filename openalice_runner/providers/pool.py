@@ -222,6 +222,16 @@ def rank_replicas(
     return within + rest + down
 
 
+def _least_loaded(replicas: list[Replica]) -> ProviderLoad:
+    known = [r for r in replicas if r.running is not None]
+    if not known:
+        return ProviderLoad(unknown=True)
+    best = min(known, key=lambda r: r.load)
+    return ProviderLoad(
+        batch_size=best.running + best.in_flight, queue_depth=best.waiting, max_batch=best.max_running
+    )
+
+
 # ---------------------------------------------------------------- the provider
 
 
@@ -287,13 +297,14 @@ class PoolProvider(Provider):
     def load(self) -> ProviderLoad:
         """The least-loaded replica's figures (what a request joining now would see); unknown
         (`ProviderLoad(unknown=True)`) where no replica's load could be read."""
-        known = [r for r in self._all_replicas() if r.running is not None]
-        if not known:
-            return ProviderLoad(unknown=True)
-        best = min(known, key=lambda r: r.load)
-        return ProviderLoad(
-            batch_size=best.running + best.in_flight, queue_depth=best.waiting, max_batch=best.max_running
-        )
+        return _least_loaded(self._all_replicas())
+
+    def pool_load(self, pool: str) -> ProviderLoad | None:
+        """The load a request joining `pool` would see: its least-loaded replica's."""
+        replicas = self.pools.get(pool)
+        if replicas is None:
+            return None
+        return _least_loaded(replicas)
 
     async def current_load(self) -> ProviderLoad:
         await self.refresh_loads()

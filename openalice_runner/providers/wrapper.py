@@ -53,6 +53,9 @@ class WrapperProvider(Provider):
     async def current_load(self) -> ProviderLoad:
         return await self.wrapped.current_load()
 
+    def pool_load(self, pool: str) -> ProviderLoad | None:
+        return self.wrapped.pool_load(pool)
+
     async def ensure_loaded(self) -> None:
         await self.wrapped.ensure_loaded()
 
