@@ -239,6 +239,7 @@ def settle_round(
             seq.stats.probe_proposed += proposed
             seq.stats.probe_accepted += accepted
         seq.accept_lengths.append(accepted)
+        seq.stats.count_round(proposed, accepted, proposal.parents)
     emitted = verdict.emitted(draft)
     if seq.drafter is not None:
         if seq.drafter.wants_hidden:
