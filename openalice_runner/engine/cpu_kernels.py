@@ -71,6 +71,11 @@ class CpuKernels:
         with OPENALICE_NATIVE_AVX512=0, for side-by-side benchmarks."""
         return bool(self.library.linear_wide())
 
+    @property
+    def bf16_dot(self) -> bool:
+        """Whether the CPU has AVX512-BF16 dot products (`linear_bf16_rows`)."""
+        return bool(self.library.linear_bf16dp_supported())
+
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         """The weight (N, K), bf16 or fp32, in the layout `linear` reads (a copy; packed once
         at load time)."""
@@ -92,6 +97,23 @@ class CpuKernels:
         out = torch.empty(*x.shape[:-1], weight.n_padded, dtype=torch.float32)
         fn = self.library.linear_bf16 if weight.dtype == torch.bfloat16 else self.library.linear_f32
         fn(weight.data.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel() // weight.k, weight.n_padded, weight.k)
+        return out if weight.n == weight.n_padded else out[..., : weight.n].contiguous()
+
+    def linear_bf16_rows(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+        """x (..., K) rounded to bf16 @ a packed bf16 weight's (N, K).T, fp32 sums, on the CPU's
+        bf16 dot products (csrc/linear.c: for prompt rows; each row's bits independent of the
+        others', not those of `linear`). RuntimeError where the CPU lacks AVX512-BF16."""
+        if weight.dtype != torch.bfloat16:
+            raise ValueError(f"linear_bf16_rows needs a bf16 weight, got {weight.dtype}")
+        x = x.contiguous()
+        out = torch.empty(*x.shape[:-1], weight.n_padded, dtype=torch.float32)
+        status = self.library.linear_bf16dp(
+            weight.data.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel() // weight.k, weight.n_padded, weight.k
+        )
+        if status == -1:
+            raise RuntimeError("linear_bf16_rows: this CPU has no AVX512-BF16 dot products")
+        if status == -2:
+            raise MemoryError("linear_bf16_rows: no memory for the rows' bf16 copy")
         return out if weight.n == weight.n_padded else out[..., : weight.n].contiguous()
 
     def attention(
@@ -231,6 +253,10 @@ def _load() -> tuple[CpuKernels | None, str | None]:
         fn = getattr(library, name)
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         fn.restype = None
+    library.linear_bf16dp.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    library.linear_bf16dp.restype = ctypes.c_int
+    library.linear_bf16dp_supported.argtypes = []
+    library.linear_bf16dp_supported.restype = ctypes.c_int
     library.pack_weight.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     library.pack_weight.restype = None
     library.linear_wide.argtypes = []

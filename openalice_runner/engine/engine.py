@@ -25,6 +25,7 @@ from openalice_runner.engine.model_loading import (
     load_hf_model,
     resolve_model_source,
 )
+from openalice_runner.engine.prefill_choice import PrefillChoice, choose_prefill, resolve_mode
 from openalice_runner.engine.types import GenerationResult, SamplingParams, SpecConfig, StreamEvent
 
 DTYPES = ("bf16", "fp32")
@@ -52,6 +53,7 @@ class Engine:
         max_batch: int = DEFAULT_MAX_BATCH,
         prefix_reuse: bool = False,
         kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
+        prefill: str | None = None,
     ):
         """`max_batch` > 1 decodes concurrent requests together (batching.py); 1 runs them one
         at a time on the serial decode loop (generator.run_sequence). `prefix_reuse`: a request
@@ -59,7 +61,8 @@ class Engine:
         finished histories of the free slots; serial: the last request's; off by default so that benchmarks that run one prompt several times stay comparable).
         `kv_cache_bytes`: the most the batching KV cache may hold; a request that would take it past
         waits for running ones to finish (batching.py; None: unbounded). The serial loop holds one
-        request's cache."""
+        request's cache. `prefill`: auto, bf16 or fp32 (prefill_choice.py; None: $OPENALICE_PREFILL
+        or auto): whether prompt rows run their linears with bf16 activations."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if max_batch < 1:
@@ -70,11 +73,15 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.dtype = dtype
+        resolve_mode(prefill)  # a bad setting is refused whatever the model
         try:
             self.model = LlamaModel(hf_model)
+            self.prefill = choose_prefill(prefill, self.model.weight_dtype, self.model.linear_kernels)
+            self.model.prefill_bf16 = self.prefill.bf16
             max_positions = self.model.cfg.max_positions
         except ValueError:  # not a Llama-family layout: transformers' own forward
             self.model = HFCausalModel(hf_model)
+            self.prefill = PrefillChoice(resolve_mode(prefill), False, "prefill: fp32, transformers' own forward")
             max_positions = self.model.max_positions
         self.torch_threads = torch.get_num_threads()  # for work outside the engine's passes
         if getattr(self.model, "native_kernels", False):
@@ -112,6 +119,7 @@ class Engine:
         max_batch: int = DEFAULT_MAX_BATCH,
         prefix_reuse: bool = False,
         kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
+        prefill: str | None = None,
     ) -> Engine:
         """Load the default model (None) or a local HF folder / .gguf file."""
         if dtype not in DTYPES:
@@ -124,12 +132,12 @@ class Engine:
         hf_model, tokenizer = load_hf_model(folder, dtype)
         name = DEFAULT_MODEL_NAME if model is None else source.name
         return cls(hf_model, tokenizer, name, dtype, max_batch=max_batch, prefix_reuse=prefix_reuse,
-                   kv_cache_bytes=kv_cache_bytes)
+                   kv_cache_bytes=kv_cache_bytes, prefill=prefill)
 
     @classmethod
     def tiny_random(
         cls, seed: int = 0, dtype: str = "fp32", layers: int = 4, max_batch: int = DEFAULT_MAX_BATCH,
-        prefix_reuse: bool = False, kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
+        prefix_reuse: bool = False, kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES, prefill: str | None = None,
     ) -> Engine:
         """A tiny random Llama with the default model's tokenizer, for fast tests."""
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -151,7 +159,7 @@ class Engine:
         torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         hf_model = LlamaForCausalLM(config).to(torch_dtype).eval()
         return cls(hf_model, tokenizer, "tiny-random", dtype, max_batch=max_batch, prefix_reuse=prefix_reuse,
-                   kv_cache_bytes=kv_cache_bytes)
+                   kv_cache_bytes=kv_cache_bytes, prefill=prefill)
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()

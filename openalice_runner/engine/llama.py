@@ -13,6 +13,11 @@ matmul over several rows costs several times one row, and an fp32 one reads twic
 packed once at load, it reads the bf16 weight once for all rows, runs prefill at arithmetic
 speed, and gives every row the same bits whatever the row count. Without it, `Linear` keeps an
 fp32 copy of each bf16 weight for multi-row inputs and the bf16 weight for one-row decode.
+
+bf16 prefill (`prefill_bf16`, chosen by prefill_choice.py): prompt rows, and only those, run
+their linears with activations rounded to bf16, on the CPU's bf16 dot products where it has them
+(about twice the fp32 kernel's arithmetic). Decode, verify and tree rows keep the fp32 kernel
+and its same-bits-whatever-the-rows property, so speculation stays exact.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ class Linear:
     for a handful of rows.
     """
 
-    __slots__ = ("_weight", "parts", "packed", "weight_rows", "bias", "tall", "kernels")
+    __slots__ = ("_weight", "parts", "packed", "weight_rows", "bias", "tall", "kernels", "bf16_dot")
 
     def __init__(
         self,
@@ -76,12 +81,33 @@ class Linear:
         # already, or the CPU multiplies bf16 natively)
         self.weight_rows = weight.float().contiguous() if split_multi_row and self.kernels is None else None
         self.tall = weight.shape[0] >= 8 * weight.shape[1]
+        # prompt rows on the CPU's bf16 dot products (else emulated in fp32 on bf16-rounded inputs)
+        self.bf16_dot = self.kernels is not None and self.packed.dtype == torch.bfloat16 and self.kernels.bf16_dot
 
     @property
     def weight(self) -> torch.Tensor:
         return self._weight if self._weight is not None else torch.cat(self.parts, dim=0)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prompt: PromptRows | None = None) -> torch.Tensor:
+        """`prompt`: the rows of x that are prompt rows, run with bf16 activations (see the module)."""
+        if prompt is not None:
+            if prompt.all:
+                return self._bf16_rows(x)
+            y = self._fp32_rows(x[prompt.others])
+            out = torch.empty(x.shape[0], y.shape[-1], dtype=torch.float32)
+            out[prompt.others] = y
+            out[prompt.rows] = self._bf16_rows(x[prompt.rows])
+            return out
+        return self._fp32_rows(x)
+
+    def _bf16_rows(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16_dot:
+            y = self.kernels.linear_bf16_rows(x, self.packed)
+        else:  # the same products (bf16 x bf16 is exact in fp32), summed in fp32: any CPU, slowly
+            y = F.linear(x.to(torch.bfloat16).float(), self.weight.float())
+        return y if self.bias is None else y + self.bias
+
+    def _fp32_rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             y = self.kernels.linear(x, self.packed)
         else:
@@ -98,6 +124,28 @@ class Linear:
         if self.tall:
             return (w @ x.reshape(rows, -1).t()).t().reshape(*x.shape[:-1], -1)
         return F.linear(x, w)
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Which rows of a pass are prompt rows (bf16 prefill): all of them, or `rows` (the rest `others`)."""
+
+    all: bool
+    rows: torch.Tensor | None = None
+    others: torch.Tensor | None = None
+
+    @staticmethod
+    def of(spans: list[tuple[int, int]], total: int) -> PromptRows | None:
+        """From (first, end) row spans of a pass of `total` rows; None where there are none."""
+        mask = torch.zeros(total, dtype=torch.bool)
+        for first, end in spans:
+            mask[first:end] = True
+        count = int(mask.sum())
+        if count == 0:
+            return None
+        if count == total:
+            return PromptRows(True)
+        return PromptRows(False, mask.nonzero().flatten(), (~mask).nonzero().flatten())
 
 
 @dataclass
@@ -212,9 +260,12 @@ class KVCache:
 class LlamaModel:
     """Tensor-in, tensor-out forward over a `KVCache`; no autograd, no module hooks."""
 
-    def __init__(self, hf_model, split_multi_row: bool | None = None, native_kernels: bool | None = None):
+    def __init__(self, hf_model, split_multi_row: bool | None = None, native_kernels: bool | None = None,
+                 prefill_bf16: bool = False):
         """`native_kernels`: None uses the engine's CPU kernels where they build, True requires
-        them (ValueError naming why not), False uses torch's matmuls only."""
+        them (ValueError naming why not), False uses torch's matmuls only. `prefill_bf16`: prompt
+        rows (callers say which) run their linears with bf16 activations (the module's docstring;
+        prefill_choice.py decides it from the CPU)."""
         config = hf_model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {config.model_type!r} not supported by the lean forward")
@@ -250,6 +301,7 @@ class LlamaModel:
                 f"native_kernels: the engine's CPU kernels are unavailable: {unavailable_reason()}"
             )
         self.native_kernels = kernels is not None
+        self.linear_kernels = kernels  # what the Linears run on (prefill_choice asks it for bf16 dot products)
         usable = kernels is not None and kernels.attention_supports(
             self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         )
@@ -262,6 +314,7 @@ class LlamaModel:
         bf16_cache = self.weight_dtype == torch.bfloat16 and self.attention_kernels is not None
         self.kv_dtype = torch.bfloat16 if bf16_cache else torch.float32
         self.attention_scale = self.cfg.head_dim**-0.5
+        self.prefill_bf16 = prefill_bf16
 
         def linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> Linear:
             # one weight is shared with the transformers module (no copy); several are fused,
@@ -311,9 +364,10 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, slots: list[int] | None = None,
-                taps: tuple[int, ...] = (), tree: TreeMask | None = None):
+                taps: tuple[int, ...] = (), tree: TreeMask | None = None, prompt: bool = False):
         """Run `tokens` (B, T) appended at each slot's current length; returns hidden (B, T, H)
         (with `taps`, also the tapped residuals (B, T, len(taps) * H); `tree`: see `forward_rows`).
+        `prompt`: the tokens are prompt tokens (bf16 prefill where the model runs it).
 
         All sequences in the call append the same number T of tokens. Cache lengths advance
         by T; the caller rolls back rejected tokens by lowering `cache.lengths`.
@@ -322,7 +376,8 @@ class LlamaModel:
         slots = list(range(batch)) if slots is None else slots
         row_slot = [s for s in slots for _ in range(steps)]
         row_pos = [cache.lengths[s] + t for s in slots for t in range(steps)]
-        out = self.forward_rows(tokens.reshape(-1), cache, row_slot, row_pos, taps, tree)
+        spans = [(0, len(row_slot))] if prompt else None
+        out = self.forward_rows(tokens.reshape(-1), cache, row_slot, row_pos, taps, tree, prompt_spans=spans)
         for s in slots:
             cache.lengths[s] += steps
         if taps:
@@ -333,6 +388,7 @@ class LlamaModel:
     def forward_rows(
         self, tokens: torch.Tensor, cache: KVCache, row_slot: list[int], row_pos: list[int],
         taps: tuple[int, ...] = (), tree: TreeMask | None = None,
+        prompt_spans: list[tuple[int, int]] | None = None,
     ):
         """One row per token: row r is a token of slot `row_slot[r]` at position `row_pos[r]`,
         attending to that slot's cache up to and including itself. Returns hidden (R, H); with
@@ -346,6 +402,9 @@ class LlamaModel:
 
         `tree` (draft trees, tree.py): per row, its rotary position and the keys it sees, where
         these differ from a plain row's (a tree node's rotary position is its depth).
+
+        `prompt_spans`: (first, end) spans of rows that are prompt rows; with `prefill_bf16` their
+        linears take bf16 activations. Other rows get the bits they would get in any pass.
         """
         cfg = self.cfg
         rows = len(row_slot)
@@ -354,8 +413,9 @@ class LlamaModel:
         slot_t = torch.tensor(row_slot)
         pos_t = torch.tensor(row_pos)
         tapped: list[torch.Tensor] = []
+        prompt = PromptRows.of(prompt_spans, rows) if self.prefill_bf16 and prompt_spans else None
         if self.rowwise_kernels is not None:
-            hidden = self._forward_rows_fused(tokens, cache, slot_t, pos_t, taps, tapped, tree)
+            hidden = self._forward_rows_fused(tokens, cache, slot_t, pos_t, taps, tapped, tree, prompt)
             return (hidden, torch.cat(tapped, dim=-1)) if taps else hidden
         rope_t = pos_t if tree is None else tree.rope_pos
         cos = self.rotary.cos[rope_t].unsqueeze(1)  # (R, 1, D), shared by every layer and head
@@ -365,7 +425,7 @@ class LlamaModel:
         x = self.embed[tokens].float()
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)
-            qkv = layer.qkv(h).view(rows, n_qk + cfg.n_kv_heads, cfg.head_dim)
+            qkv = layer.qkv(h, prompt).view(rows, n_qk + cfg.n_kv_heads, cfg.head_dim)
             qk = RotaryTable.rotate(qkv[:, :n_qk], cos, sin)  # q and k heads in one go
             q, k, v = qk[:, : cfg.n_heads], qk[:, cfg.n_heads :], qkv[:, n_qk:]
             keys, values = cache.keys[i], cache.values[i]
@@ -377,10 +437,10 @@ class LlamaModel:
                 attn = attention_visible(q, keys, values, row_slot, row_pos, tree)
             else:
                 attn = _attention_by_runs(q, keys, values, runs)
-            x = x + layer.o(attn.reshape(rows, -1))
+            x = x + layer.o(attn.reshape(rows, -1), prompt)
             h = self._rms_norm(x, layer.mlp_norm)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            gate, up = layer.gate_up(h, prompt).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up, prompt)
             if i in taps:
                 tapped.append(x)
         hidden = self._rms_norm(x, self.norm)
@@ -389,6 +449,7 @@ class LlamaModel:
     def _forward_rows_fused(
         self, tokens: torch.Tensor, cache: KVCache, slot_t: torch.Tensor, pos_t: torch.Tensor,
         taps: tuple[int, ...] = (), tapped: list[torch.Tensor] | None = None, tree: TreeMask | None = None,
+        prompt: PromptRows | None = None,
     ) -> torch.Tensor:
         """forward_rows on the engine's kernels throughout: the same steps, with each layer's
         norms (and residual adds), rotary embedding, cache write and SiLU gate one call each."""
@@ -397,13 +458,13 @@ class LlamaModel:
         x = self.embed[tokens].float()  # the residual stream, updated in place
         h = k.add_rms_norm(x, self.layers[0].attn_norm, cfg.eps)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(h).view(rows, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
+            qkv = layer.qkv(h, prompt).view(rows, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
             keys, values = cache.keys[i], cache.values[i]
             k.rope_store(qkv, self.rotary.cos, self.rotary.sin, slot_t, pos_t, cfg.n_heads, cfg.n_kv_heads, keys, values,
                          None if tree is None else tree.rope_pos)
             attn = k.attention(qkv[:, : cfg.n_heads], keys, values, slot_t, pos_t, self.attention_scale, tree)
-            h = k.add_rms_norm(x, layer.mlp_norm, cfg.eps, delta=layer.o(attn.reshape(rows, -1)))
-            down = layer.down(k.silu_mul(layer.gate_up(h)))
+            h = k.add_rms_norm(x, layer.mlp_norm, cfg.eps, delta=layer.o(attn.reshape(rows, -1), prompt))
+            down = layer.down(k.silu_mul(layer.gate_up(h, prompt)), prompt)
             after = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
             h = k.add_rms_norm(x, after, cfg.eps, delta=down)
             if i in taps:

@@ -101,7 +101,7 @@ class LocalProvider(Provider):
                     else:
                         engine = Engine.load(
                             cfg.model, dtype=cfg.dtype, threads=cfg.threads, max_batch=cfg.max_batch,
-                            prefix_reuse=cfg.prefix_reuse, kv_cache_bytes=kv_bytes,
+                            prefix_reuse=cfg.prefix_reuse, kv_cache_bytes=kv_bytes, prefill=cfg.prefill,
                         )
                         engine.time_passes()  # drafts are sized from the first request on
                         engine.grammars  # noqa: B018 - the tokenizer's grammar tables (~2 s), before the first request
@@ -169,6 +169,24 @@ class LocalProvider(Provider):
                 f"the prompt has {len(prompt.ids)} tokens; the model's context is {context} tokens "
                 "and at least one must be left for the reply",
                 provider=self.name, param="messages", code="context_length_exceeded",
+            )  # fmt: skip
+
+    def _check_budget(self, prompt: _Prompt, sampling: Any) -> None:
+        """Refuse a budget below the shortest reply the grammar accepts (engine/closing.py): the
+        reply could not end valid within it."""
+        if prompt.grammar is None:
+            return
+        from openalice_runner.engine.closing import shortest_reply
+
+        context = self._context_length()
+        room = sampling.max_tokens if context is None else min(sampling.max_tokens, context - len(prompt.ids))
+        need = shortest_reply(prompt.grammar, room)
+        if need is not None and need > room:
+            where = "max_tokens" if room == sampling.max_tokens else "the context left after the prompt"
+            raise ProviderBadRequest(
+                f"max_tokens is {sampling.max_tokens}, below the minimum the schema needs: its shortest "
+                f"valid reply takes {need} tokens here ({where} allows {room})",
+                provider=self.name, param="max_tokens", code="invalid_value",
             )  # fmt: skip
 
     # ---- prompt ----
@@ -241,9 +259,10 @@ class LocalProvider(Provider):
         content_json = fmt is not None and fmt.type != "text"
         schema = fmt.json_schema.schema_ if fmt is not None and fmt.json_schema is not None else None
         parallel = request.parallel_tool_calls is not False
+        fmt_param = "response_format.json_schema.schema" if schema is not None else "response_format"
         if tools and choice == "none":
             text = json_grammar(schema) if content_json else tool_call_grammar(tools, "none")
-            param = "response_format" if content_json else "tools"
+            param = fmt_param if content_json else "tools"
         elif tools:
             if isinstance(choice, NamedToolChoice):
                 chosen = [t for t in tools if t["function"]["name"] == choice.function.name]
@@ -252,16 +271,16 @@ class LocalProvider(Provider):
                 text = tool_call_grammar(tools, choice, parallel, content_schema=schema, content_json=content_json)
             param = "tools"
         elif content_json:
-            text, param = json_grammar(schema), "response_format"
+            text, param = json_grammar(schema), fmt_param
         else:
             return None
         try:
             return self.engine.grammars.compile(text)
         except GrammarError as exc:
-            if param == "tools":
+            if param == "tools" and getattr(exc, "code", None) != "grammar_timeout":  # each tool could time out too
                 param = self._refused_tool(tools or [], request) or param
-            raise ProviderBadRequest(f"{param}: the grammar backend refused the schema: {exc}",
-                                     provider=self.name, param=param, code="invalid_value") from exc
+            raise ProviderBadRequest(f"{param}: the grammar backend refused the schema: {exc}", provider=self.name,
+                                     param=param, code=getattr(exc, "code", None) or "invalid_value") from exc
 
     def _refused_tool(self, tools: list[dict[str, Any]], request: ChatRequest) -> str | None:
         """The field whose schema the grammar backend refuses (each compiled alone)."""
@@ -348,6 +367,7 @@ class LocalProvider(Provider):
             prompt.ids = align_prompt(self.engine.tokenizer, history, prompt.ids)
         sampling, spec = self._settings(request, ctx, prompt)
         self._check_prompt(prompt, sampling)
+        self._check_budget(prompt, sampling)
         yield prompt
         held = 0
         try:
@@ -390,14 +410,14 @@ class LocalProvider(Provider):
         _stamp(stats, ctx)
         outcome = stats.outcome()
         content, tool_calls = _split(prompt, result.text)
-        finish = "tool_calls" if tool_calls else _finish_reason(result.finish_reason)
+        finish = _finish(result, bool(tool_calls))
         out = ChatResult.single(
             model=self.engine.model_name,
             content=content,
             tool_calls=tool_calls,
             finish_reason=finish,
             usage=Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens, stats.cached_prompt_tokens),
-            speculation=SpeculationInfo.from_outcome(outcome),
+            speculation=_speculation(outcome, stats),
             provider=self.name,
         )
         return out.attach_outcome(outcome)
@@ -451,14 +471,13 @@ class LocalProvider(Provider):
         for piece in end.pieces:
             yield ChatChunk.piece(chunk_id, model, piece.content, piece.tool_calls, first=not started)
             started = True
-        engine_finish = _finish_reason(result.finish_reason)
-        finish = "tool_calls" if end.calls and not end.cut else engine_finish
+        finish = _finish(result, bool(end.calls) and not end.cut)
         final = ChatChunk(
             id=chunk_id,
             model=model,
             choices=[ChunkChoice(finish_reason=finish)],
             usage=Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens, stats.cached_prompt_tokens),
-            speculation=SpeculationInfo.from_outcome(outcome),
+            speculation=_speculation(outcome, stats),
             provider=self.name,
         )
         yield final.attach_outcome(outcome)
@@ -481,9 +500,28 @@ def _split(prompt: _Prompt, text: str) -> tuple[str | None, list[ToolCall] | Non
     if prompt.tool_names is None:
         return text, None
     parsed = tool_format.parse_tool_calls(prompt.prefill + text, prompt.tool_names)
+    if parsed.malformed and prompt.grammar is not None:
+        # under a grammar a call block is well formed; one that is not was cut where closing did
+        # not fit (finish_reason "length"): dropped, never raw markup as content
+        logger.info("reply cut inside %d tool call(s); dropped", len(parsed.malformed))
+        return tool_format.without_blocks(parsed), parsed.tool_calls or None
     if parsed.malformed:
         logger.info("model wrote %d malformed tool call(s); returned as content", len(parsed.malformed))
     return parsed.content, parsed.tool_calls or None
+
+
+def _speculation(outcome: Any, stats: Any) -> SpeculationInfo:
+    info = SpeculationInfo.from_outcome(outcome)
+    info.closing = getattr(stats, "closing_tokens", 0) or None
+    return info
+
+
+def _finish(result: Any, calls: bool) -> Literal["stop", "length", "tool_calls"]:
+    """A reply the budget ended (its structure closed to fit, or cut) says "length", its calls
+    returned all the same; else "tool_calls" where it called, else the engine's reason."""
+    if result.finish_reason in ("length", "context_length") or getattr(result.stats, "closing_tokens", 0):
+        return "length"
+    return "tool_calls" if calls else _finish_reason(result.finish_reason)
 
 
 def _finish_reason(engine_finish: str) -> Literal["stop", "length"]:

@@ -16,6 +16,9 @@ class LocalConfig(AdmissionLimits):
     type: Literal["local"]
     model: str | None = None  # None: the default SmolLM2-135M-Instruct; or a HF folder / .gguf path
     dtype: Literal["bf16", "fp32"] = "bf16"
+    # prompt rows with bf16 activations on the CPU's bf16 dot products (engine/prefill_choice.py):
+    # auto where the CPU has AVX512-BF16 and the weights are bf16; decode rows keep fp32 bits
+    prefill: Literal["auto", "bf16", "fp32"] = "auto"
     tiny_random: bool = False  # a tiny random model with the real tokenizer (tests, overhead benchmarks)
     threads: int | None = Field(default=None, ge=1)
     # requests the engine decodes together (continuous batching); 1 runs them one at a time

@@ -254,3 +254,150 @@ void pack_weight(const void *w, void *out, int64_t N, int64_t K, int bf16) {
             }
     }
 }
+
+/* bf16 activations on the CPU's bf16 dot products (AVX512-BF16 `vdpbf16ps`), for prompt rows only.
+
+   A prefill chunk is arithmetic-bound, and `vdpbf16ps` does two bf16 multiply-adds per fp32
+   lane where the tiles above do one fp32 FMA: x is rounded to bf16 (to nearest even, as torch
+   does), the weight is bf16 already. It reads the same packed panels: a zmm load at step k
+   holds steps k and k + 1 of a full panel (16 outputs each), and one permute interleaves them
+   into the (k, k + 1) pairs per output that the instruction wants, shared by every row of the
+   register tile. Each output is one chain of pair products over k = 0, 2, 4, ... in order, so a
+   row gets the same bits whatever the other rows are (a prompt's keys and values do not depend
+   on how it was chunked). Decode, verify and tree rows never come here: they keep the fp32
+   tiles and their bits. Half panels (N % 16 == 8) run the same chain on 8 lanes. K % 8 == 0. */
+#define BF16DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define DROWS 12 /* input rows per register tile */
+#define DMB 96   /* input rows per block: their bf16 x (DMB x K) stays in L2 across panels */
+
+int linear_bf16dp_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+/* the permute that turns steps k | k + 1 (16 + 16 bf16 of a panel) into 16 (k, k + 1) pairs;
+   the AVX2 layout's slots hold columns BF16_ORDER[slot] (its own inverse) */
+static inline BF16DP __m512i pair_index(const int wide, const int width) {
+    int16_t idx[32];
+    for (int j = 0; j < 32; j++) idx[j] = 0;
+    for (int j = 0; j < width; j++) {
+        const int slot = width == PANEL && !wide ? BF16_ORDER[j] : j;
+        idx[2 * j] = (int16_t)slot;
+        idx[2 * j + 1] = (int16_t)(width + slot);
+    }
+    return _mm512_loadu_si512(idx);
+}
+
+static inline __attribute__((always_inline)) BF16DP void tile_bf16dp(
+    const uint16_t *w0, const uint16_t *w1, const uint16_t *x, float *y, int64_t K, int64_t N,
+    const __m512i idx, const int MM, const int NP) {
+    __m512 acc[DROWS][2];
+    for (int i = 0; i < MM; i++)
+        for (int v = 0; v < NP; v++) acc[i][v] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 2) {
+        __m512bh b[2];
+        b[0] = (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(w0 + k * PANEL));
+        if (NP == 2) b[1] = (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(w1 + k * PANEL));
+        for (int i = 0; i < MM; i++) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + i * K + k));
+            for (int v = 0; v < NP; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, b[v]);
+        }
+    }
+    for (int i = 0; i < MM; i++)
+        for (int v = 0; v < NP; v++) _mm512_storeu_ps(y + i * N + PANEL * v, acc[i][v]);
+}
+
+/* a half panel: 8 outputs, steps k | k + 1 are 16 contiguous bf16 */
+static inline BF16DP void tile_bf16dp_8(const uint16_t *w, const uint16_t *x, float *y, int64_t K, int64_t N,
+                                        const __m512i idx, int64_t MM) {
+    const __m256i idx8 = _mm512_castsi512_si256(idx);
+    for (int64_t i = 0; i < MM; i++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 2) {
+            const __m256i b = _mm256_permutexvar_epi16(idx8, _mm256_loadu_si256((const __m256i *)(w + k * 8)));
+            const __m256i a = _mm256_set1_epi32(*(const int32_t *)(x + i * K + k));
+            acc = _mm256_dpbf16_ps(acc, (__m256bh)a, (__m256bh)b);
+        }
+        _mm256_storeu_ps(y + i * N, acc);
+    }
+}
+
+#define DP_CASE(MM) case MM: tile_bf16dp(w0, w1, xm, ym, K, N, idx, MM, NP); break;
+#define DEFINE_DP_ROWS(NAME, NP_)                                                                \
+    static BF16DP void NAME(const uint16_t *w0, const uint16_t *w1, const uint16_t *x, float *y,  \
+                            int64_t M, int64_t K, int64_t N, const __m512i idx) {                 \
+        const int NP = NP_;                                                                      \
+        for (int64_t m0 = 0; m0 < M; m0 += DROWS) {                                              \
+            const uint16_t *xm = x + m0 * K;                                                     \
+            float *ym = y + m0 * N;                                                              \
+            switch (M - m0 < DROWS ? M - m0 : DROWS) {                                           \
+            DP_CASE(12) DP_CASE(11) DP_CASE(10) DP_CASE(9) DP_CASE(8) DP_CASE(7)                 \
+            DP_CASE(6) DP_CASE(5) DP_CASE(4) DP_CASE(3) DP_CASE(2)                               \
+            default: tile_bf16dp(w0, w1, xm, ym, K, N, idx, 1, NP); break;                       \
+            }                                                                                    \
+        }                                                                                        \
+    }
+DEFINE_DP_ROWS(dp_rows_1, 1)
+DEFINE_DP_ROWS(dp_rows_2, 2)
+
+typedef struct {
+    const uint16_t *w;
+    const float *x;
+    uint16_t *xb; /* x in bf16, M x K */
+    float *y;
+    int64_t M, N, K;
+} dp_job;
+
+/* rows of x to bf16, to nearest even (what torch's .to(torch.bfloat16) gives, NaN aside) */
+static BF16DP void dp_convert_share(void *ctx, int share, int shares) {
+    const dp_job *job = (const dp_job *)ctx;
+    const int64_t total = job->M * job->K, lo = total * share / shares / 16 * 16;
+    const int64_t hi = share + 1 == shares ? total : total * (share + 1) / shares / 16 * 16;
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16)
+        _mm256_storeu_si256((__m256i *)(job->xb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(job->x + i)));
+    for (; i < hi; i++) { /* to nearest even, as vcvtneps2bf16 (finite x) */
+        uint32_t u;
+        __builtin_memcpy(&u, job->x + i, 4);
+        job->xb[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+static BF16DP void dp_share(void *ctx, int share, int shares) {
+    const dp_job *job = (const dp_job *)ctx;
+    const int64_t M = job->M, N = job->N, K = job->K;
+    const int wide = linear_wide();
+    const __m512i idx16 = pair_index(wide, PANEL), idx8 = pair_index(wide, 8);
+    const int64_t panels = (N + PANEL - 1) / PANEL, begin = panels * share / shares, end = panels * (share + 1) / shares;
+    for (int64_t m0 = 0; m0 < M; m0 += DMB) {
+        const int64_t mb = M - m0 < DMB ? M - m0 : DMB;
+        const uint16_t *x = job->xb + m0 * K;
+        float *y = job->y + m0 * N;
+        for (int64_t p = begin; p < end;) {
+            const int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
+            const uint16_t *panel = job->w + n0 * K;
+            const int pair = width == PANEL && p + 1 < end && N - n0 >= 2 * PANEL;
+            if (pair)
+                dp_rows_2(panel, panel + PANEL * K, x, y + n0, mb, K, N, idx16);
+            else if (width == PANEL)
+                dp_rows_1(panel, panel, x, y + n0, mb, K, N, idx16);
+            else
+                tile_bf16dp_8(panel, x, y + n0, K, N, idx8, mb);
+            p += pair ? 2 : 1;
+        }
+    }
+}
+
+/* y (M x N fp32) = bf16(x) @ w.T on packed bf16 panels; returns -1 where the CPU lacks
+   AVX512-BF16, -2 without memory for x's bf16 copy. */
+int linear_bf16dp(const uint16_t *w, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
+    if (!linear_bf16dp_supported()) return -1;
+    uint16_t *xb = (uint16_t *)aligned_alloc(64, ((M * K * 2 + 63) / 64) * 64);
+    if (!xb) return -2;
+    dp_job job = {w, x, xb, y, M, N, K};
+    pool_run(dp_convert_share, &job);
+    pool_run(dp_share, &job);
+    free(xb);
+    return 0;
+}
