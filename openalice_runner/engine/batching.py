@@ -388,6 +388,9 @@ class BatchScheduler:
         taps = taps_for(plan.request.seq.drafter for plan in plans)
         # only eagle-3 drafters ask for taps, and tree drafters for a mask: other models need not know
         extra = {} if tree is None else {"tree": tree}
+        spans = [(plan.first, plan.first + plan.count) for plan in plans if plan.proposal is None]
+        if spans and getattr(self.model, "prefill_bf16", False):  # prompt rows in bf16; decode rows keep their bits
+            extra["prompt_spans"] = spans
         if taps:
             hidden, tapped = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos, taps, **extra)
         else:

@@ -109,7 +109,7 @@ def prefill(model: LlamaModel, seq: Sequence, reused: int = 0) -> list[int]:
     taps = taps_for([seq.drafter])
     for i in range(reused, len(seq.prompt), PREFILL_CHUNK):
         chunk = torch.tensor([seq.prompt[i : i + PREFILL_CHUNK]])
-        hidden, tapped = _forward(model, chunk, seq, taps)
+        hidden, tapped = _forward(model, chunk, seq, taps, prompt=True)
         if wants_hidden:
             seq.drafter.observe(observed_rows(seq.drafter, hidden[0], tapped, taps))
     first = choose_token(model.logits(hidden[0, -1]), seq)
@@ -266,9 +266,11 @@ def decode_round(model: LlamaModel, seq: Sequence, planned: tuple[Proposal, list
 
 
 def _forward(model: LlamaModel, feed: torch.Tensor, seq: Sequence, taps: tuple[int, ...],
-             tree: TreeMask | None = None):
-    """(hidden (1, T, H), tapped row 0 (T, len(taps) * H) or None)."""
+             tree: TreeMask | None = None, prompt: bool = False):
+    """(hidden (1, T, H), tapped row 0 (T, len(taps) * H) or None). `prompt`: prompt rows (bf16 prefill)."""
     extra = {} if tree is None else {"tree": tree}
+    if prompt and getattr(model, "prefill_bf16", False):
+        extra["prompt"] = True
     if not taps:
         return model.forward(feed, seq.cache, [seq.slot], **extra), None
     hidden, tapped = model.forward(feed, seq.cache, [seq.slot], taps, **extra)
