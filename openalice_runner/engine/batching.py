@@ -368,11 +368,15 @@ class BatchScheduler:
                 row_pos += range(request.prefilled, request.prefilled + n)
                 row_slot += [seq.slot] * n
                 continue
-            if seq.drafter is not None:
-                # rows so far, plus one for this and each decoding sequence still to come
-                seq.drafter.step_load(decoders, len(tokens) + 1 + unplanned)
-            proposal, draft = plan_round(seq, request.gamma_now(batch, waiting))
-            preview = preview_forced(seq, draft)  # certain tokens go out before the pass
+            try:  # a fault in one sequence's planning fails that sequence, not the batch
+                if seq.drafter is not None:
+                    # rows so far, plus one for this and each decoding sequence still to come
+                    seq.drafter.step_load(decoders, len(tokens) + 1 + unplanned)
+                proposal, draft = plan_round(seq, request.gamma_now(batch, waiting))
+                preview = preview_forced(seq, draft)  # certain tokens go out before the pass
+            except Exception as exc:
+                self._fail_one(request, exc)
+                continue
             if preview is not None:
                 request.events.put(preview)
             start = seq.cache.lengths[seq.slot]
@@ -382,8 +386,19 @@ class BatchScheduler:
             row_slot += [seq.slot] * (1 + len(draft))
         if not plans:
             return
-        tree = _tree_mask(plans)
+        try:
+            hidden, tapped, taps, logits, pass_s = self._pass(plans, tokens, row_slot, row_pos)
+        except Exception as exc:  # the shared pass: its sequences fail, the others and the scheduler go on
+            logger.error("engine pass of %d rows failed; its %d sequences fail", len(tokens), len(plans),
+                         exc_info=exc)
+            for plan in plans:
+                self._fail_one(plan.request, exc, logged=True)
+            return
+        self._settle(plans, hidden, tapped, taps, logits, pass_s)
 
+    def _pass(self, plans: list[_Rows], tokens: list[int], row_slot: list[int], row_pos: list[int]):
+        """The step's one forward pass over every planned row: (hidden, tapped, taps, logits, pass_s)."""
+        tree = _tree_mask(plans)
         t0 = time.perf_counter()
         taps = taps_for(plan.request.seq.drafter for plan in plans)
         # only eagle-3 drafters ask for taps, and tree drafters for a mask: other models need not know
@@ -409,35 +424,48 @@ class BatchScheduler:
             # decode-only steps: what drafters weigh a longer draft against (prefill rows would
             # make a step of few decode rows look dear)
             self.costs.record(len(tokens), pass_s, context=max(row_pos) + 1)
+        return hidden, tapped, taps, logits, pass_s
 
+    def _settle(self, plans: list[_Rows], hidden, tapped, taps, logits, pass_s: float) -> None:
+        """Each sequence settles on its own rows; a fault in one fails that sequence only."""
         at = 0  # next row of `logits`
         for plan in plans:
-            request, seq = plan.request, plan.request.seq
-            rows = hidden[plan.first : plan.first + plan.count]
-            if seq.drafter is not None and seq.drafter.feature_layers:
-                rows = observed_rows(seq.drafter, rows, tapped[plan.first : plan.first + plan.count], taps)
-            if plan.proposal is None:
-                request.prefilled += plan.count
-                seq.cache.lengths[seq.slot] = request.prefilled
-                if seq.drafter is not None and seq.drafter.wants_hidden:
-                    seq.drafter.observe(rows)
-                if request.prefilling:
-                    continue
-                first = choose_token(logits[at], seq)
-                at += 1
-                # the invariant of generator.py holds: `first` is emitted but not yet fed
-                seq.stats.prefill_s = time.perf_counter() - request.prefill_started
-                seq.stats.ttft_s = time.perf_counter() - seq.started
-                emitted = accept_tokens(seq, [first])
-            else:
-                own = logits[at : at + plan.count]
+            start = at
+            if plan.proposal is not None:
                 at += plan.count
-                emitted = settle_round(seq, own, rows, plan.proposal, plan.draft, plan.length_before, pass_s)
-            event = emit(seq, emitted)
-            if event is not None:
-                request.events.put(event)
-            if seq.finished:
-                self._retire(request)
+            elif plan.request.prefilled + plan.count == len(plan.request.seq.prompt):
+                at += 1
+            try:
+                self._settle_one(plan, hidden, tapped, taps, logits, start, pass_s)
+            except Exception as exc:
+                self._fail_one(plan.request, exc)
+
+    def _settle_one(self, plan: _Rows, hidden, tapped, taps, logits, at: int, pass_s: float) -> None:
+        """`at`: the plan's first row of `logits`."""
+        request, seq = plan.request, plan.request.seq
+        rows = hidden[plan.first : plan.first + plan.count]
+        if seq.drafter is not None and seq.drafter.feature_layers:
+            rows = observed_rows(seq.drafter, rows, tapped[plan.first : plan.first + plan.count], taps)
+        if plan.proposal is None:
+            request.prefilled += plan.count
+            seq.cache.lengths[seq.slot] = request.prefilled
+            if seq.drafter is not None and seq.drafter.wants_hidden:
+                seq.drafter.observe(rows)
+            if request.prefilling:
+                return
+            first = choose_token(logits[at], seq)
+            # the invariant of generator.py holds: `first` is emitted but not yet fed
+            seq.stats.prefill_s = time.perf_counter() - request.prefill_started
+            seq.stats.ttft_s = time.perf_counter() - seq.started
+            emitted = accept_tokens(seq, [first])
+        else:
+            own = logits[at : at + plan.count]
+            emitted = settle_round(seq, own, rows, plan.proposal, plan.draft, plan.length_before, pass_s)
+        event = emit(seq, emitted)
+        if event is not None:
+            request.events.put(event)
+        if seq.finished:
+            self._retire(request)
 
     def _retire(self, request: BatchRequest) -> None:
         seq = request.seq
@@ -450,6 +478,16 @@ class BatchScheduler:
             if seq.drafter is not None and seq.drafter.wants_hidden:
                 self._held_drafters[seq.slot] = seq.drafter
         request.events.put(final_event(seq))
+
+    def _fail_one(self, request: BatchRequest, exc: BaseException, logged: bool = False) -> None:
+        """`request` failed by a fault of ours: it leaves (its slot holds nothing: a pass may have
+        written part of its rows) and its caller gets the error; the others run on."""
+        if not logged:
+            logger.error("engine: a sequence failed; the others run on", exc_info=exc)
+        if request in self._running:
+            self._running.remove(request)
+            self._free_slots.append(request.seq.slot)
+        request.events.put(exc)
 
     def _fail_running(self, exc: BaseException) -> None:
         for request in list(self._running):
