@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openalice_runner.engine import closing
 from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.cpu_kernels import cpu_kernels
 from openalice_runner.engine.drafters.base import Drafter, Proposal, observed_rows, taps_for
@@ -71,6 +72,9 @@ class Sequence:
     round_forced: int = 0
     round_forced_after: int = 0  # forced tokens drafted after the drafter's (constrained_proposal)
     previewed: int = 0  # this round's forced tokens whose text went out before its pass (preview_forced)
+    budget: closing.Budget = field(default_factory=closing.Budget)  # closing within the budget (closing.py)
+    round_left: int = 0  # a window round: the tokens left, its one token chosen among those that fit
+    round_closing: int = 0  # a closing round: the tokens it forces to close
 
     @property
     def generated(self) -> int:
@@ -87,8 +91,21 @@ class Sequence:
         return self.finish_reason is not None
 
 
+def tokens_left(seq: Sequence) -> int:
+    """Tokens the reply may still emit: its budget and the context's end."""
+    return min(seq.sampling.max_tokens - seq.generated, seq.context_length - len(seq.tokens))
+
+
 def choose_token(logits: torch.Tensor, seq: Sequence) -> int:
     allowed = None if seq.constraint is None else seq.constraint.allowed()
+    if allowed is not None:
+        left = tokens_left(seq)
+        state, path, _ = closing.mode(seq, left, 0)
+        if state == closing.CLOSING:
+            seq.budget.closing_tokens += 1
+            return path[0]
+        if state == closing.WINDOWED:
+            return budget_choice(logits, seq, allowed, left, path, len(seq.tokens))
     if seq.sampling.greedy:
         return greedy_choices(logits.unsqueeze(0), None if allowed is None else allowed.unsqueeze(0))[0]
     if allowed is not None:
@@ -135,6 +152,17 @@ def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
     grammar allows to its end carries on through the tokens the grammar forces after it."""
     room_context = seq.context_length - len(seq.tokens)  # cache after the pass holds len + k
     room_budget = seq.sampling.max_tokens - seq.generated
+    if seq.constraint is not None:  # near the budget's end, the reply closes within it (closing.py)
+        left = min(room_budget, room_context)
+        state, path, room = closing.mode(seq, left, round_rows(seq.spec, True) + gamma)
+        if state == closing.CLOSING:
+            return closing_round(seq, path, left)
+        if state == closing.WINDOWED:  # the grammar's forced tokens (they fit), then one token that fits
+            forced = seq.constraint.forced(min(MAX_FORCED, left - 1, room_context)) if seq.spec.forced_drafts else []
+            n, seq.round_masks, _ = seq.constraint.walk_on(forced, 0)
+            seq.round_forced, seq.round_left = n, left - n
+            return Proposal(forced[:n]), forced[:n]
+        room_budget = min(room_budget, room)  # the round ends at the window's edge
     forced: list[int] = []
     if seq.constraint is not None and seq.spec.forced_drafts:
         forced = seq.constraint.forced(min(MAX_FORCED, room_budget - 1, room_context))
@@ -158,6 +186,34 @@ def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
         room_after = min(MAX_FORCED - len(forced), room_budget - 1 - drafted, room_context - drafted,
                          seq.cache.max_len - len(seq.tokens) - drafted)
     return constrained_proposal(seq, forced, proposal, room_after)
+
+
+def closing_round(seq: Sequence, path: list[int], left: int) -> tuple[Proposal, list[int]]:
+    """A round that forces the closing path: its tokens drafted for free (they are the only
+    ones the budget-masked target allows) and the pass's bonus row on the path too."""
+    k = min(MAX_FORCED, left - 1, len(path) - 1, seq.cache.max_len - len(seq.tokens))
+    seq.round_masks = closing.onehot_rows(path[: k + 1], seq.constraint.vocab_size)
+    seq.round_forced, seq.round_forced_after, seq.round_closing = k, 0, k + 1
+    return Proposal(path[:k]), path[:k]
+
+
+def budget_choice(logits: torch.Tensor, seq: Sequence, allowed: torch.Tensor, left: int, path: list[int],
+                  position: int) -> int:
+    """A window position's token (closing.windowed_choice): the target's greedy choice or draw among
+    the grammar's tokens after which the closing still fits; `position`: where it lands."""
+    if seq.sampling.greedy:
+        pick = lambda mask: greedy_choices(logits.unsqueeze(0), mask.unsqueeze(0))[0]  # noqa: E731
+        return closing.windowed_choice(seq, position, allowed, left, path, pick, lambda mask, _: pick(mask))
+    probs = processed_probs(masked_logits(logits, allowed), seq.sampling)
+    generator = stream(seq.draws, position, TokenDraws.TARGET)
+
+    def draw(mask: torch.Tensor, _=None) -> int | None:
+        kept = torch.zeros_like(probs)
+        kept[: mask.shape[-1]] = probs[: mask.shape[-1]] * mask.to(probs.dtype)
+        total = float(kept.sum())
+        return None if total <= 0 else sample(kept / total, generator)
+
+    return closing.windowed_choice(seq, position, allowed, left, path, draw, draw)
 
 
 def constrained_proposal(seq: Sequence, forced: list[int], proposal: Proposal,
@@ -231,7 +287,9 @@ def settle_round(
     proposed = len(draft) - seq.round_forced - seq.round_forced_after
     accepted = min(max(verdict.accepted - seq.round_forced, 0), proposed)
     seq.stats.forced_tokens += verdict.accepted - accepted  # those before the drafter's and after
+    seq.budget.closing_tokens += seq.round_closing
     seq.round_masks, seq.round_forced, seq.round_forced_after = None, 0, 0
+    seq.round_left, seq.round_closing = 0, 0
     if proposed > 0:
         seq.stats.draft_proposed += proposed
         seq.stats.draft_accepted += accepted
@@ -278,6 +336,12 @@ def _forward(model: LlamaModel, feed: torch.Tensor, seq: Sequence, taps: tuple[i
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, draft: list[int], seq: Sequence) -> Verdict | TreeVerdict:
+    if seq.round_left:  # a window round: its forced tokens, then one token after which the closing fits
+        k = len(draft)
+        with closing.ahead(seq.constraint, draft):
+            token = budget_choice(logits[k], seq, seq.round_masks[k], seq.round_left, seq.budget.path[k:],
+                                  len(seq.tokens) + k)
+        return Verdict(k, token)
     if seq.sampling.greedy:  # the target's choices, within the grammar's masks under one
         chosen = greedy_choices(logits, seq.round_masks)
         if proposal.parents is not None:
@@ -407,6 +471,7 @@ def finish(seq: Sequence) -> GenerationResult:
     stats.finish_reason = seq.finish_reason or "length"
     if seq.constraint is not None:
         stats.mask_s = seq.constraint.mask_s
+        stats.closing_tokens = seq.budget.closing_tokens
     if stats.draft_proposed:
         stats.acceptance_rate = stats.draft_accepted / stats.draft_proposed
     if stats.target_passes:

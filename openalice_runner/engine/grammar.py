@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from openalice_runner.engine.closing import closing_candidates
 from openalice_runner.engine.errors import InvalidRequest
 
 try:  # the engine extra installs it; the error says so where it is missing
@@ -191,6 +192,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_ids = tuple(sorted(eos_ids))
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(self.eos_ids))
+        self.closing_candidates = closing_candidates(tokenizer, vocab_size)  # the closing search's (closing.py)
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
         self.cache_size = cache_size
