@@ -408,6 +408,7 @@ class SpeculationInfo(BaseModel):
     proposed: int | None = None  # draft tokens proposed
     accepted: int | None = None  # draft tokens accepted
     forced: int | None = None  # tokens a grammar forced, drafted for free (not in proposed)
+    closing: int | None = None  # of the reply, tokens forced to close its structure within max_tokens
     acceptance_rate: float | None = None  # accepted / proposed
     target_passes: int | None = None  # target forward passes (decode or verify) after prefill
     accept_length: float | None = None  # completion tokens / target passes (SGLang's spec_accept_length)

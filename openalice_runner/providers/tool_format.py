@@ -254,6 +254,14 @@ def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> ParsedOut
     return ParsedOutput(content=content or None, tool_calls=calls, malformed=malformed)
 
 
+def without_blocks(parsed: ParsedOutput) -> str | None:
+    """The content with its malformed call blocks left out (a grammar-constrained reply cut inside one)."""
+    content = parsed.content or ""
+    for block in parsed.malformed:
+        content = content.replace(block, "", 1)
+    return content.strip() or None
+
+
 def _parse_call(body: str, tool_names: set[str] | None) -> ToolCall | None:
     stripped = body.strip()
     if not stripped.startswith("{"):

@@ -87,6 +87,8 @@ class ToolCallStream:
             out.append(StreamPiece(content=rest.strip()))  # part of an open tag, cut (content when parsed)
         elif state in ("opening", "held"):
             parsed = tool_format.parse_tool_calls(rest, self.names)
+            if self.incremental:  # grammar-constrained: a block that does not parse was cut, never content
+                parsed.content = tool_format.without_blocks(parsed)
             first = self._calls + int(end.cut)  # after a call cut short: its index is taken
             deltas = [
                 ToolCallDelta(
