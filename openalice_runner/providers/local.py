@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ class LocalProvider(Provider):
         self._unusable_heads: set[str | None] = set()  # eagle heads already reported as not loading
         self._refused_rules: set[str | None] = set()  # policy rules already reported as not runnable
         self._histories = ConversationHistories()  # conversation id -> its last call's token ids
+        self.warm_up_s: float | None = None  # how long the start-up's warm-up call took (None: not run)
 
     # ---- engine ----
 
@@ -110,6 +112,30 @@ class LocalProvider(Provider):
 
     async def ensure_loaded(self) -> None:
         await asyncio.to_thread(lambda: self.engine)
+        if self.config.warm_up if self.config.warm_up is not None else not self.config.tiny_random:
+            await asyncio.to_thread(self.warm_up)
+
+    def warm_up(self) -> float:
+        """One short grammar-constrained call through the whole path (prompt, tool grammar, prefill,
+        constrained decode), so that what the first request of a kind initialises (llguidance's
+        matcher and lexer, the kernels' first passes) is paid at start-up, before `serve` takes
+        traffic. Returns its seconds (also `warm_up_s`); runs once."""
+        if self.warm_up_s is not None:
+            return self.warm_up_s
+        t0 = time.perf_counter()
+        request = ChatRequest.model_validate({
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": [{"type": "function", "function": {
+                "name": "get_weather", "description": "Current weather for a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            }}],
+            "max_tokens": 8, "temperature": 0,
+        })  # fmt: skip
+        self._generate(request, CallContext(turn_type="tool_call"), threading.Event())
+        self.warm_up_s = time.perf_counter() - t0
+        logger.info("%s: warmed up in %.2f s (prefill: %s)", self.name, self.warm_up_s,
+                    getattr(self.engine, "prefill", None))
+        return self.warm_up_s
 
     @property
     def model_names(self) -> list[str]:

@@ -19,6 +19,9 @@ class LocalConfig(AdmissionLimits):
     # prompt rows with bf16 activations on the CPU's bf16 dot products (engine/prefill_choice.py):
     # auto where the CPU has AVX512-BF16 and the weights are bf16; decode rows keep fp32 bits
     prefill: Literal["auto", "bf16", "fp32"] = "auto"
+    # one short constrained call at start-up (LocalProvider.warm_up) so that the first request does
+    # not pay llguidance's and the kernels' first-use costs; null: on, except for tiny_random
+    warm_up: bool | None = None
     tiny_random: bool = False  # a tiny random model with the real tokenizer (tests, overhead benchmarks)
     threads: int | None = Field(default=None, ge=1)
     # requests the engine decodes together (continuous batching); 1 runs them one at a time
