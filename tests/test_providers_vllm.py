@@ -13,6 +13,7 @@ import jinja2
 import pytest
 from stand_ins.streams import read_all
 
+from openalice_runner.policies.adaptive import request_alpha
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderUnavailable, StreamBroken
 from openalice_runner.providers.config import RoutingConfigError, load_routing_text
 from openalice_runner.providers.tool_format import render_fallback_messages
@@ -71,6 +72,12 @@ async def test_plain_reply_carries_vllms_per_request_speculation_figures():
     assert r.speculation.pool == "ngram" and r.speculation.method == "ngram" and r.speculation.gamma == 5
     assert r.outcome.target_passes >= spec["num_spec_steps"]
     assert r.outcome.tokens_per_pass == pytest.approx(spec["mean_acceptance_length"])
+    # adaptive γ learns α from vLLM's counts: every step here proposed the full 5, so the per-round
+    # estimate (a step that accepted fewer than 5 stopped at a rejection); else accepted / proposed
+    hist = spec["acceptance_histogram"]
+    accepted = spec["num_accepted_draft_tokens"]
+    assert sum(hist) * 5 == spec["num_draft_tokens"]
+    assert request_alpha(r.outcome) == pytest.approx(accepted / (accepted + sum(hist[:-1])))
     sent = replay.requests[0]
     assert sent["model"] == "smollm2" and "return_spec_tokens_details" not in sent  # no SGLang fields
     await p.aclose()

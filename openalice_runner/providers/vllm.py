@@ -167,7 +167,9 @@ class VLLMProvider(PoolProvider):
             "proposed": proposed,
             "accept_length_histogram": hist,
             "tokens_per_pass": mean_len or None,
-            "gamma_varies": self.config.pools[pool].adaptive,
+            # vLLM counts the drafts it proposed (per-batch k, short n-gram matches included), so
+            # α is accepted / proposed even where k varies: no `gamma_varies` estimate from rounds
+            "gamma_varies": False,
         }
 
     def request_error(self, resp: httpx.Response) -> ProviderError:
