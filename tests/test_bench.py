@@ -59,7 +59,9 @@ def test_bench_report_fields_and_summary(engine, cases):
     assert aggregate["ngram:8"] == round(edit["ngram:8"]["tokens"] / edit["ngram:8"]["seconds"], 2)
     assert set(aggregate) == {"off", "ngram", "ngram:5", "ngram:8", "policy"}
     assert "copy_heavy_geomean" in summary["ngram_vs_off"]
-    assert runner.format_table(report).count("\n") == 2 + 1  # header, rule, two cases
+    table = runner.format_table(report)
+    assert table.startswith(f"rows: {report['kept']}")  # what each row keeps, named
+    assert table.count("\n") == 3 + 1  # that line, header, rule, two cases
 
 
 def test_repeats_go_round_the_methods(engine, cases, monkeypatch):

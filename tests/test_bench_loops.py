@@ -31,7 +31,7 @@ LOOPS = [
         "messages": [{"role": "system", "content": "You edit files."},
                      {"role": "user", "content": "Open a.py and rename f to g."}],
         "steps": [
-            {"call": {"turn_type": "tool_call", "max_tokens": 12, "tool_choice": "required",
+            {"call": {"turn_type": "tool_call", "max_tokens": 32, "tool_choice": "required",
                       "expect_tool_call": {"name": "read_file", "arguments": {"path": "a.py"}}}},
             {"tool_result": "{context}", "context": {"stdlib": "textwrap", "lines": [1, 12]}},
             {"call": {"turn_type": "code_edit", "max_tokens": 16}},
@@ -86,13 +86,17 @@ def test_report_fields_and_summary(loops_file, sidecars):
     assert conversations[0].steps[1].text.startswith('"""Text wrapping')
     lines: list[str] = []
     report = bench_loops(conversations, sidecars, repeat=2, progress=lines.append)
-    assert len(lines) == 2 * 2 * 2  # repeats x conversations x targets
+    assert [line.split(':')[0] for line in lines[:2]] == ["policy", "off"]  # a warm-up call each first
+    assert len([line for line in lines if line.startswith("run ")]) == 2 * 2 * 2  # repeats x conversations x targets
     rows = report["conversations"]
     assert [(r["id"], r["target"]) for r in rows] == [
         ("loop-tools", "policy"), ("loop-tools", "off"), ("loop-chat-plan", "policy"), ("loop-chat-plan", "off")]
+    assert report["kept"] == "slower middle of 2"
+    assert set(report["warmup_seconds"]) == {"policy", "off"}
     for row in rows:
         assert row["seconds"] > 0 and len(row["runs_seconds"]) == 2
-        assert row["seconds"] in row["runs_seconds"]
+        assert row["seconds"] == max(row["runs_seconds"])  # two runs: the slower middle one, as named
+        assert row["kind"] == ("chat" if row["id"] == "loop-chat-plan" else "copy_heavy")
         # the conversation's wall time holds all its calls
         assert row["seconds"] >= sum(c["seconds"] for c in row["calls"]) - 1e-3  # figures are rounded
         assert [c["turn_type"] for c in row["calls"]] == (
@@ -127,13 +131,13 @@ def test_report_fields_and_summary(loops_file, sidecars):
 
 
 def test_summary_on_scripted_rows():
-    def row(i, target, seconds, ttfts, group="copy_heavy"):
+    def row(i, target, seconds, ttfts, kind="copy_heavy"):
         calls = [{"ttft_s": t, "seconds": t + 1, "completion_tokens": 10, "cached_tokens": 0} for t in ttfts]
-        return {"id": i, "group": group, "target": target, "seconds": seconds, "calls": calls}
+        return {"id": i, "kind": kind, "target": target, "seconds": seconds, "calls": calls}
 
     rows = [row("a", "x", 2.0, [1.0, 0.1]), row("a", "y", 8.0, [1.0, 0.3]),
             row("b", "x", 1.0, [2.0, 0.2, 0.4]), row("b", "y", 2.0, [3.0, 0.5, 0.1]),
-            row("c", "x", 3.0, [1.0], group="chat"), row("c", "y", 3.0, [1.0], group="chat")]
+            row("c", "x", 3.0, [1.0], kind="chat"), row("c", "y", 3.0, [1.0], kind="chat")]
     s = summarize(rows, ["x", "y"])
     assert s["speedup"]["x/y"] == {"all": round(8 ** (1 / 3), 3), "copy_heavy": round(math.sqrt(8), 3), "chat": 1.0}
     assert s["targets"]["x"]["ttft_p50_first_s"] == 1.0 and s["targets"]["x"]["ttft_p50_later_s"] == 0.2
@@ -197,3 +201,30 @@ def test_a_server_without_usage_is_counted_in_chunks():
         record = stream_call(client, Target("peer", "http://peer/v1", "m"), [{"role": "user", "content": "Hi"}],
                              [], Call("chat", 8), {})
     assert (record.completion_tokens, record.tokens_counted, record.content) == (3, "chunks", "Lisbon.")
+
+
+def test_vllm_targets_are_skipped_without_their_venv_and_launched_from_it(tmp_path, monkeypatch):
+    """`vllm` / `vllm-ngram`: skipped, naming the script to run, where the side venv is not built; else
+    the serve script's line with prefix caching, cached-token usage and (for -ngram) n-gram speculation."""
+    from openalice_runner.bench import loop_targets
+    from openalice_runner.bench.loop_targets import Servers, TargetSpec, TargetUnavailable
+    from openalice_runner.engine import model_loading
+
+    assert [s.name for s in parse_targets("vllm,vllm-ngram")] == ["vllm", "vllm-ngram"]
+    monkeypatch.setenv("OPENALICE_VLLM_VENV", str(tmp_path / "absent"))
+    with Servers() as servers, pytest.raises(TargetUnavailable, match="scripts/peer-vllm-cpu.sh"):
+        servers.start(TargetSpec("vllm"))
+
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".openalice-verified").write_text("ok\n")
+    monkeypatch.setenv("OPENALICE_VLLM_VENV", str(venv))
+    monkeypatch.setattr(model_loading, "resolve_model_source", lambda model: model)
+    monkeypatch.setattr(model_loading, "converted_folder", lambda source: tmp_path / "model")
+    with Servers() as servers:
+        plain = servers._vllm(False, 8001)
+        ngram = servers._vllm(True, 8002)
+    assert plain[:5] == ["bash", str(loop_targets.VLLM_SERVE), str(tmp_path / "model"), "8001", "--enable-prefix-caching"]
+    assert "--enable-prompt-tokens-details" in plain and "--speculative-config" not in plain
+    spec = json.loads(ngram[ngram.index("--speculative-config") + 1])
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] >= 1

@@ -9,7 +9,7 @@ For each concurrency C, C client threads send the workload's requests to one eng
 Figures per (concurrency, method): aggregate tokens/s (all tokens over the wall time), p50 and
 p95 request latency, p50 time to first token, mean tokens per target pass. All greedy. With
 `repeat`, every (level, method) takes its turn in each round and each row is the run of median
-throughput.
+throughput (odd counts) or the slower middle run (even counts: bench/repeats.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from openalice_runner.bench.repeats import kept_label, kept_run
 from openalice_runner.bench.runner import split_method
 from openalice_runner.bench.workload import Case, render_case
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
@@ -95,7 +96,7 @@ def bench_concurrency(
 ) -> dict:
     """`repeat` > 1 goes round every (level, method) that many times, so a slow minute of a
     noisy machine hits methods and levels alike, and keeps for each the run of median
-    throughput. Progress lines come per run."""
+    throughput (the slower middle run for an even count). Progress lines come per run."""
     if "policy" in methods and policy_store is None:
         raise ValueError("method 'policy' needs --policy FILE")
     if any(m.startswith("serial-") for m in methods) and serial is None:
@@ -129,18 +130,19 @@ def bench_concurrency(
         reference = None
         for method in chosen:
             done = runs[level, method]
-            row = sorted(done, key=lambda r: r["tokens_per_second"])[len(done) // 2]
+            row = kept_run(done, throughput=lambda r: r["tokens_per_second"])
             row["runs_tokens_per_second"] = [r["tokens_per_second"] for r in done]
             outputs = [r.pop("token_ids") for r in done]
             if method == "off":
                 reference = outputs[0]
             row["identical_to_off"] = None if reference is None else all(ids == reference for ids in outputs)
             rows.append(row)
-    return {"runs": rows}
+    return {"runs": rows, "kept": kept_label(repeat)}
 
 
 def format_table(report: dict) -> str:
-    lines = [
+    lines = [f"rows: {report['kept']}"] if report.get("kept") else []
+    lines += [
         "| concurrency | method | tok/s (aggregate) | p50 latency s | p95 latency s | p50 TTFT s | tok/pass |",
         "|---|---|---|---|---|---|---|",
     ]

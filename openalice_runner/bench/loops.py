@@ -5,7 +5,18 @@ tool's result or the user's next message, and calls again. This module drives th
 of an `agent-loops.jsonl` workload (format: shared/workloads/README.md) that way, over HTTP,
 streamed and greedy, against several targets side by side: for each repeat, each conversation
 runs on every target in turn (the first target rotating), so a noisy minute hits them alike.
-Each (conversation, target) keeps its run of median wall time.
+Each (conversation, target) keeps its run of median wall time for an odd `repeat`, the slower
+middle run for an even one (bench/repeats.py; the report's `kept` says which).
+
+Each conversation has a kind, `chat` or `copy_heavy` (replies that copy from the history), which
+the summary's ratios are split by: the workload's `kind` field where a conversation has one; without
+it `loop-chat-plan` is chat and every other conversation copy-heavy (DEFAULT_CHAT, the rule before
+workloads carried the field).
+
+Before the timed runs each target answers `warmup` calls shaped like the workload's first calls
+(tools, tool choice, token budget: a constrained call needs the budget its schema takes), under a
+line of their own so they seed no cache the timed runs use: a fresh server's one-time costs (lazy loads, a grammar backend's set-up, allocations) stay
+out of the first conversation's figures.
 
 Each run of a conversation starts with a line naming the repeat (`Session N.`) in front of its
 first message: without it a server that keeps finished histories for prefix reuse (ours,
@@ -30,10 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from openalice_runner.bench.repeats import kept_label, kept_run
 from openalice_runner.bench.workload import json_lines, stdlib_context
 
-CHAT_CONVERSATIONS = ("loop-chat-plan",)  # the one conversation that copies little; the rest are copy-heavy
+KINDS = ("chat", "copy_heavy")
+DEFAULT_CHAT = ("loop-chat-plan",)  # without a `kind` field: chat; every other conversation copy-heavy
 SESSION_LINE = "Session {n}.\n"
+WARMUP_LINE = "Warm-up {n}.\n"
 
 
 class LoopError(RuntimeError):
@@ -62,10 +76,7 @@ class Conversation:
     tools: list[dict[str, Any]]
     messages: list[dict[str, Any]]
     steps: list[Step]
-
-    @property
-    def group(self) -> str:
-        return "chat" if self.id in CHAT_CONVERSATIONS else "copy_heavy"
+    kind: str = "copy_heavy"  # "chat" | "copy_heavy": what the summary's ratios are split by
 
 
 def load_loops(path: str | Path, ids: list[str] | None = None) -> list[Conversation]:
@@ -108,7 +119,10 @@ def _conversation(raw: dict[str, Any]) -> Conversation:
             raise ValueError(f"steps[{i}] must hold `call`, `tool_result` or `user`")
     if not any(s.kind == "call" for s in steps):
         raise ValueError("`steps` holds no call")
-    return Conversation(raw["id"], list(raw.get("tools") or []), list(raw["messages"]), steps)
+    kind = raw.get("kind", "chat" if raw["id"] in DEFAULT_CHAT else "copy_heavy")
+    if kind not in KINDS:
+        raise ValueError(f"`kind` must be one of {', '.join(KINDS)}, got {kind!r}")
+    return Conversation(raw["id"], list(raw.get("tools") or []), list(raw["messages"]), steps, kind)
 
 
 # ---- one call, streamed ---------------------------------------------------------------------
@@ -310,7 +324,9 @@ def schedule(conversations: list[Conversation], targets: list[Target], repeat: i
 
 
 def bench_loops(conversations: list[Conversation], targets: list[Target], repeat: int = 1,
-                client=None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                client=None, progress: Callable[[str], None] | None = None, warmup: int = 1) -> dict[str, Any]:
+    if warmup < 0:
+        raise ValueError(f"warmup must be 0 or more, got {warmup}")
     if not targets:
         raise ValueError("no targets to run")
     if len({t.name for t in targets}) != len(targets):
@@ -321,10 +337,13 @@ def bench_loops(conversations: list[Conversation], targets: list[Target], repeat
 
         client = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0))
     runs: dict[tuple[str, str], list[dict]] = {}
+    warmups: dict[str, list[float]] = {}
     try:
         for target in targets:  # first-call costs of a fresh server (lazy loads, allocations) stay out
             target.model = target.model or served_model(client, target)
-            warm_up(client, target)
+            warmups[target.name] = [round(r.seconds, 4) for r in warm_up(client, target, conversations, warmup)]
+            if progress and warmup:
+                progress(f"{target.name}: warm-up calls {warmups[target.name]} s")
         for run, conversation, target in schedule(conversations, targets, repeat):
             done = run_conversation(client, target, conversation, run)
             runs.setdefault((conversation.id, target.name), []).append(done)
@@ -337,16 +356,17 @@ def bench_loops(conversations: list[Conversation], targets: list[Target], repeat
     for conversation in conversations:
         for target in targets:
             done = runs[conversation.id, target.name]
-            median = sorted(done, key=lambda r: r["seconds"])[len(done) // 2]
+            median = kept_run(done, seconds=lambda r: r["seconds"])
             rows.append({
                 "id": conversation.id,
-                "group": conversation.group,
+                "kind": conversation.kind,
                 "target": target.name,
                 "seconds": median["seconds"],
                 "runs_seconds": [r["seconds"] for r in done],
                 "calls": [c.as_json() for c in median["calls"]],
             })
-    report = {"conversations": rows, "summary": summarize(rows, [t.name for t in targets])}
+    report = {"kept": kept_label(repeat), "warmup_seconds": warmups, "conversations": rows,
+              "summary": summarize(rows, [t.name for t in targets])}
     report["summary"]["outputs"] = compare_outputs(runs, [t.name for t in targets])
     return report
 
@@ -359,8 +379,21 @@ def served_model(client, target: Target) -> str:
     return models[0]["id"]
 
 
-def warm_up(client, target: Target) -> None:
-    stream_call(client, target, [{"role": "user", "content": "Hello!"}], [], Call("chat", 8), {})
+def warm_up(client, target: Target, conversations: list[Conversation], calls: int) -> list[CallRecord]:
+    """`calls` untimed calls shaped like the conversations' first calls in turn (their tools, tool
+    choice and budget), each opened by a warm-up line: the timed runs' session lines differ from it,
+    so no timed call is served from a warm-up's cache."""
+    records = []
+    for n in range(calls):
+        conversation = conversations[n % len(conversations)]
+        first = next(s.call for s in conversation.steps if s.kind == "call")
+        messages = [dict(m) for m in conversation.messages]
+        if isinstance(messages[0].get("content"), str):
+            messages[0]["content"] = WARMUP_LINE.format(n=n + 1) + messages[0]["content"]
+        call = Call(first.turn_type, first.max_tokens, first.tool_choice)
+        records.append(stream_call(client, target, messages, conversation.tools, call,
+                                   {"X-OpenAlice-Conversation-Id": f"warm-up.{target.name}.{n}"}))
+    return records
 
 
 def geomean(values: list[float]) -> float | None:
@@ -376,7 +409,7 @@ def summarize(rows: list[dict], targets: list[str]) -> dict[str, Any]:
     wall time over the earlier's (above 1: the earlier is faster), all, copy-heavy and chat apart."""
     by = {(r["id"], r["target"]): r for r in rows}
     ids = list(dict.fromkeys(r["id"] for r in rows))
-    groups = {r["id"]: r["group"] for r in rows}
+    kinds = {r["id"]: r["kind"] for r in rows}
     per_target = {}
     for name in targets:
         mine = [by[i, name] for i in ids if (i, name) in by]
@@ -402,8 +435,8 @@ def summarize(rows: list[dict], targets: list[str]) -> dict[str, Any]:
                      if (i, name) in by and (i, other) in by and by[i, name]["seconds"] > 0]
             ratios[f"{name}/{other}"] = {
                 "all": geomean([x for _, x in pairs]),
-                "copy_heavy": geomean([x for i, x in pairs if groups[i] == "copy_heavy"]),
-                "chat": geomean([x for i, x in pairs if groups[i] == "chat"]),
+                "copy_heavy": geomean([x for i, x in pairs if kinds[i] == "copy_heavy"]),
+                "chat": geomean([x for i, x in pairs if kinds[i] == "chat"]),
             }
     # Wall time over tokens written: targets whose replies differ in length (a peer that ignores the
     # tools writes short chat replies instead of calls) compared per token, not per conversation.
@@ -472,10 +505,12 @@ def format_table(report: dict) -> str:
     targets = list(summary["targets"])
     ids = list(dict.fromkeys(r["id"] for r in report["conversations"]))
     by = {(r["id"], r["target"]): r for r in report["conversations"]}
-    lines = ["| conversation | " + " | ".join(f"{t} s" for t in targets) + " |",
-             "|---|" + "---|" * len(targets)]
+    kinds = {r["id"]: r["kind"] for r in report["conversations"]}
+    lines = [f"rows: {report['kept']} (conversation wall time)"] if report.get("kept") else []
+    lines += ["| conversation | kind | " + " | ".join(f"{t} s" for t in targets) + " |",
+              "|---|---|" + "---|" * len(targets)]
     for i in ids:
-        lines.append(f"| {i} | " + " | ".join(f"{by[i, t]['seconds']:.2f}" if (i, t) in by else "-" for t in targets) + " |")
+        lines.append(f"| {i} | {kinds[i]} | " + " | ".join(f"{by[i, t]['seconds']:.2f}" if (i, t) in by else "-" for t in targets) + " |")
     lines += ["", "| target | total s | TTFT p50 first s | TTFT p50 later s | later/first | tokens | ms/token | cached |",
               "|---|---|---|---|---|---|---|---|"]
     for t, s in summary["targets"].items():

@@ -8,7 +8,8 @@ Methods:
 - `hf-plain`, `hf-prompt-lookup`: transformers' own `generate` on the same model and dtype
   (the peer to beat); `hf-prompt-lookup` is the faster of 4 and 10 lookup tokens.
 All runs are greedy. Within a case the methods run back to back, so slow drifts of a noisy
-machine hit them alike; with `--repeat` each row holds the median.
+machine hit them alike; with `--repeat` each row holds the median run (odd counts) or the slower
+middle run (even counts), as the report's `kept` says.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from openalice_runner.bench.repeats import kept_label, kept_run
 from openalice_runner.bench.workload import COPY_HEAVY, OPEN_ENDED, Case, render_case
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 
@@ -98,8 +100,8 @@ def run_hf(engine: Engine, prompt: list[int], max_tokens: int, lookup: int | Non
 
 
 def median_run(runs: list[Run]) -> Run:
-    ordered = sorted(runs, key=lambda r: r.seconds)
-    return ordered[len(ordered) // 2]
+    """The median for an odd count, the slower middle run for an even one (bench/repeats.py)."""
+    return kept_run(runs, seconds=lambda r: r.seconds)
 
 
 def bench(
@@ -164,7 +166,7 @@ def bench(
             rows.append(row)
             if progress:
                 progress(_row_line(row))
-    return {"runs": rows, "summary": summarize(rows, methods)}
+    return {"runs": rows, "summary": summarize(rows, methods), "kept": kept_label(repeat)}
 
 
 def split_method(method: str, gamma: int) -> tuple[str, int]:
@@ -284,7 +286,8 @@ def format_table(report: dict) -> str:
     cases = list(dict.fromkeys((r["case"], r["turn_type"]) for r in rows))
     tps = {(r["case"], r["method"]): r for r in rows}
     head = "| case | turn type | " + " | ".join(methods) + " |"
-    lines = [head, "|" + "---|" * (len(methods) + 2)]
+    lines = [f"rows: {report['kept']} (tokens/s)" if report.get("kept") else "", head, "|" + "---|" * (len(methods) + 2)]
+    lines = lines if lines[0] else lines[1:]
     for case, turn in cases:
         cells = []
         off = tps.get((case, "off"))

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from openalice_runner.bench.repeats import REPEAT_HELP
 from openalice_runner.cli.common import add_engine_args, load_engine, load_policy, positive_int
 
 
@@ -21,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gamma", type=positive_int, default=5)
     p.add_argument("--tree-nodes", type=positive_int, default=None,
                    help="most tokens of a draft tree in eagle-tree and eagle-lookup-tree (default 8, 2 to 63)")
-    p.add_argument("--repeat", type=positive_int, default=1, help="runs per row; the row holds the median")
+    p.add_argument("--repeat", type=positive_int, default=1, help=REPEAT_HELP)
     p.add_argument("--policy", default=None, help="policy file: adds the method 'policy'")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     add_engine_args(p)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from openalice_runner import defaults
+from openalice_runner.bench.repeats import REPEAT_HELP
 from openalice_runner.bench.workload import COPY_HEAVY, OPEN_ENDED
 from openalice_runner.cli.common import add_engine_args, load_policy, positive_int
 
@@ -49,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-batch", type=positive_int, default=None, help="engine batch slots (default: top concurrency)"
     )
     p.add_argument(
-        "--repeat", type=positive_int, default=1, help="runs per (level, method), taken in turns; the row holds the median"
+        "--repeat", type=positive_int, default=1, help=REPEAT_HELP
     )
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG plot of throughput and latency here")

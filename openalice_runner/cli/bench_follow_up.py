@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from openalice_runner.bench.repeats import REPEAT_HELP
 from openalice_runner.cli.common import add_engine_args, positive_int
 
 
@@ -16,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", required=True, help="JSON-lines workload (see shared/workloads/README.md)")
     p.add_argument("--cases", default=None, help="comma-separated case ids (default: all)")
     p.add_argument("--max-tokens", type=positive_int, default=64, help="budget of the follow-up call")
-    p.add_argument("--repeat", type=positive_int, default=1, help="runs per mode, in turns; the row holds the median")
+    p.add_argument("--repeat", type=positive_int, default=1, help=REPEAT_HELP)
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     add_engine_args(p)
     p.set_defaults(func=run)

