@@ -48,7 +48,8 @@ def test_finish_reason_and_retry_after():
     assert wire.finish_reason("stop", saw_tool_calls=True) == "tool_calls"
     assert wire.finish_reason("function_call", saw_tool_calls=True) == "tool_calls"
     assert wire.finish_reason("length", saw_tool_calls=True) == "length"
-    assert wire.finish_reason(None, saw_tool_calls=False) == "stop"
+    with pytest.raises(ProviderBadResponse, match="finish_reason missing"):
+        wire.finish_reason(None, saw_tool_calls=False)  # never read as a stop
     assert wire.finish_reason("abort", saw_tool_calls=False) == "stop"
     assert wire.retry_after({"retry-after": "2"}) == 2.0
     assert wire.retry_after({"Retry-After": "soon"}) is None and wire.retry_after(None) is None
@@ -74,5 +75,6 @@ def test_readers_name_what_is_missing():
     with pytest.raises(ProviderBadResponse, match="choices"):
         wire.read_response({"id": "x"}, "p")
     with pytest.raises(ProviderBadResponse, match="function.name"):
-        body = wire.read_response({"choices": [{"message": {"tool_calls": [{"function": {}}]}}]}, "p")
+        body = wire.read_response({"choices": [{"message": {"tool_calls": [{"id": "c", "function": {}}]},
+                                                "finish_reason": "tool_calls"}]}, "p")
         wire.tool_calls_of(body.choices[0].message, "p")

@@ -167,7 +167,7 @@ class HostedProvider(Provider):
             model=body.model or self.config.model,
             content=choice.message.content,
             tool_calls=tool_calls,
-            finish_reason=wire.finish_reason(choice.finish_reason, bool(tool_calls)),
+            finish_reason=wire.finish_reason(choice.finish_reason, bool(tool_calls), self.name),
             usage=body.usage.usage() if body.usage else Usage(),
             speculation=SpeculationInfo(method="off"),
             provider=self.name,
@@ -215,7 +215,7 @@ class HostedProvider(Provider):
 
     async def _chunks(self, stream: Any, first: Any) -> AsyncGenerator[ChatChunk, None]:
         """litellm's chunks (the first one already read) -> ChatChunks."""
-        acc = wire.ChunkAccumulator(self.config.model)
+        acc = wire.ChunkAccumulator(self.config.model, self.name)
         pending = first
         while True:
             if pending is None:
@@ -230,12 +230,12 @@ class HostedProvider(Provider):
                     raise err from exc
             raw, pending = pending, None
             try:
-                chunk = wire.read_chunk(raw, self.name)
+                pieces = acc.feed(wire.read_chunk(raw, self.name))
             except ProviderBadResponse as exc:
                 if acc.started:
                     raise StreamBroken(f"stream unreadable: {exc.message}", provider=self.name) from exc
                 raise
-            for piece in acc.feed(chunk):
+            for piece in pieces:
                 yield piece
         if acc.finish is None and not acc.started:
             raise ProviderUnavailable("stream ended before any token", provider=self.name)

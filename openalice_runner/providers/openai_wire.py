@@ -5,8 +5,9 @@ chunk accumulator, the finish-reason mapping and Retry-After.
 The readers are tolerant of what upstream adds and strict about what the runner needs: unknown
 fields are ignored (servers add extensions: SGLang's `matched_stop`, `meta_info`, `sglext`,
 `reasoning_content`, a tool call's `index`), while a missing or mistyped field that the runner
-needs (choices, a message, a tool call's function name) is a `ProviderBadResponse`, which falls
-back before the first token like a 5xx.
+needs (choices, a message, a finish reason, a tool call's id, function name and arguments) is a
+`ProviderBadResponse`, which falls back before the first token like a 5xx and breaks the stream
+(`StreamBroken`) after it; nothing missing is filled in with a default.
 Shapes follow SGLang 0.5.23 `sglang/srt/entrypoints/openai/protocol.py` (ChatCompletionResponse,
 ChatCompletionStreamResponse, ToolCall with `index` and `arguments: str | dict`) and OpenAI's.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from openalice_runner.providers.base import ProviderBadResponse
+from openalice_runner.providers.base import ProviderBadResponse, StreamBroken
 from openalice_runner.types import (
     ChatChunk,
     ChatRequest,
@@ -65,10 +66,12 @@ def _plain(value: Any) -> Any:
     return value.model_dump(exclude_none=True, by_alias=True) if isinstance(value, BaseModel) else value
 
 
-def finish_reason(raw: str | None, saw_tool_calls: bool) -> FinishReason:
+def finish_reason(raw: str | None, saw_tool_calls: bool, provider: str | None = None) -> FinishReason:
     """Upstream finish reason -> OpenAI's. A natural stop that produced tool calls is `tool_calls`
-    (as SGLang and OpenAI report it); anything unknown reads as `stop`."""
-    raw = raw or "stop"
+    (as SGLang and OpenAI report it); a value outside OpenAI's set reads as `stop`. None (a reply
+    that never said why it ended) is a bad response, never read as a stop."""
+    if not raw:
+        raise ProviderBadResponse("malformed response: finish_reason missing", provider=provider)
     if saw_tool_calls and raw in ("stop", "tool_calls", "function_call"):
         return "tool_calls"
     if raw in ("stop", "length", "tool_calls", "content_filter"):
@@ -148,7 +151,7 @@ class WireSglExt(_Wire):
 
 class WireChoice(_Wire):
     message: WireMessage
-    finish_reason: str | None = None
+    finish_reason: str  # required: a finished reply says why it ended (OpenAI, SGLang and vLLM send it)
     meta_info: dict[str, Any] | None = None
 
 
@@ -201,18 +204,16 @@ def _read(model: type[_Wire], data: Any, provider: str, what: str) -> Any:
 
 
 def tool_calls_of(message: WireMessage, provider: str) -> list[ToolCall] | None:
-    """A finished message's tool calls in the runner's shape; a call without a function name is
-    malformed (the runner could not say what to call)."""
+    """A finished message's tool calls in the runner's shape; a call without its id, function name
+    or arguments is malformed (the runner would have to invent them)."""
     out: list[ToolCall] = []
     for i, tc in enumerate(message.tool_calls or ()):
-        if not tc.function.name:
-            raise ProviderBadResponse(
-                f"malformed response: tool_calls.{i}.function.name missing", provider=provider
-            )
+        missing = _missing(tc)
+        if missing:
+            raise ProviderBadResponse(f"malformed response: tool_calls.{i}.{missing} missing", provider=provider)
         try:
             call = ToolCall(
-                id=tc.id or f"call_{i}",
-                function=FunctionCall(name=tc.function.name, arguments=tc.function.arguments_text() or "{}"),
+                id=tc.id, function=FunctionCall(name=tc.function.name, arguments=tc.function.arguments_text())
             )
         except ValidationError as exc:
             raise ProviderBadResponse(
@@ -221,6 +222,17 @@ def tool_calls_of(message: WireMessage, provider: str) -> list[ToolCall] | None:
             ) from None
         out.append(call)
     return out or None
+
+
+def _missing(tc: WireToolCall) -> str | None:
+    """The first of a finished tool call's required fields that it lacks, else None."""
+    if not tc.id:
+        return "id"
+    if not tc.function.name:
+        return "function.name"
+    if tc.function.arguments is None:
+        return "function.arguments"
+    return None
 
 
 def tool_call_delta(tc: WireToolCall, position: int) -> ToolCallDelta:
@@ -239,11 +251,17 @@ def tool_call_delta(tc: WireToolCall, position: int) -> ToolCallDelta:
 
 class ChunkAccumulator:
     """Reads a stream's chunks in order: yields runner chunks for content and tool-call deltas and
-    remembers what the final chunk needs (id, model, finish reason, usage, SGLang's sglext)."""
+    remembers what the final chunk needs (id, model, finish reason, usage, SGLang's sglext).
 
-    def __init__(self, model: str) -> None:
+    A tool call's first piece must carry its id and name, and some piece its arguments; a stream
+    that ends without a finish reason, or with a call lacking one of these, is a bad response
+    (`ProviderBadResponse` before the first chunk went out, `StreamBroken` after): nothing is invented."""
+
+    def __init__(self, model: str, provider: str | None = None) -> None:
         self.id = new_id("chatcmpl")
         self.model = model
+        self.provider = provider
+        self.calls: dict[int, bool] = {}  # tool call index -> whether any piece carried arguments
         self.finish: str | None = None
         self.usage: Usage | None = None
         self.sglext: WireSglExt | None = None
@@ -266,16 +284,35 @@ class ChunkAccumulator:
                 continue  # role-only opener or finish marker: not a token
             self.saw_tool_calls = self.saw_tool_calls or bool(calls)
             deltas = [tool_call_delta(tc, i) for i, tc in enumerate(calls)] if calls else None
+            for tc, delta in zip(calls or (), deltas or (), strict=True):
+                self._check_call_piece(tc, delta.index)
             out.append(ChatChunk.piece(self.id, self.model, content or None, deltas, first=not self.started))
             self.started = True
         return out
 
+    def _check_call_piece(self, tc: WireToolCall, index: int) -> None:
+        if index not in self.calls:
+            for name, value in (("id", tc.id), ("function.name", tc.function.name)):
+                if not value:
+                    raise ProviderBadResponse(f"malformed stream: tool call {index}'s first piece has no {name}",
+                                              provider=self.provider)  # fmt: skip
+            self.calls[index] = False
+        self.calls[index] = self.calls[index] or tc.function.arguments is not None
+
     def final(self, speculation: SpeculationInfo, provider: str) -> ChatChunk:
         """The closing chunk: finish reason, usage, speculation."""
+        problem = None
+        if self.finish is None:
+            problem = "the stream ended without a finish_reason"
+        elif not all(self.calls.values()):
+            problem = f"tool call {min(i for i, seen in self.calls.items() if not seen)} never got its arguments"
+        if problem is not None:
+            error = StreamBroken if self.started else ProviderBadResponse
+            raise error(f"malformed stream: {problem}", provider=provider)
         return ChatChunk(
             id=self.id,
             model=self.model,
-            choices=[ChunkChoice(finish_reason=finish_reason(self.finish, self.saw_tool_calls))],
+            choices=[ChunkChoice(finish_reason=finish_reason(self.finish, self.saw_tool_calls, provider))],
             usage=self.usage or Usage(),
             speculation=speculation,
             provider=provider,
