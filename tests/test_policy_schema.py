@@ -55,11 +55,6 @@ def test_every_rule_field_decides():
             method: eagle
             gamma: 6
             options: {eagle_head: /heads/big, eagle_lookup: true, eagle_tree: 8, ngram_min: 2}
-          - name: draft-model
-            match: {turn_type: reasoning, model: other}
-            method: draft
-            gamma: 3
-            options: {draft_model: /models/small}
           - name: unbounded-batch
             match: {turn_type: summarize, batch_size: {min: 9}}
             method: off
@@ -76,10 +71,6 @@ def test_every_rule_field_decides():
     assert SpecConfig.from_plan(s.decide(RequestContext("reasoning", 1, model="tiny"))).draft_layers == 2
     spec = SpecConfig.from_plan(s.decide(RequestContext("reasoning", 1, model="big")))
     assert (spec.eagle_head, spec.eagle_lookup, spec.eagle_tree, spec.ngram_min) == ("/heads/big", True, 8, 2)
-    assert (
-        SpecConfig.from_plan(s.decide(RequestContext("reasoning", 1, model="other"))).draft_model
-        == "/models/small"
-    )
     assert s.decide(RequestContext("reasoning", 1, model=None)).rule == "default"
     d = s.decide(RequestContext("summarize", 9))
     assert (d.method, d.gamma, d.rule) == ("off", 0, "unbounded-batch")
@@ -160,7 +151,11 @@ def test_yaml12_booleans_keep_off_a_string():
             "p.yaml:1:46: option eagle_tree does not apply to method ngram",
         ),
         ("default: {method: eagle, gamma: 3}\n", "p.yaml:1:10: method eagle needs options.eagle_head"),
-        ("default: {method: draft, gamma: 3}\n", "p.yaml:1:10: method draft needs options.draft_model"),
+        ("default: {method: draft, gamma: 3}\n", "p.yaml:1:10: method draft needs options.draft_layers"),
+        (  # the engine refuses a separate draft model: so does the check, at the option's key
+            "default: {method: draft, gamma: 3, options: {draft_model: /models/small}}\n",
+            "p.yaml:1:46: options.draft_model: the embedded engine has no separate draft models",
+        ),
         (  # pools are the routing file's now (tests/test_providers_config.py checks them there)
             "version: 1\npools: {e: {algorithm: EAGLE3}}\ndefault: {method: off}\n",
             "p.yaml:2:1: `pools:` moved to the routing file: each pool's replicas and launch settings sit "

@@ -98,15 +98,17 @@ def _check_decision(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
             loc.problem(path, "method eagle needs options.eagle_head (embedded engine) or pool (SGLang)")
         )
     if d.method == "draft":
-        if opts.draft_model is None and opts.draft_layers is None:
-            problems.append(
-                loc.problem(path, "method draft needs options.draft_model or options.draft_layers")
-            )
-        elif opts.draft_model is not None and opts.draft_layers is not None:
-            problems.append(
-                loc.problem(
-                    at("options"), "set one of options.draft_model and options.draft_layers, not both"
-                )
-            )
+        # the engine refuses what it cannot run: refused here too, not by every request it matches
+        if opts.draft_model is not None:
+            problems.append(loc.problem(
+                at("options", "draft_model"),
+                "options.draft_model: the embedded engine has no separate draft models; it drafts from the "
+                "target's first layers (options.draft_layers). SGLang and vLLM pools name their draft model "
+                "in the routing file (launch)", key=True,
+            ))  # fmt: skip
+        elif opts.draft_layers is None:
+            problems.append(loc.problem(
+                path, "method draft needs options.draft_layers (the target's first N layers draft)"
+            ))  # fmt: skip
 
     return problems

@@ -53,7 +53,7 @@ class MethodOptions(_Strict):
 
     ngram_min: int | None = Field(None, ge=1, le=16)
     ngram_max: int | None = Field(None, ge=1, le=16)
-    draft_model: str | None = None
+    draft_model: str | None = None  # read only to refuse it with its place (checks.py): no engine runs it
     draft_layers: int | None = Field(None, ge=1)
     eagle_head: str | None = None
     eagle_lookup: bool | None = None  # eagle: prompt lookup drafts where it has a match worth it
