@@ -3,7 +3,11 @@
 # admission 8 in flight + 16 queued), then `openalice-runner loadtest` for DURATION seconds at each
 # concurrency, then the memory check: four long prompts with deeply nested tool schemas and max_tokens
 # 4000 at once (scripts/deep_tools_workload.py; DEEP_TOOLS=0 skips it), each allowed DEEP_TIMEOUT seconds
-# (default 900) so the replies run to their end and the peak covers the whole KV cache they need. Writes one JSON report per run
+# (default 900) so the replies run to their end and the peak covers the whole KV cache they need; then
+# two schema phases (scripts/schema_workloads.py; SCHEMAS=0 skips them), concurrency 4 for DURATION
+# seconds each: `deep-schema` (tool parameters and response formats nested 30 objects deep, validated
+# and compiled per request) and `large-grammar` (eight distinct response formats of 450 optional
+# properties or 1,500 anyOf branches, in turn: the grammar cache keeps compiling and evicting). Writes one JSON report per run
 # and a Markdown table (sent/ok/429/failed/5xx, latency and time-to-first-token percentiles, the
 # server's peak RSS from /proc/PID/status VmHWM, over every run); exits 1 when that peak is over 1.5 GiB.
 #
@@ -18,6 +22,7 @@ OUT="${1:-loadtest-results.md}"
 DURATION="${DURATION:-60}"
 CONCURRENCY="${CONCURRENCY:-1 4 16}"
 DEEP_TOOLS="${DEEP_TOOLS:-1}"
+SCHEMAS="${SCHEMAS:-1}"
 DEEP_TIMEOUT="${DEEP_TIMEOUT:-900}"
 PORT="${PORT:-8765}"
 PY="${PY:-$ROOT/.venv/bin/python}"
@@ -49,7 +54,16 @@ if [ "$DEEP_TOOLS" != 0 ]; then
   "$PY" "$ROOT/scripts/deep_tools_workload.py" "$WORK/deep_tools.jsonl"
   "$PY" -m openalice_runner loadtest --url "http://127.0.0.1:$PORT" --concurrency 4 --workload "$WORK/deep_tools.jsonl" \
     --duration "$DURATION" --request-timeout "$DEEP_TIMEOUT" --server-pid "$SERVER" --json "$WORK/cdeep-tools.json" || true
-  LEVELS="$CONCURRENCY deep-tools"
+  LEVELS="$LEVELS deep-tools"
+fi
+if [ "$SCHEMAS" != 0 ]; then
+  "$PY" "$ROOT/scripts/schema_workloads.py" "$WORK"
+  for phase in deep-schema large-grammar; do
+    echo "== memory check: $phase, concurrency 4, ${DURATION}s"
+    "$PY" -m openalice_runner loadtest --url "http://127.0.0.1:$PORT" --concurrency 4 --workload "$WORK/$phase.jsonl" \
+      --duration "$DURATION" --request-timeout "$DEEP_TIMEOUT" --server-pid "$SERVER" --json "$WORK/c$phase.json" || true
+    LEVELS="$LEVELS $phase"
+  done
 fi
 curl -s "http://127.0.0.1:$PORT/metrics" >"$WORK/metrics.txt"
 
@@ -86,7 +100,8 @@ text = "\n".join([
     f"Each row: `openalice-runner loadtest` for {levels and json.loads((work / f'c{levels[0]}.json').read_text())['duration_s']:g} s, "
     "half the requests streamed, max_tokens 32, six short chat prompts; latency and TTFT in ms (p50 / p95 / p99). "
     "Row `deep-tools` (the memory check): concurrency 4, four ~3.5k-token prompts with deeply nested tool "
-    "schemas, max_tokens 4000.",
+    "schemas, max_tokens 4000. Rows `deep-schema` and `large-grammar` (memory checks too): concurrency 4, "
+    "schemas nested 30 objects deep; eight distinct large response formats in turn (scripts/schema_workloads.py).",
     "",
     "| concurrency | s | sent | ok | 429 | failed | 5xx | latency ms | TTFT ms | req/s | tokens/s |",
     "|---|---|---|---|---|---|---|---|---|---|---|",

@@ -14,6 +14,8 @@ Why llguidance (not xgrammar) and the measurements: docs/grammar.md.
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
 import json
 import re
 import threading
@@ -27,6 +29,7 @@ import torch
 
 from openalice_runner.engine.closing import closing_candidates
 from openalice_runner.engine.errors import InvalidRequest
+from openalice_runner.schema_limits import COMPILE
 
 try:  # the engine extra installs it; the error says so where it is missing
     import llguidance
@@ -49,9 +52,9 @@ class GrammarError(InvalidRequest):
 
 
 # JSON as json.dumps writes it (what the tool format and the model's examples show), no free
-# whitespace (a small model fills it with newlines); keywords llguidance does not enforce (e.g.
-# "format") are ignored rather than refused.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+# whitespace (a small model fills it with newlines). Not lenient: a keyword llguidance does not
+# enforce (`not`, an unknown `format`) is refused with its name, never silently dropped.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
 
 
 # Where a schema lets an object hold keys it does not name (no `additionalProperties`), the reply
@@ -169,6 +172,9 @@ class Grammar:
     _compiler: GrammarCompiler
 
     def constraint(self) -> GrammarConstraint:
+        if self._template.is_error():  # llguidance shares a lexer between copies: one failing can poison it
+            self._compiler.forget(self.text, _short(self._template.get_error()))
+            raise GrammarError(f"the grammar failed: {_short(self._template.get_error())}")
         return GrammarConstraint(self._template.deep_copy(), self._compiler)
 
     def after(self, tokens: list[int]) -> Grammar:
@@ -194,17 +200,51 @@ class GrammarCompiler:
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(self.eos_ids))
         self.closing_candidates = closing_candidates(tokenizer, vocab_size)  # the closing search's (closing.py)
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._cached_chars = 0  # the cached grammars' text: what their matchers hold grows with it
+        # texts that failed (by digest: a text can be megabytes), why, and the error's code
+        self._failed: OrderedDict[bytes, tuple[str, str]] = OrderedDict()
+        # Compiles run here, two at a time, so a request waits for its own with a time bound.
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self.cache_size = cache_size
+        # A compiled grammar holds ~80 bytes per character of its text (a 10,000-property schema:
+        # 300 KB of text, 25 MB compiled), so the cache is bounded by text too: 64 such schemas held
+        # 1.6 GB. 2 M characters: ~160 MB at most; a larger grammar is compiled each time it is asked for.
+        self.cache_chars = 2_000_000
 
     def compile(self, text: str) -> Grammar:
         """The grammar for a Lark text (see json_grammar, tool_call_grammar); GrammarError names
-        what is wrong with it."""
+        what is wrong with it. Compiled in a worker with a time bound (schema_limits.COMPILE);
+        a failure is remembered as a failure (refused again at once), never as a grammar."""
         with self._lock:
             hit = self._cache.get(text)
             if hit is not None:
                 self._cache.move_to_end(text)
                 return hit
+            failed = self._failed.get(_digest(text))
+            if failed is not None:
+                raise GrammarError(failed[0], code=failed[1])
+        timeout = COMPILE.timeout_s
+        future = self._pool.submit(self._compile, text)
+        try:
+            compiled = future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            # The worker finishes on its own (llguidance cannot be interrupted); its result is dropped.
+            message = f"compiling the schema's grammar took longer than {timeout:g} s (the server's --grammar-timeout)"
+            self._remember_failure(text, message, "grammar_timeout")
+            raise GrammarError(message, code="grammar_timeout") from None
+        except GrammarError as exc:
+            self._remember_failure(text, str(exc), exc.code)
+            raise
+        with self._lock:
+            if len(text) <= self.cache_chars and text not in self._cache:
+                self._cache[text] = compiled
+                self._cached_chars += len(text)
+            while len(self._cache) > self.cache_size or self._cached_chars > self.cache_chars:
+                self._cached_chars -= len(self._cache.popitem(last=False)[0])
+        return compiled
+
+    def _compile(self, text: str) -> Grammar:
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(text)
         except ValueError as exc:
@@ -215,12 +255,66 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(_short(matcher.get_error()))
-        compiled = Grammar(text, matcher, self)
+        _probe(matcher, self.vocab_size)
+        return Grammar(text, matcher, self)
+
+    def _remember_failure(self, text: str, message: str, code: str = "invalid_value") -> None:
         with self._lock:
-            self._cache[text] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return compiled
+            self._failed[_digest(text)] = (message, code)
+            while len(self._failed) > 4 * self.cache_size:
+                self._failed.popitem(last=False)
+
+    def forget(self, text: str, message: str) -> None:
+        """`text`'s grammar failed after it compiled: refuse it from now on instead of serving it."""
+        with self._lock:
+            if self._cache.pop(text, None) is not None:
+                self._cached_chars -= len(text)
+        self._remember_failure(text, f"the grammar failed: {message}")
+
+
+def _probe(matcher: Any, vocab_size: int) -> None:
+    """GrammarError where the grammar admits no reply, or fails on the bytes it forces first.
+
+    On a copy: the tokens forced from the start (where llguidance builds the first lexemes: a
+    `pattern` too large for its lexer fails here, not in the middle of a reply), then the mask
+    after them, which is empty where nothing satisfies the schema (`{"$ref": "#"}`, a `$ref` cycle
+    that never reaches a value). Such a grammar would otherwise end every reply at once with ""."""
+    probe = matcher.deep_copy()
+    forced = probe.compute_ff_tokens()
+    if forced:
+        probe.consume_tokens(forced)
+    if probe.is_error():
+        raise GrammarError(_short(probe.get_error()))
+    if probe.is_accepting():
+        return
+    bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
+    llguidance.numpy.fill_next_token_bitmask(probe, bitmask, 0)
+    if probe.is_error() or not bitmask.any():  # llguidance's own word for it is "NoExtensionBias"
+        raise GrammarError("no JSON value satisfies the schema (it is unsatisfiable, or a $ref cycle "
+                           "never reaches a value)")
+    # One step further for a few of the allowed tokens: where a schema is past llguidance's limits
+    # (an object of thousands of properties), the first key is where it says so.
+    allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab_size])
+    for token in allowed[:8].tolist():
+        step = probe.deep_copy()
+        if not step.consume_token(token):
+            _past_limits(step)
+
+
+# llguidance's resource limits (ParserLimits: items in a row, lexer fuel and states): a schema past
+# them is the request's (e.g. an object of 5,000 properties: "Current row has 19999 items; max is 2000").
+_LIMIT_ERROR = re.compile(r"max is \d+|too many|fuel|limit", re.IGNORECASE)
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def _past_limits(matcher: Any) -> None:
+    """GrammarError where the matcher stopped at one of llguidance's limits (the schema's size)."""
+    message = _short(matcher.get_error())
+    if _LIMIT_ERROR.search(message):
+        raise GrammarError(f"the schema's grammar is past the grammar backend's limits: {message}")
 
 
 def _short(message: str) -> str:
@@ -317,12 +411,14 @@ class GrammarConstraint:
 
     def _consume(self, token: int) -> None:
         if not self._matcher.consume_token(token):  # pragma: no cover - the mask allowed it
+            _past_limits(self._matcher)
             raise RuntimeError(f"grammar matcher refused a token its mask allowed: {_short(self._matcher.get_error())}")
 
     def advance(self, tokens: list[int]) -> None:
         """The sequence emitted `tokens` (EOS excluded): the matcher follows."""
         tokens = [t for t in tokens if t not in self._compiler.eos_ids]
         if tokens and not self._matcher.consume_tokens(tokens):  # the masks allowed them: ours
+            _past_limits(self._matcher)
             raise RuntimeError(f"grammar matcher refused emitted tokens: {_short(self._matcher.get_error())}")
 
     @property
