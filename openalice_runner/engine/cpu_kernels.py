@@ -147,6 +147,24 @@ class CpuKernels:
             )
         return out
 
+    def attention_prompt(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slot: torch.Tensor,
+                         row_pos: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """`attention` for prompt rows on the CPU's bf16 dot products (q and the softmax weights
+        rounded to bf16, sums in fp32; csrc/attention.c), bf16 cache, no tree rows. None where
+        the CPU or the shape does not allow it (the caller runs `attention`)."""
+        if keys.dtype != torch.bfloat16:
+            return None
+        q = q.contiguous()
+        rows, n_heads, dim = q.shape
+        out = torch.empty_like(q)
+        status = self.library.attention_prompt(
+            q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), row_slot.data_ptr(),
+            row_pos.data_ptr(), rows, n_heads, keys.shape[1], dim, keys.shape[2], scale,
+        )  # fmt: skip
+        if status == -2:
+            raise MemoryError("attention_prompt kernel: no memory for its row tiles")
+        return out if status == 0 else None
+
     def add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
         """weight * x / rms(x) per row of x (R, H) fp32 contiguous; with `delta`, x += delta
         first, in place (the residual add)."""
@@ -263,6 +281,8 @@ def _load() -> tuple[CpuKernels | None, str | None]:
     library.linear_wide.restype = ctypes.c_int
     library.attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     library.attention.restype = ctypes.c_int
+    library.attention_prompt.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
+    library.attention_prompt.restype = ctypes.c_int
     library.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     library.add_rms_norm.restype = None
     library.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2

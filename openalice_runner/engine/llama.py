@@ -315,6 +315,9 @@ class LlamaModel:
         self.kv_dtype = torch.bfloat16 if bf16_cache else torch.float32
         self.attention_scale = self.cfg.head_dim**-0.5
         self.prefill_bf16 = prefill_bf16
+        # with it, passes of prompt rows only also run attention on the bf16 dot products (q and
+        # the softmax weights in bf16); passes that mix in decode rows keep the fp32 attention
+        self.attention_bf16 = kernels is not None and kernels.bf16_dot
 
         def linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> Linear:
             # one weight is shared with the transformers module (no copy); several are fused,
@@ -462,7 +465,7 @@ class LlamaModel:
             keys, values = cache.keys[i], cache.values[i]
             k.rope_store(qkv, self.rotary.cos, self.rotary.sin, slot_t, pos_t, cfg.n_heads, cfg.n_kv_heads, keys, values,
                          None if tree is None else tree.rope_pos)
-            attn = k.attention(qkv[:, : cfg.n_heads], keys, values, slot_t, pos_t, self.attention_scale, tree)
+            attn = self._attention(k, qkv[:, : cfg.n_heads], keys, values, slot_t, pos_t, tree, prompt)
             h = k.add_rms_norm(x, layer.mlp_norm, cfg.eps, delta=layer.o(attn.reshape(rows, -1), prompt))
             down = layer.down(k.silu_mul(layer.gate_up(h, prompt)), prompt)
             after = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
@@ -470,6 +473,29 @@ class LlamaModel:
             if i in taps:
                 tapped.append(x.clone())  # x is updated in place by the next layer
         return h
+
+    def _attention(self, k: CpuKernels, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   slot_t: torch.Tensor, pos_t: torch.Tensor, tree: TreeMask | None, prompt: PromptRows | None):
+        """The kernels' attention; prompt rows on the bf16 dot products where they run (with the
+        same bits whatever else shares the pass: a prompt's cache does not depend on its pass)."""
+        scale = self.attention_scale
+        if prompt is None or not self.attention_bf16 or keys.dtype != torch.bfloat16:
+            return k.attention(q, keys, values, slot_t, pos_t, scale, tree)
+        if prompt.all and tree is None:
+            out = k.attention_prompt(q, keys, values, slot_t, pos_t, scale)
+            return out if out is not None else k.attention(q, keys, values, slot_t, pos_t, scale)
+        rows = prompt.rows if not prompt.all else torch.arange(len(q))
+        ours = k.attention_prompt(q[rows], keys, values, slot_t[rows], pos_t[rows], scale)
+        if ours is None:
+            return k.attention(q, keys, values, slot_t, pos_t, scale, tree)
+        if tree is None:  # the other rows on their own
+            out = torch.empty_like(q)
+            others = prompt.others
+            out[others] = k.attention(q[others], keys, values, slot_t[others], pos_t[others], scale)
+        else:  # tree rows index the whole pass: run it whole, then put the prompt rows in
+            out = k.attention(q, keys, values, slot_t, pos_t, scale, tree)
+        out[rows] = ours
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits (sampling and acceptance tests want full precision probabilities)."""

@@ -293,3 +293,180 @@ int attention(const float *q, const void *keys, const void *values, float *out,
     free(tile_start);
     return 0;
 }
+
+/* ---- prompt rows on the CPU's bf16 dot products (AVX512-BF16), for bf16 prefill -------------
+
+   A prefill chunk's attention is arithmetic: 16 rows of one slot at consecutive positions and one
+   query head go together, one row per fp32 lane, so the online softmax (running max, rescale,
+   sums) is lane-wise with no horizontal reduction. q is rounded to bf16; scores are `vdpbf16ps`
+   over pairs of d against keys broadcast from the bf16 cache; the softmax weights are rounded to
+   bf16 and multiplied with pairs of values the same way, all sums in fp32. Keys go in blocks of
+   16 from key 0; a key a row does not see gives it a weight of exactly 0 (and its max and sums
+   are then unchanged, rescaled by exactly 1), so each row's bits depend only on its own position
+   and the cache, not on the other rows of its tile. Decode, verify and tree rows never come
+   here. Needs D % 32 == 0, D <= 128, a bf16 cache. */
+#define BF16DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512dq")))
+#define PT 16 /* rows per tile: the fp32 lanes */
+#define PK 16 /* keys per block */
+
+static inline BF16DP __m512 exp_nonpositive_zmm(__m512 x) {
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+    r = _mm512_fnmadd_ps(n, ln2_lo, r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+static inline uint16_t to_bf16(float f) { /* to nearest even (finite f) */
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+typedef struct {
+    const float *q;
+    const uint16_t *keys, *values;
+    float *out;
+    const int64_t *row_slot, *row_pos, *tile_start;
+    int64_t tiles, n_heads, n_kv_heads, D, max_len;
+    float scale;
+} prompt_job;
+
+/* tile (rows r0..r0+T-1, positions p0..), query head h */
+static BF16DP void prompt_tile(const prompt_job *job, int64_t r0, int64_t T, int64_t h, int32_t *qp, float *ot) {
+    const int64_t D = job->D, DP = D / 2, G = job->n_heads / job->n_kv_heads;
+    const int64_t p0 = job->row_pos[r0], n_max = p0 + T;
+    const int64_t base = (job->row_slot[r0] * job->n_kv_heads + h / G) * job->max_len * D;
+    const uint16_t *K = job->keys + base, *V = job->values + base;
+    /* q rows (bf16 pairs) transposed: qp[p * PT + t] = (q[t][2p], q[t][2p+1]); lanes past T copy row 0 */
+    for (int64_t t = 0; t < PT; t++) {
+        const float *qr = job->q + ((r0 + (t < T ? t : 0)) * job->n_heads + h) * D;
+        for (int64_t p = 0; p < DP; p++)
+            qp[p * PT + t] = (int32_t)((uint32_t)to_bf16(qr[2 * p]) | ((uint32_t)to_bf16(qr[2 * p + 1]) << 16));
+    }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    /* each lane's last visible key: p0 + t (lanes past T: p0) */
+    const __m512i last = _mm512_add_epi32(_mm512_set1_epi32((int)p0),
+                                          _mm512_maskz_mov_epi32(_cvtu32_mask16((1u << T) - 1u), lane));
+    const __m512 scale = _mm512_set1_ps(job->scale);
+    __m512i ileave; /* (P_j lane t, P_j+1 lane t) pairs from [P_j | P_j+1] */
+    {
+        int16_t idx[32];
+        for (int t = 0; t < 16; t++) { idx[2 * t] = (int16_t)t; idx[2 * t + 1] = (int16_t)(16 + t); }
+        ileave = _mm512_loadu_si512(idx);
+    }
+    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) _mm512_storeu_ps(ot + d * PT, _mm512_setzero_ps());
+    int32_t vp[PK / 2 * 128]; /* value pairs of the block: vp[jp * D + d] = (v[2jp][d], v[2jp+1][d]) */
+    for (int64_t j0 = 0; j0 < n_max; j0 += PK) {
+        const int64_t nk = n_max - j0 < PK ? n_max - j0 : PK;
+        __m512 s[PK];
+        for (int64_t j = 0; j < PK; j++) s[j] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nk; j += 4) {
+            const int32_t *k0 = (const int32_t *)(K + (j0 + j) * D);
+            const int64_t kn = nk - j < 4 ? nk - j : 4;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t p = 0; p < DP; p++) {
+                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + p * PT);
+                a0 = _mm512_dpbf16_ps(a0, qv, (__m512bh)_mm512_set1_epi32(k0[p]));
+                if (kn > 1) a1 = _mm512_dpbf16_ps(a1, qv, (__m512bh)_mm512_set1_epi32(k0[DP + p]));
+                if (kn > 2) a2 = _mm512_dpbf16_ps(a2, qv, (__m512bh)_mm512_set1_epi32(k0[2 * DP + p]));
+                if (kn > 3) a3 = _mm512_dpbf16_ps(a3, qv, (__m512bh)_mm512_set1_epi32(k0[3 * DP + p]));
+            }
+            s[j] = a0; if (kn > 1) s[j + 1] = a1; if (kn > 2) s[j + 2] = a2; if (kn > 3) s[j + 3] = a3;
+        }
+        __mmask16 seen[PK];
+        __m512 mx = m;
+        for (int64_t j = 0; j < PK; j++) {
+            seen[j] = j < nk ? _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)(j0 + j)), last, _MM_CMPINT_LE) : 0;
+            s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen[j], _mm512_mul_ps(s[j], scale));
+            mx = _mm512_max_ps(mx, s[j]);
+        }
+        const __m512 factor = exp_nonpositive_zmm(_mm512_sub_ps(m, mx));
+        m = mx;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < PK; j++) {
+            s[j] = _mm512_maskz_mov_ps(seen[j], exp_nonpositive_zmm(_mm512_sub_ps(s[j], m)));
+            sum = _mm512_add_ps(sum, s[j]);
+        }
+        l = _mm512_fmadd_ps(l, factor, sum);
+        /* value pairs, keys past the block's end zero (the cache there may hold anything) */
+        for (int64_t jp = 0; jp < PK / 2; jp++) {
+            const int64_t ja = j0 + 2 * jp, jb = ja + 1;
+            for (int64_t d = 0; d < D; d++) {
+                const uint32_t va = 2 * jp < nk ? V[ja * D + d] : 0, vb = 2 * jp + 1 < nk ? V[jb * D + d] : 0;
+                vp[jp * D + d] = (int32_t)(va | (vb << 16));
+            }
+        }
+        __m512bh pp[PK / 2];
+        for (int64_t jp = 0; jp < PK / 2; jp++)
+            pp[jp] = (__m512bh)_mm512_permutexvar_epi16(ileave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * jp + 1], s[2 * jp]));
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m512 o[16];
+            for (int64_t d = 0; d < 16; d++) o[d] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + d) * PT), factor);
+            for (int64_t jp = 0; jp < (nk + 1) / 2; jp++)
+                for (int64_t d = 0; d < 16; d++)
+                    o[d] = _mm512_dpbf16_ps(o[d], pp[jp], (__m512bh)_mm512_set1_epi32(vp[jp * D + d0 + d]));
+            for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(ot + (d0 + d) * PT, o[d]);
+        }
+    }
+    float inv[PT];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    for (int64_t t = 0; t < T; t++) {
+        float *o = job->out + ((r0 + t) * job->n_heads + h) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = ot[d * PT + t] * inv[t];
+    }
+}
+
+static BF16DP void prompt_share(void *ctx, int share, int shares) {
+    const prompt_job *job = (const prompt_job *)ctx;
+    int32_t *qp = (int32_t *)aligned_alloc(64, sizeof(int32_t) * 64 * PT);
+    float *ot = (float *)aligned_alloc(64, sizeof(float) * 128 * PT);
+    if (!qp || !ot) { free(qp); free(ot); return; }
+    /* tasks (tile, head) interleaved across shares: tiles late in a chunk see more keys */
+    for (int64_t task = share; task < job->tiles * job->n_heads; task += shares) {
+        const int64_t tile = task / job->n_heads, h = task % job->n_heads;
+        const int64_t r0 = job->tile_start[tile];
+        prompt_tile(job, r0, job->tile_start[tile + 1] - r0, h, qp, ot);
+    }
+    free(qp);
+    free(ot);
+}
+
+int attention_prompt_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+           __builtin_cpu_supports("avx512dq");
+}
+
+/* Rows as `attention` takes them (no tree rows), bf16 cache. Returns 0, -1 where unsupported
+   (shape or CPU), -2 where memory ran out. */
+int attention_prompt(const float *q, const uint16_t *keys, const uint16_t *values, float *out,
+                     const int64_t *row_slot, const int64_t *row_pos, int64_t R, int64_t n_heads,
+                     int64_t n_kv_heads, int64_t D, int64_t max_len, float scale) {
+    if (D % 32 || D > 128 || n_heads % n_kv_heads || !attention_prompt_supported()) return -1;
+    int64_t *tile_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(R + 1));
+    if (!tile_start) return -2;
+    int64_t tiles = 0;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t first = tiles ? tile_start[tiles - 1] : -1;
+        const int joins = first >= 0 && r - first < PT && row_slot[r] == row_slot[r - 1] && row_pos[r] == row_pos[r - 1] + 1;
+        if (!joins) tile_start[tiles++] = r;
+    }
+    tile_start[tiles] = R;
+    prompt_job job = {q, keys, values, out, row_slot, row_pos, tile_start, tiles, n_heads, n_kv_heads, D, max_len, scale};
+    pool_run(prompt_share, &job);
+    free(tile_start);
+    return 0;
+}
