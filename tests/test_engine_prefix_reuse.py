@@ -157,8 +157,18 @@ def test_without_histories_an_idle_engine_keeps_no_slots():
     assert engine.scheduler.cache.nbytes() == 0
     assert engine.generate(prompt, SamplingParams(max_tokens=8)).token_ids == first.token_ids
     engine.scheduler.idle_shrink_s = None  # never: the cache keeps its size
-    engine.generate(prompt, SamplingParams(max_tokens=8))
-    assert not _wait_for(lambda: engine.scheduler.cache.batch == 0, seconds=0.3)
+    # The idle loop's wait is what a shrink would follow, when it times out. Recorded: once idle
+    # after this request, the loop waits with no timeout at all, so nothing ever wakes it to shrink
+    # (seen by the event, not by the absence of a shrink within some time, which a slow machine fakes).
+    cond, waits = engine.scheduler._cond, []
+    real_wait = cond.wait
+    cond.wait = lambda timeout=None: waits.append(timeout) or real_wait(timeout)
+    try:
+        engine.generate(prompt, SamplingParams(max_tokens=8))
+        assert _wait_for(lambda: waits, seconds=60)
+        assert waits == [None] and engine.scheduler.cache.batch > 0
+    finally:
+        del cond.wait
 
 
 def test_serial_loop_reuses_the_last_history_and_matches_a_full_prefill():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 from stand_ins.engines import tiny_engine
@@ -393,8 +394,10 @@ async def test_overload_is_refused_early():
     p = AdmittedProvider(local(engine), AdmissionGate("local", max_in_flight=1, max_queue=1))
     req = ChatRequest(messages=[{"role": "user", "content": "x"}])
     first = [asyncio.create_task(p.chat(req, CallContext())) for _ in range(2)]
-    await asyncio.sleep(0.2)
-    assert (p.load().batch_size, p.load().queue_depth) == (1, 1)
+    deadline = time.monotonic() + 30  # generous: the engine thread may start late on a loaded machine
+    while (p.load().batch_size, p.load().queue_depth) != (1, 1):
+        assert time.monotonic() < deadline, p.load()
+        await asyncio.sleep(0.01)
     with pytest.raises(ProviderRateLimited) as info:
         await p.chat(req, CallContext())
     assert info.value.retry_after and info.value.fallback_ok

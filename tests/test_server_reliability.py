@@ -165,9 +165,9 @@ def test_past_slots_and_queue_requests_are_refused_at_once_with_retry_after(stac
     _wait_gauges(stack, 1, 1)
     before = _sample(stack.metrics(), "openalice_provider_requests_refused_total", provider="local")
     for stream in (False, True):
-        t0 = time.monotonic()
         r = stack.post({**body, "stream": stream})
-        assert time.monotonic() - t0 < 2.0  # at once, not after a wait
+        # at once, not after a wait for a slot: the held requests still hold theirs (the gate is shut)
+        assert all(thread.is_alive() for thread, _ in held)
         err = _error(r, 429)
         assert err["type"] == "rate_limit_error" and err["code"] == "server_busy"
         assert int(r.headers["Retry-After"]) >= 1
@@ -194,11 +194,13 @@ def test_deadline_ends_a_running_and_a_queued_request_and_frees_their_slots(stac
     stack.engine.open.clear()
     runs = len(stack.engine.runs)
     before = _sample(stack.metrics(), "openalice_requests_cancelled_total", reason="deadline")
-    running = _in_background(stack.post, {"messages": HI, "max_tokens": 2, "timeout": 1.5})
+    running = _in_background(stack.post, {"messages": HI, "max_tokens": 2, "timeout": 6})
     _wait_gauges(stack, 1, 0)
     t0 = time.monotonic()
     queued = stack.post({"messages": HI, "max_tokens": 2}, headers={"X-OpenAlice-Timeout": "0.4"})
-    assert 0.3 < time.monotonic() - t0 < 1.4
+    assert time.monotonic() - t0 > 0.3  # not before its deadline
+    # ended by its own deadline, not by the slot coming free: the running one still holds it
+    assert running[0].is_alive()
     err = _error(queued, 408)
     assert err["code"] == "deadline_exceeded" and err["type"] == "timeout_error"
     assert "timeout" in err["message"]
@@ -275,10 +277,10 @@ def test_client_leaving_mid_stream_stops_the_engine_within_one_round(stack):
                 break  # leaving the iterator closes the connection (httpx)
         left_at = time.monotonic()
     run = stack.engine.runs[-1]
-    _wait_for(lambda: run["ended_at"], lambda v: v is not None, timeout=10)
+    _wait_for(lambda: run["ended_at"], lambda v: v is not None, timeout=60)
     assert run["finish"] in STOPPED
-    assert run["rounds_after_cancel"] <= 1
-    assert run["ended_at"] - left_at < 2.0 and run["tokens"] < 1000
+    assert run["rounds_after_cancel"] <= 1 and run["ended_at"] >= left_at  # within one round of leaving
+    assert run["tokens"] < 1000
     text = stack.idle()  # slot, gauge and KV positions all back
     assert _sample(text, "openalice_requests_cancelled_total", reason="client_gone") == before + 1
 
@@ -290,8 +292,9 @@ def test_client_leaving_a_plain_request_stops_its_generation_too(stack):
         stack.post({"messages": HI, "max_tokens": 1000}, timeout=httpx.Timeout(0.8, connect=5))
     left_at = time.monotonic()
     run = stack.engine.runs[-1]
-    _wait_for(lambda: run["ended_at"], lambda v: v is not None, timeout=10)
-    assert run["finish"] in STOPPED and run["ended_at"] - left_at < 2.0
+    _wait_for(lambda: run["ended_at"], lambda v: v is not None, timeout=60)
+    assert run["finish"] in STOPPED and run["rounds_after_cancel"] <= 1  # within one round of leaving
+    assert run["ended_at"] >= left_at and run["tokens"] < 1000  # it ran until the client left
     text = stack.idle()
     assert _sample(text, "openalice_requests_cancelled_total", reason="client_gone") == before + 1
 
