@@ -79,3 +79,23 @@ def test_a_schema_past_the_grammar_backends_limits_is_a_400_not_a_500(stack):
     wide = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(1_000)}}
     err = _error(ask(stack, wide), 400)
     assert err["param"] == SCHEMA_PARAM and "past the grammar backend's limits" in err["message"], err
+
+
+def test_the_grammar_cache_is_bounded_by_its_grammars_text(stack):
+    """Memory: a compiled grammar holds ~80 bytes per character of its text, so the cache counts
+    text, not entries (64 large schemas once held 1.6 GB); past the bound the oldest go."""
+    from openalice_runner.engine.grammar import json_grammar
+
+    compiler = stack.runner.providers["local"].engine.grammars
+    texts = [json_grammar({"type": "object", "properties": {f"v{n}_{i}": {"type": "integer"} for i in range(300)}})
+             for n in range(6)]  # fmt: skip
+    bound = 3 * len(texts[0])
+    compiler.cache_chars, before = bound, compiler.cache_chars
+    try:
+        for text in texts:
+            compiler.compile(text)
+        held = sum(len(t) for t in compiler._cache)
+        assert held <= bound and texts[-1] in compiler._cache and texts[0] not in compiler._cache
+        assert compiler._cached_chars == held
+    finally:
+        compiler.cache_chars = before
