@@ -9,7 +9,7 @@
   is not there;
 - `vllm`, `vllm-ngram`: vLLM's CPU build (`python -m vllm.entrypoints.openai.api_server`, through
   scripts/vllm-cpu-serve.sh) from the side venv scripts/peer-vllm-cpu.sh makes, on the engine's
-  converted model folder in bf16, 2 threads, prefix caching on, cached prompt tokens in usage, the
+  converted model folder in bf16, 2 threads, prefix caching on (32-token blocks), cached prompt tokens in usage, the
   hermes tools template and parser (as the `type: vllm` pools launch it); `-ngram` with n-gram
   speculation (γ 5, lookups of 2-4 tokens). Skipped, saying so, when that venv is not there;
 - `URL=NAME`: any other OpenAI-compatible server, already running.
@@ -160,8 +160,10 @@ class Servers(contextlib.AbstractContextManager):
         from openalice_runner.engine.model_loading import converted_folder, resolve_model_source
 
         folder = converted_folder(resolve_model_source(self.model))
+        # 32-token cache blocks, not the CPU build's 128: a loop's later call then finds all but the
+        # last few dozen tokens of its history cached (docs/benchmarks/2026-12-02-gateway-affinity.md)
         command = ["bash", str(VLLM_SERVE), str(folder), str(port), "--enable-prefix-caching",
-                   "--enable-prompt-tokens-details", "--max-model-len", "8192",
+                   "--enable-prompt-tokens-details", "--block-size", "32", "--max-model-len", "8192",
                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
         if VLLM_TEMPLATE.is_file():
             command += ["--chat-template", str(VLLM_TEMPLATE)]
