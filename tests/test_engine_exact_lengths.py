@@ -23,6 +23,7 @@ from stand_ins.pair_chain import (
     PairDrafter,
     PairModel,
     chain_constraint,
+    grammar_drafts,
     moved_rows,
     plain_probs,
     random_eagle_runtime,
@@ -188,14 +189,17 @@ CONTROLS = {"q-row-shifted": _shift_q_rows, "residual-wrong-row": _residual_from
             "bonus-dropped": _drop_the_bonus}
 
 
+@pytest.mark.parametrize("top_k", [3, 0])
 @pytest.mark.parametrize("fault", list(CONTROLS))
-def test_faults_at_late_draft_positions_are_caught(fault, monkeypatch):
+def test_faults_at_late_draft_positions_are_caught(fault, top_k, monkeypatch):
+    """With top-k 3 some faults emit tokens the target gives no mass; without it every token is
+    possible and the faults are caught by the distribution alone."""
     CONTROLS[fault](monkeypatch)
     target, draft = random_pair_chain(1), random_pair_chain(2)
     gamma = 3
-    sampling = SamplingParams(temperature=0.9, top_k=3, max_tokens=gamma + 3)
+    sampling = SamplingParams(temperature=0.9, top_k=top_k, max_tokens=gamma + 3)
     run = sample_serial(PairModel(target), lambda: PairDrafter(draft), sampling,
-                        SpecConfig(method="draft", gamma=gamma), N, seed=40 + len(fault))
+                        SpecConfig(method="draft", gamma=gamma), N, seed=40 + len(fault) + top_k)
     result = sequential_chi_square(run.replies, reference_rows(target, sampling))
     report(result, run, gamma)
     assert result.p < 1e-6, (fault, result)
@@ -263,19 +267,10 @@ MASKED_LENGTH = 34
 N_MASKED = 1200
 
 
-def _grammar_drafts(seed: int) -> torch.Tensor:
-    """A draft chain that mostly keeps to the grammar (so drafts run long before a forbidden
-    token cuts them), with some mass on forbidden tokens."""
-    table = random_pair_chain(seed)
-    allowed = GRAMMAR_ROWS.repeat(VOCAB, 1)  # row a * V + b: the grammar's row after b
-    table = table * (allowed.float() * 0.9 + 0.1)
-    return table / table.sum(-1, keepdim=True)
-
-
 @pytest.mark.parametrize(("gamma", "top_k", "deterministic"), [(3, 0, False), (4, 3, True)],
                          ids=["gamma3-sampled", "gamma4-topk3-onehot"])
 def test_masked_drafts_of_every_length_keep_the_masked_target(gamma, top_k, deterministic):
-    target, draft = random_pair_chain(1), _grammar_drafts(2)
+    target, draft = random_pair_chain(1), grammar_drafts(2)
     sampling = SamplingParams(temperature=0.9, top_k=top_k, max_tokens=MASKED_LENGTH)
     run = sample_serial(PairModel(target), lambda: PairDrafter(draft, deterministic), sampling,
                         SpecConfig(method="draft", gamma=gamma), N_MASKED, seed=70 + gamma, constraint=chain_constraint)
@@ -289,7 +284,7 @@ def test_masked_drafts_of_every_length_keep_the_masked_target(gamma, top_k, dete
 def test_masked_late_fault_is_caught(monkeypatch):
     # (a residual from the row before would be caught too, by the grammar: it leaves the mask)
     _shift_q_rows(monkeypatch)
-    target, draft = random_pair_chain(1), _grammar_drafts(2)
+    target, draft = random_pair_chain(1), grammar_drafts(2)
     sampling = SamplingParams(temperature=0.9, max_tokens=MASKED_LENGTH)
     run = sample_serial(PairModel(target), lambda: PairDrafter(draft), sampling, SpecConfig(method="draft", gamma=3),
                         N_MASKED, seed=79, constraint=chain_constraint)

@@ -26,6 +26,17 @@ from stand_ins.markov import (
     random_chain,
     sample_sequences,
 )
+from stand_ins.pair_chain import (
+    GRAMMAR_ROWS,
+    PairDrafter,
+    PairModel,
+    chain_constraint,
+    grammar_drafts,
+    random_pair_chain,
+    reference_rows,
+    sample_serial,
+    sequential_chi_square,
+)
 
 from openalice_runner.engine import rejection
 from openalice_runner.engine.generator import new_sequence, run_sequence
@@ -33,6 +44,18 @@ from openalice_runner.engine.sampling import TokenDraws, stream
 from openalice_runner.engine.types import SamplingParams, SpecConfig
 
 N = 2500
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: torch's intra-op threads only wait on each other (14x slower on a loaded
+    2-core machine); the old setting comes back after each test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 CONFIGS = [
     pytest.param(gamma, top_p, deterministic, id=f"gamma{gamma}-topp{top_p}-{'onehot' if deterministic else 'sampled'}")
     for gamma in (1, 3, 5)
@@ -255,88 +278,17 @@ def test_speculative_sampling_exact_with_suffix_drafter(gamma):
 # ---- under a grammar: the masked chain ----------------------------------------------------------
 # The grammar is an automaton over the chain's tokens whose state is the last token: after 1
 # only 3 is allowed and after 3 only 2 (a forced span of two tokens, drafted for free), the
-# other states allow two or three tokens. The exact joint is the chain's, masked and renormalised
-# row by row; GrammarConstraint runs unchanged over this automaton (its mask is the table's row).
-GRAMMAR_ROWS = torch.tensor([[False, True, True, True],
-                             [False, False, False, True],
-                             [True, True, False, True],
-                             [False, False, True, False]])
+# other states allow three tokens (stand_ins/pair_chain.py). Under a grammar the engine drafts
+# only where the budget leaves WINDOW (24) tokens of slack past the reply's shortest closing
+# (engine/closing.py), which three-token replies never have: these tests run on the
+# second-order chain of stand_ins/pair_chain.py with replies of MASKED_LENGTH tokens, against its
+# plain reference rows masked by the grammar (the sequential chi-square; docs/testing.md).
+MASKED_LENGTH = 34
+N_MASKED = 1200
 
 
-class ChainGrammar:
-    """The LLMatcher methods GrammarConstraint calls, for the automaton above."""
-
-    def __init__(self, start: int):
-        self.states = [start]
-        self.error = ""
-
-    def is_stopped(self):
-        return False
-
-    def is_accepting(self):
-        return True
-
-    def is_error(self):
-        return bool(self.error)
-
-    def get_error(self):
-        return self.error
-
-    def compute_ff_tokens(self):
-        out, state = [], self.states[-1]
-        while len(out) < 8 and int(GRAMMAR_ROWS[state].sum()) == 1:
-            state = int(GRAMMAR_ROWS[state].nonzero()[0, 0])
-            out.append(state)
-        return out
-
-    def consume_token(self, token):
-        if not GRAMMAR_ROWS[self.states[-1], token]:
-            self.error = f"token {token} is not allowed after {self.states[-1]}"
-            return False
-        self.states.append(token)
-        return True
-
-    def consume_tokens(self, tokens):
-        return all(self.consume_token(t) for t in tokens)
-
-    def rollback(self, n):
-        del self.states[len(self.states) - n :]
-        return True
-
-
-def chain_constraint():
-    from types import SimpleNamespace
-
-    from openalice_runner.engine.grammar import GrammarConstraint
-
-    class ChainConstraint(GrammarConstraint):
-        def _grammar_mask(self):
-            return GRAMMAR_ROWS[self._matcher.states[-1]].clone()
-
-    return ChainConstraint(ChainGrammar(PROMPT[-1]), SimpleNamespace(vocab_size=VOCAB, eos_ids=()))
-
-
-def exact_masked_joint(table: torch.Tensor, sampling: SamplingParams, length: int = LENGTH) -> dict[tuple[int, ...], float]:
-    return exact_joint(table, sampling, GRAMMAR_ROWS, length)
-
-
-def sample_constrained(target, make_drafter, sampling, spec, n, seed, length=LENGTH):
-    model = MarkovModel(target)
-    counts: dict[tuple[int, ...], int] = {}
-    forced = proposed = 0
-    for i in range(n):
-        s = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed * 100_000 + i,
-                           max_tokens=length)
-        seq = new_sequence(PROMPT, s, spec, make_drafter(), ToyCache(), SilentTokenizer(), frozenset(),
-                           context_length=64, constraint=chain_constraint())
-        result = None
-        for event in run_sequence(model, seq):
-            result = event.result or result
-        forced += result.stats.forced_tokens
-        proposed += result.stats.draft_proposed
-        key = tuple(result.token_ids)
-        counts[key] = counts.get(key, 0) + 1
-    return counts, forced, proposed
+def masked_p(target, run, sampling) -> float:
+    return sequential_chi_square(run.replies, reference_rows(target, sampling, GRAMMAR_ROWS)).p
 
 
 MASKED_CONFIGS = [
@@ -352,46 +304,49 @@ MASKED_CONFIGS = [
 def test_constrained_speculative_sampling_matches_masked_joint(gamma, top_p, drafter, forced):
     """Output follows the *constrained* target exactly: masked p, drafts cut at the first
     forbidden token, q masked alike, forced tokens drafted for free (or not)."""
-    target, draft = random_chain(1), random_chain(2)
-    sampling = SamplingParams(temperature=0.9, top_p=top_p, max_tokens=LENGTH)
-    joint = exact_masked_joint(target, sampling)
+    # drafts mostly within the grammar (a tenth of the weight on forbidden tokens), so they run long
+    target, draft = random_pair_chain(1), grammar_drafts(2)
+    sampling = SamplingParams(temperature=0.9, top_p=top_p, max_tokens=MASKED_LENGTH)
     if drafter == "none":
         spec, make = SpecConfig(method="off", forced_drafts=forced), lambda: None
     else:
         spec = SpecConfig(method="draft", gamma=gamma, forced_drafts=forced)
-        make = lambda: MarkovDrafter(draft, deterministic=drafter == "onehot")  # noqa: E731
-    counts, n_forced, proposed = sample_constrained(target, make, sampling, spec, N, seed=gamma + 10 * forced)
-    assert (n_forced > N // 4) == forced  # forced spans come up often, and are drafted only when asked
-    assert drafter == "none" or proposed > N // 10  # and the drafter drafted
-    assert chi_square_p(joint, counts, N) > 1e-3
+        make = lambda: PairDrafter(draft, deterministic=drafter == "onehot")  # noqa: E731
+    run = sample_serial(PairModel(target), make, sampling, spec, N_MASKED, seed=gamma + 10 * forced,
+                        constraint=chain_constraint)
+    assert (run.forced > N_MASKED // 4) == forced  # forced spans come up often, and are drafted only when asked
+    assert drafter == "none" or run.proposed > N_MASKED // 10  # and the drafter drafted
+    if drafter != "none":  # drafts of full length, accepted and rejected late (γ 1: full length only)
+        assert run.rounds.full(gamma) > N_MASKED // 4, run.rounds.summary(gamma)
+        if gamma >= 2:
+            assert run.rounds.accepted_at_least(2) > N_MASKED // 20, run.rounds.summary(gamma)
+            assert run.rounds.late_rejections() > N_MASKED // 20, run.rounds.summary(gamma)
+    assert masked_p(target, run, sampling) > 1e-3
 
 
 def test_unmasked_draft_distribution_is_caught(monkeypatch):
     # A broken constrained sampler: verify against the drafter's raw q (mass on forbidden tokens
     # included) instead of q masked and renormalised: accept and residual are both off.
     monkeypatch.setattr("openalice_runner.engine.generator.masked_probs", lambda q, allowed: q)
-    target, draft = random_chain(1), random_chain(2)
-    sampling = SamplingParams(temperature=0.9, max_tokens=LENGTH)
-    joint = exact_masked_joint(target, sampling)
-    spec = SpecConfig(method="draft", gamma=3)
-    counts, _, _ = sample_constrained(target, lambda: MarkovDrafter(draft, deterministic=False), sampling, spec, N, 11)
-    assert chi_square_p(joint, counts, N) < 1e-6
+    target, draft = random_pair_chain(1), random_pair_chain(2)
+    sampling = SamplingParams(temperature=0.9, max_tokens=MASKED_LENGTH)
+    run = sample_serial(PairModel(target), lambda: PairDrafter(draft), sampling, SpecConfig(method="draft", gamma=3),
+                        2 * N_MASKED, 11, constraint=chain_constraint)
+    assert masked_p(target, run, sampling) < 1e-6
 
 
 def test_broken_residual_under_grammar_is_caught(monkeypatch):
     monkeypatch.setattr(rejection, "residual_distribution", lambda p, q, token: p)
-    target, draft = random_chain(1), random_chain(2)
-    sampling = SamplingParams(temperature=0.9, max_tokens=LENGTH)
-    joint = exact_masked_joint(target, sampling)
-    spec = SpecConfig(method="draft", gamma=3)
-    counts, _, _ = sample_constrained(target, lambda: MarkovDrafter(draft, deterministic=False), sampling, spec, N, 12)
-    assert chi_square_p(joint, counts, N) < 1e-6
+    target, draft = random_pair_chain(1), random_pair_chain(2)
+    sampling = SamplingParams(temperature=0.9, max_tokens=MASKED_LENGTH)
+    run = sample_serial(PairModel(target), lambda: PairDrafter(draft), sampling, SpecConfig(method="draft", gamma=3),
+                        N_MASKED, 12, constraint=chain_constraint)
+    assert masked_p(target, run, sampling) < 1e-6
 
 
 # ---- forced tokens after a draft ----------------------------------------------------------------
-# Five tokens leave room for a draft that ends in 1 to carry the span the grammar forces after it
-# (3, then 2) and still get a bonus token after the span, whose mask is the span's end state's.
-SPAN_LENGTH = 5
+# A draft that ends in 1 carries the span the grammar forces after it (3, then 2) and still gets
+# a bonus token after the span, whose mask is the span's end state's (replies of MASKED_LENGTH).
 
 
 def _counting_spans(monkeypatch, break_masks: bool = False) -> list[int]:
@@ -417,23 +372,19 @@ def _counting_spans(monkeypatch, break_masks: bool = False) -> list[int]:
 
 
 def test_forced_span_after_a_draft_keeps_the_masked_joint(monkeypatch):
-    target, draft = random_chain(1), random_chain(2)
-    sampling = SamplingParams(temperature=0.9, max_tokens=SPAN_LENGTH)
-    joint = exact_masked_joint(target, sampling, SPAN_LENGTH)
+    target, draft = random_pair_chain(1), random_pair_chain(2)
+    sampling = SamplingParams(temperature=0.9, max_tokens=MASKED_LENGTH)
     spans = _counting_spans(monkeypatch)
-    spec = SpecConfig(method="draft", gamma=1)
-    counts, _, _ = sample_constrained(target, lambda: MarkovDrafter(draft, deterministic=False), sampling, spec, N,
-                                      seed=21, length=SPAN_LENGTH)
-    assert len(spans) > N // 10  # drafts reached the span often
-    assert chi_square_p(joint, counts, N) > 1e-3
+    run = sample_serial(PairModel(target), lambda: PairDrafter(draft), sampling, SpecConfig(method="draft", gamma=1),
+                        N_MASKED, 21, constraint=chain_constraint)
+    assert len(spans) > N_MASKED // 10  # drafts reached the span often
+    assert masked_p(target, run, sampling) > 1e-3
 
 
 def test_a_span_sampler_that_forces_the_bonus_is_caught(monkeypatch):
-    target, draft = random_chain(1), random_chain(2)
-    sampling = SamplingParams(temperature=0.9, max_tokens=SPAN_LENGTH)
-    joint = exact_masked_joint(target, sampling, SPAN_LENGTH)
+    target, draft = random_pair_chain(1), random_pair_chain(2)
+    sampling = SamplingParams(temperature=0.9, max_tokens=MASKED_LENGTH)
     spans = _counting_spans(monkeypatch, break_masks=True)
-    spec = SpecConfig(method="draft", gamma=1)
-    counts, _, _ = sample_constrained(target, lambda: MarkovDrafter(draft, deterministic=False), sampling, spec, N,
-                                      seed=22, length=SPAN_LENGTH)
-    assert spans and chi_square_p(joint, counts, N) < 1e-6
+    run = sample_serial(PairModel(target), lambda: PairDrafter(draft), sampling, SpecConfig(method="draft", gamma=1),
+                        N_MASKED, 22, constraint=chain_constraint)
+    assert spans and masked_p(target, run, sampling) < 1e-6
