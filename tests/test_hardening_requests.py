@@ -155,3 +155,29 @@ def test_seed_at_the_uint64_bounds_is_accepted(stack):
 def test_stream_must_be_a_real_boolean(stack, value):
     err = _error(stack.post({"messages": HI, "stream": value, "max_tokens": 1}), 400)
     assert err["param"] == "stream" and "boolean" in err["message"], err
+
+
+async def test_an_unexpected_error_is_answered_and_not_reraised_for_uvicorn_to_log_again():
+    """Starlette re-raises after its handler answered; uvicorn then logged the whole traceback of
+    every 500 a second time. The guard ends it: one rate-limited line, and the 500 JSON."""
+    from fastapi import FastAPI
+
+    from openalice_runner.server.errors import install_error_handlers
+    from openalice_runner.server.guard import GuardMiddleware
+    from openalice_runner.server.metrics import ServerMetrics
+
+    app = FastAPI()
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=None, max_body_bytes=1024, metrics=ServerMetrics())
+
+    @app.get("/boom")
+    async def boom():
+        raise RecursionError("maximum recursion depth exceeded")
+
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=True)  # an exception out of the app fails here
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        with structlog.testing.capture_logs() as logged:
+            r = await client.get("/boom")
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    errors = [e for e in logged if e["log_level"] == "error"]
+    assert len(errors) == 1 and errors[0]["request_id"] == r.headers["x-request-id"], errors

@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 from fastapi import HTTPException
 
-from openalice_runner.server.error_log import REQUEST_ID
+from openalice_runner.server.error_log import ERRORS, REQUEST_ID
 from openalice_runner.server.errors import APIError
 from openalice_runner.server.metrics import ServerMetrics
 
@@ -95,6 +95,12 @@ class GuardMiddleware:
                 self.drain.in_flight += 1
                 admitted = True
             await self.app(scope, self._limited(receive), send_wrapper)
+        except Exception as exc:
+            # Starlette's error middleware answers (our handler logs it, rate-limited) and then
+            # re-raises, for uvicorn to log the whole traceback again, per request: end it here.
+            if not response.started:
+                ERRORS.report("unhandled error", exc, path=route)
+                await _send_error(send_wrapper, APIError(500, "internal error", code="internal_error"))
         except asyncio.CancelledError:
             # uvicorn cancels what still runs past --shutdown-grace. Answer in OpenAI's terms rather
             # than leave uvicorn's text/plain 500 or a stream that just stops; the request ends here.
