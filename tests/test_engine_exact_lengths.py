@@ -229,6 +229,32 @@ def test_eagle_drafts_of_every_length_keep_the_target(gamma, top_k, feature_laye
     assert result.p > 1e-3, (result, run.rounds.by_depth)
 
 
+def test_lookup_first_eagle_drafts_of_every_length_keep_the_target():
+    """Prompt lookup drafts (one-hot q) where the text has a bigram match and the head (its own q)
+    elsewhere, round by round, both at full length."""
+    from openalice_runner.engine.drafters.eagle import EagleDrafter
+    from openalice_runner.engine.drafters.lookup_first import LookupFirstDrafter
+    from openalice_runner.engine.drafters.ngram import NgramDrafter
+
+    target, gamma = random_pair_chain(1), 4
+    runtime = random_eagle_runtime(gamma)
+    sampling = SamplingParams(temperature=0.9, top_k=3, max_tokens=gamma + 4)
+    made = []
+
+    def make():
+        made.append(LookupFirstDrafter(NgramDrafter(2, 2), EagleDrafter(runtime, 128, VOCAB)))
+        return made[-1]
+
+    run = sample_serial(PairModel(target), make, sampling, SpecConfig(method="eagle", gamma=gamma, eagle_lookup=True),
+                        N, seed=90)
+    rounds = {source: sum(d.rounds[source] for d in made) for source in ("lookup", "head")}
+    assert min(rounds.values()) > N // 10, rounds  # both drafted, many times
+    check_lengths(run, gamma, N)
+    result = sequential_chi_square(run.replies, reference_rows(target, sampling))
+    report(result, run, gamma)
+    assert result.p > 1e-3, (result, rounds)
+
+
 # ---- lookup drafters on a sampled request: n-gram and suffix ---------------------------------------
 def _long_prompt(seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
