@@ -227,3 +227,51 @@ def test_a_fault_in_the_shared_pass_fails_its_sequences_and_the_scheduler_carrie
         assert isinstance(result, Injected) or result.token_ids == want  # the others ran on, exact
     assert _alone(engine, lengths) == expected  # and the scheduler serves on
     assert engine.scheduler._thread.is_alive()
+
+
+def test_a_fault_in_the_pass_spares_a_running_sequence_that_was_not_in_it(monkeypatch):
+    """A long prompt waits for its prefill chunk while others decode: a pass it had no rows in fails,
+    and it runs on to the same reply as alone (the old scheduler failed every running sequence)."""
+    engine = Engine.tiny_random(seed=0, max_batch=4)
+    scheduler = engine.scheduler
+    scheduler.prefill_chunk = 8  # a step feeds 8 prompt tokens while others decode: the later prompt waits
+    long_prompt = engine.encode(" ".join(["the cat sat on the mat"] * 10))
+    sampling = SamplingParams(max_tokens=16)
+    expected = engine.generate(long_prompt, sampling).token_ids
+    real = engine.model.forward_rows
+    spared: list[set[int]] = []
+
+    def forward_rows(tokens, cache, row_slot, row_pos, *args, **kwargs):
+        outside = {r.seq.slot for r in scheduler._running} - set(row_slot)
+        if outside and not spared:
+            spared.append(outside)
+            raise Injected("the shared pass failed")
+        return real(tokens, cache, row_slot, row_pos, *args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward_rows", forward_rows)
+    decoding = threading.Event()
+
+    def first():
+        try:
+            for event in engine.stream(engine.encode("hi"), SamplingParams(max_tokens=200)):
+                if event.token_ids:
+                    decoding.set()
+        except Injected as exc:
+            return exc
+
+    def later(prompt):
+        assert decoding.wait(60)
+        try:
+            return engine.generate(prompt, sampling)
+        except Injected as exc:
+            return exc
+
+    with ThreadPoolExecutor(3) as pool:
+        a = pool.submit(first)
+        b = pool.submit(later, long_prompt)
+        c = pool.submit(later, long_prompt)
+        out = [a.result(120), b.result(120), c.result(120)]
+    assert spared, "no pass left a running sequence out"
+    assert isinstance(out[0], Injected)  # the decoding one was in that pass
+    survivors = [r for r in out[1:] if not isinstance(r, Injected)]
+    assert survivors and all(r.token_ids == expected for r in survivors)
