@@ -413,7 +413,7 @@ class PoolProvider(Provider):
             ) from None
         body = wire.read_response(data, self.name)
         choice = body.choices[0]
-        finish = choice.finish_reason or "stop"
+        finish = choice.finish_reason  # required by the reader: a reply without one is a bad_response
         if finish == "abort":  # the server dropped the request; nothing usable came back
             raise ProviderUnavailable(f"{self.engine} aborted the request", provider=self.name)
         usage = body.usage.usage() if body.usage else Usage()
@@ -427,7 +427,7 @@ class PoolProvider(Provider):
             # SGLang sends content "" beside tool calls; OpenAI's shape has null there
             content=choice.message.content or (None if tool_calls else ""),
             tool_calls=tool_calls,
-            finish_reason=wire.finish_reason(finish, bool(tool_calls)),
+            finish_reason=wire.finish_reason(finish, bool(tool_calls), self.name),
             usage=usage,
             speculation=SpeculationInfo.from_outcome(outcome),
             provider=self.name,
