@@ -13,9 +13,10 @@ or the context's end) and closing length `c`:
 - `left <= c` (**closing**): only the closing path's next token. Those tokens are certain, so a
   round drafts them for free (forced tokens) and verifies them in one pass.
 - `left - c <= WINDOW` (**window**): the grammar's tokens `t` after which the closing still fits,
-  `c(after t) <= left - 1`. Checked lazily on the token the target chooses (greedy: the argmax,
-  then the next one; sampled: a draw, redrawn without it), so only a few searches run per token;
-  rounds there draft nothing.
+  `c(after t) <= left - 1`. Checked lazily on the tokens a round emits: rounds draft and verify
+  as ever, and the first emitted token that does not fit is chosen again among those that fit
+  (greedy: the next best; sampled: drawn again without it, which is exactly the target restricted
+  to the tokens that fit), so a search or two runs per emitted token, only there.
 - otherwise (**free**): the grammar's mask alone. A round stops at the window's edge.
 
 The filter removes nothing while `left - 1` is above every reachable token's closing length, so
@@ -187,7 +188,7 @@ def mode(seq, left: int, round_rows: int) -> tuple[str, list[int] | None, int]:
     if slack <= 0:
         return CLOSING, path, left
     if slack <= WINDOW:
-        return WINDOWED, path, 1
+        return WINDOWED, path, left
     return FREE, path, slack - WINDOW
 
 
@@ -205,7 +206,7 @@ def fits(seq, position: int, token: int, left: int) -> bool:
 MAX_REDRAWS = 32  # window tokens tried before the closing path's own is taken
 
 
-def windowed_choice(seq, position: int, allowed: torch.Tensor, left: int, path: list[int],
+def windowed_choice(seq, position: int, allowed: torch.Tensor, left: int, path: list[int] | None,
                     choose, redraw) -> int:
     """The target's token among `allowed` after which the closing fits: `choose(allowed)` picks
     one; a token that does not fit is left out and `redraw` picks again (greedy: the next best;
@@ -222,6 +223,8 @@ def windowed_choice(seq, position: int, allowed: torch.Tensor, left: int, path: 
         if not bool(allowed.any()):
             break
         token = redraw(allowed, token)
+    if path is None:
+        path = closing_path(seq.constraint, limit=left)
     return path[0] if path else int(given.nonzero()[0, 0])  # none fits (no end token): the reply is cut
 
 

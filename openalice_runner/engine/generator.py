@@ -157,12 +157,9 @@ def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
         state, path, room = closing.mode(seq, left, round_rows(seq.spec, True) + gamma)
         if state == closing.CLOSING:
             return closing_round(seq, path, left)
-        if state == closing.WINDOWED:  # the grammar's forced tokens (they fit), then one token that fits
-            forced = seq.constraint.forced(min(MAX_FORCED, left - 1, room_context)) if seq.spec.forced_drafts else []
-            n, seq.round_masks, _ = seq.constraint.walk_on(forced, 0)
-            seq.round_forced, seq.round_left = n, left - n
-            return Proposal(forced[:n]), forced[:n]
-        room_budget = min(room_budget, room)  # the round ends at the window's edge
+        if state == closing.WINDOWED:  # drafted as ever; the verdict keeps only tokens the closing fits after
+            seq.round_left = left
+        room_budget = min(room_budget, room)  # a free round ends at the window's edge
     forced: list[int] = []
     if seq.constraint is not None and seq.spec.forced_drafts:
         forced = seq.constraint.forced(min(MAX_FORCED, room_budget - 1, room_context))
@@ -197,15 +194,16 @@ def closing_round(seq: Sequence, path: list[int], left: int) -> tuple[Proposal, 
     return Proposal(path[:k]), path[:k]
 
 
-def budget_choice(logits: torch.Tensor, seq: Sequence, allowed: torch.Tensor, left: int, path: list[int],
-                  position: int) -> int:
+def budget_choice(logits: torch.Tensor, seq: Sequence, allowed: torch.Tensor, left: int, path: list[int] | None,
+                  position: int, use: int = TokenDraws.TARGET) -> int:
     """A window position's token (closing.windowed_choice): the target's greedy choice or draw among
-    the grammar's tokens after which the closing still fits; `position`: where it lands."""
+    the grammar's tokens after which the closing still fits; `position`: where it lands, `use`: the
+    draws' stream (a redraw after the round's own draw takes a stream of its own)."""
     if seq.sampling.greedy:
         pick = lambda mask: greedy_choices(logits.unsqueeze(0), mask.unsqueeze(0))[0]  # noqa: E731
         return closing.windowed_choice(seq, position, allowed, left, path, pick, lambda mask, _: pick(mask))
     probs = processed_probs(masked_logits(logits, allowed), seq.sampling)
-    generator = stream(seq.draws, position, TokenDraws.TARGET)
+    generator = stream(seq.draws, position, use)
 
     def draw(mask: torch.Tensor, _=None) -> int | None:
         kept = torch.zeros_like(probs)
@@ -336,12 +334,30 @@ def _forward(model: LlamaModel, feed: torch.Tensor, seq: Sequence, taps: tuple[i
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, draft: list[int], seq: Sequence) -> Verdict | TreeVerdict:
-    if seq.round_left:  # a window round: its forced tokens, then one token after which the closing fits
-        k = len(draft)
-        with closing.ahead(seq.constraint, draft):
-            token = budget_choice(logits[k], seq, seq.round_masks[k], seq.round_left, seq.budget.path[k:],
-                                  len(seq.tokens) + k)
-        return Verdict(k, token)
+    verdict = _verify(logits, proposal, draft, seq)
+    return verdict if not seq.round_left else within_budget(verdict, logits, draft, seq)
+
+
+def within_budget(verdict: Verdict, logits: torch.Tensor, draft: list[int], seq: Sequence) -> Verdict:
+    """A window round's verdict, up to its first token after which the closing no longer fits; that
+    one is chosen again among those that fit (greedy: the next best; sampled: drawn again from the
+    target without it, so a token that fits comes out with its probability under the target
+    restricted to the tokens that fit, whether the verdict drew it or the redraw did)."""
+    emitted = verdict.emitted(draft)
+    position = len(seq.tokens)
+    for j, token in enumerate(emitted):
+        with closing.ahead(seq.constraint, emitted[:j]):
+            if closing.fits(seq, position + j, token, seq.round_left - j):
+                continue
+            allowed = seq.round_masks[j].clone()
+            allowed[token] = False
+            chosen = budget_choice(logits[j], seq, allowed, seq.round_left - j, None, position + j,
+                                   TokenDraws.CLOSING)
+        return Verdict(j, chosen)
+    return verdict
+
+
+def _verify(logits: torch.Tensor, proposal: Proposal, draft: list[int], seq: Sequence) -> Verdict | TreeVerdict:
     if seq.sampling.greedy:  # the target's choices, within the grammar's masks under one
         chosen = greedy_choices(logits, seq.round_masks)
         if proposal.parents is not None:

@@ -57,6 +57,7 @@ class TokenDraws:
     TARGET = 0  # the target's own sample for a position (plain, bonus or recovered token)
     ACCEPT = 1  # the uniform that accepts or rejects a sampled draft token
     DRAFT = 2  # a drafter's draws for the round whose first token lands at this position
+    CLOSING = 3  # a token drawn again because the one drawn leaves no room to close (engine/closing.py)
 
     def __init__(self, seed: int | None):
         self.seed = secrets.randbits(63) if seed is None else seed

@@ -133,7 +133,6 @@ class GenerationStats:
     probe_accepted: int = 0
     forced_tokens: int = 0  # tokens a grammar forced, drafted for free (not in draft_proposed)
     closing_tokens: int = 0  # tokens forced to close the grammar's structure within the budget (closing.py)
-    closing_tokens: int = 0  # tokens forced to close the grammar's structure within the budget (closing.py)
     mask_s: float = 0.0  # time spent computing grammar masks
     acceptance_rate: float = 0.0  # accepted / proposed (0 when nothing was proposed)
     # tokens the target passes produced / target passes: >= 1, exactly 1 for plain decoding (a stop token
