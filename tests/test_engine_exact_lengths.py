@@ -286,8 +286,8 @@ def test_lookup_drafts_of_every_length_keep_the_target(method):
 
 
 # ---- under a grammar: masked rows and forced spans -----------------------------------------------
-# Under a grammar the engine drafts only where the budget leaves WINDOW (24) tokens of slack past
-# the reply's shortest closing (engine/closing.py): the replies run long enough for several rounds
+# Under a grammar the last WINDOW (24) tokens of slack before the budget's end are the closing
+# window of engine/closing.py (where drafting once stopped): the replies run long enough for several rounds
 # of full drafts before that.
 MASKED_LENGTH = 34
 N_MASKED = 1200

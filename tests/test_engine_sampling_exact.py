@@ -278,9 +278,9 @@ def test_speculative_sampling_exact_with_suffix_drafter(gamma):
 # ---- under a grammar: the masked chain ----------------------------------------------------------
 # The grammar is an automaton over the chain's tokens whose state is the last token: after 1
 # only 3 is allowed and after 3 only 2 (a forced span of two tokens, drafted for free), the
-# other states allow three tokens (stand_ins/pair_chain.py). Under a grammar the engine drafts
-# only where the budget leaves WINDOW (24) tokens of slack past the reply's shortest closing
-# (engine/closing.py), which three-token replies never have: these tests run on the
+# other states allow three tokens (stand_ins/pair_chain.py). Three-token replies cannot show
+# drafts past the first token, and the last WINDOW (24) tokens before a constrained reply's budget
+# runs out are engine/closing.py's window: these tests run on the
 # second-order chain of stand_ins/pair_chain.py with replies of MASKED_LENGTH tokens, against its
 # plain reference rows masked by the grammar (the sequential chi-square; docs/testing.md).
 MASKED_LENGTH = 34
