@@ -195,3 +195,67 @@ def test_vercel_ai_sdk_tools_and_objects(serve):
     assert set(results) == {"generateText_required", "generateText_auto", "streamText_tool", "generateObject_zod"}
     assert {name: r["failures"] for name, r in results.items() if r["failures"]} == {}
     assert all(r["ok"] == 10 for r in results.values())
+
+
+# ---- issue 33: small budgets; every reply closes within max_tokens and parses ----------------------
+
+SMALL_BUDGET = 24  # about the shortest reply these schemas allow, plus a few tokens
+
+
+def test_openai_client_parse_with_a_small_budget(serve):
+    url, model = serve
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    failures = []
+    for who, age in PEOPLE:
+        messages = [{"role": "user", "content": f"Write a long story about {who}, then extract the person as JSON: "
+                                                f"{who} is {age} years old."}]
+        try:
+            r = client.chat.completions.parse(model=model, response_format=Person, max_tokens=SMALL_BUDGET,
+                                              messages=messages)
+            content = r.choices[0].message.content
+        except openai.LengthFinishReasonError as exc:  # parse refuses any "length" reply: its content must still parse
+            content = exc.completion.choices[0].message.content
+            assert exc.completion.usage.completion_tokens <= SMALL_BUDGET
+        try:
+            Person.model_validate_json(content or "")
+        except ValueError:
+            failures.append((who, content))
+    assert failures == []
+
+
+def test_pydantic_ai_output_type_with_a_small_budget(serve):
+    pytest.importorskip("pydantic_ai", reason="pydantic-ai-slim[openai] is not installed (the dev extra has it)")
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    url, name = serve
+    model = OpenAIChatModel(name, provider=OpenAIProvider(base_url=f"{url}/v1", api_key=API_KEY))
+    # final_result's shortest call is 30 tokens after the prefill: 40 cuts the model's strings
+    agent = Agent(model, output_type=Weather, model_settings={"max_tokens": 40})
+    failures = []
+    for city in CITIES:
+        try:
+            result = agent.run_sync(f"Describe the weather in {city} at great length, then give the report.")
+        except Exception as exc:  # noqa: BLE001 - every failure is reported with its prompt
+            failures.append((city, repr(exc)[:300]))
+            continue
+        if not isinstance(result.output, Weather):
+            failures.append((city, result.output))
+    assert failures == []
+
+
+@pytest.mark.parametrize("budget", [24, 48])
+def test_vercel_ai_sdk_required_call_within_a_small_budget(serve, budget):
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed (Node 20 runs the Vercel AI SDK test)")
+    if not (NODE_DIR / "node_modules" / "ai").is_dir():
+        pytest.skip("the Vercel AI SDK is not installed: npm ci --prefix tests/node")
+    url, model = serve
+    env = {**os.environ, "OPENALICE_BASE_URL": f"{url}/v1", "OPENALICE_API_KEY": API_KEY, "OPENALICE_MODEL": model,
+           "OPENALICE_SCENARIOS": "budgets", "OPENALICE_BUDGETS": str(budget)}
+    out = subprocess.run([node, "clients.mjs"], cwd=NODE_DIR, env=env, capture_output=True, text=True, timeout=3000)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert results[f"stock_required_{budget}"] == {"ok": 10, "failures": []}

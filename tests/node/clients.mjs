@@ -49,6 +49,34 @@ const checkCall = (call) => {
   return null;
 };
 
+// issue 33: one tool, toolChoice 'required', a small maxOutputTokens; a model looping inside the
+// string value used to run into the budget with the call unclosed (AI_ToolChoiceViolationError)
+const stockPrice = tool({
+  description: 'The latest stock price of a company',
+  inputSchema: z.object({ symbol: z.string() }),
+  execute: async ({ symbol }) => ({ symbol, price: 101.5 }),
+});
+const STOCK_PROMPTS = ['Check MSFT for me', 'What is Apple trading at?', 'Price of NVDA?', 'How is Tesla stock doing today?',
+  'Look up the share price of Microsoft', 'Get me the stock price for AMZN', 'Is GOOG up today?',
+  'What does IBM stock cost?', 'Quote for Netflix shares', 'Stock price of the Coca-Cola Company please'];
+const budgetScenario = (budget) => scenario(`stock_required_${budget}`, async (i) => {
+  const r = await generateText({
+    model, maxOutputTokens: budget, tools: { get_stock_price: stockPrice }, toolChoice: 'required',
+    stopWhen: stepCountIs(1), prompt: STOCK_PROMPTS[i],
+  });
+  const call = r.toolCalls[0];
+  if (!call || call.toolName !== 'get_stock_price') return `no get_stock_price call: ${JSON.stringify(r.content).slice(0, 200)}`;
+  return typeof call.input?.symbol === 'string' ? null : `bad input ${JSON.stringify(call.input)}`;
+});
+
+if (process.env.OPENALICE_SCENARIOS === 'budgets') {
+  const budgets = (process.env.OPENALICE_BUDGETS ?? '24,48').split(',').map(Number);
+  const out = [];
+  for (const budget of budgets) out.push(await budgetScenario(budget));
+  console.log(JSON.stringify(Object.fromEntries(out)));
+  process.exit(0);
+}
+
 const results = Object.fromEntries([
   await scenario('generateText_required', async (i) => {
     const r = await generateText({
