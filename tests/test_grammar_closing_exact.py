@@ -198,15 +198,21 @@ def test_closing_drawn_without_the_budget_mask_is_caught(monkeypatch):
 
 
 def test_a_window_that_takes_the_closing_token_instead_of_redrawing_is_caught(monkeypatch):
-    # broken: a drawn token that does not fit is replaced by the closing path's (replies still end
-    # valid, but the mass of the misfit goes to one token instead of all that fit)
-    monkeypatch.setattr(closing, "MAX_REDRAWS", 1)
-    real = closing.windowed_choice
+    # broken: a token that does not fit is replaced by the closing path's instead of drawn again
+    # (replies still end valid, but the misfit's mass goes to one token instead of all that fit)
+    from openalice_runner.engine import generator
+    from openalice_runner.engine.sampling import TokenDraws
 
-    def no_redraw(seq, position, allowed, left, path, choose, redraw):
-        return real(seq, position, allowed, left, path, choose, lambda mask, token: path[0] if path else None)
+    real = generator.budget_choice
 
-    monkeypatch.setattr(closing, "windowed_choice", no_redraw)
+    def closing_token(logits, seq, allowed, left, path, position, use=TokenDraws.TARGET):
+        if use == TokenDraws.CLOSING:
+            path = closing.closing_path(seq.constraint, left)
+            if path:
+                return path[0]
+        return real(logits, seq, allowed, left, path, position, use)
+
+    monkeypatch.setattr(generator, "budget_choice", closing_token)
     target, draft = random_chain(1), random_chain(2)
     sampling = SamplingParams(temperature=0.9, max_tokens=LENGTH)
     joint = exact_budget_joint(target, sampling)
