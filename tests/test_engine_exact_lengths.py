@@ -18,10 +18,13 @@ import pytest
 import torch
 from stand_ins.pair_chain import (
     GRAMMAR_ROWS,
+    HIDDEN,
     PROMPT,
     VOCAB,
     PairDrafter,
     PairModel,
+    Rounds,
+    Run,
     chain_constraint,
     grammar_drafts,
     moved_rows,
@@ -354,3 +357,233 @@ def test_batched_late_fault_is_caught(monkeypatch):
     result = sequential_chi_square(run.replies, reference_rows(target, sampling))
     report(result, run, 5)
     assert result.p < 1e-6
+
+
+# ---- the three-token tests of test_engine_sampling_exact.py, at full length ----------------------
+# Each configuration those tests ran on three-token replies (drafts of one token at most), again
+# with replies of γ + 3 tokens on the second-order chain. For the first three reply positions the
+# sequential chi-square's groups hold the whole past (the prompt is fixed), so it tests the joint
+# of the first three tokens as those tests did, and every later position besides.
+JOINT_CONFIGS = [
+    pytest.param(gamma, top_p, det, id=f"gamma{gamma}-topp{top_p}-{'onehot' if det else 'sampled'}")
+    for gamma in (1, 3, 5) for top_p in (1.0, 0.8) for det in (False, True)
+    # (3, 0.8, one-hot) and (5, 0.8, sampled) are CHAIN_CONFIGS' own (top-k off there too)
+    if (gamma, top_p, det) not in {(3, 0.8, True), (5, 0.8, False)}
+]
+
+
+@pytest.mark.parametrize(("gamma", "top_p", "deterministic"), JOINT_CONFIGS)
+def test_joint_configurations_at_full_length_keep_the_target(gamma, top_p, deterministic):
+    target, draft = random_pair_chain(1), random_pair_chain(2)
+    sampling = SamplingParams(temperature=0.9, top_p=top_p, max_tokens=gamma + 3)
+    run = sample_serial(PairModel(target), lambda: PairDrafter(draft, deterministic), sampling,
+                        SpecConfig(method="draft", gamma=gamma), N,
+                        seed=200 + 10 * gamma + 2 * (top_p < 1.0) + deterministic)
+    check_lengths(run, gamma, N)
+    result = sequential_chi_square(run.replies, reference_rows(target, sampling))
+    report(result, run, gamma)
+    assert result.p > 1e-3, (result, run.rounds.summary(gamma))
+
+
+def test_residual_from_p_is_caught_at_full_length(monkeypatch):
+    # a classic bug: after a rejection, resample from p instead of norm(max(0, p - q))
+    monkeypatch.setattr(rejection, "residual_distribution", lambda p, q, token: p)
+    target, draft = random_pair_chain(1), random_pair_chain(2)
+    sampling = SamplingParams(temperature=0.9, max_tokens=6)
+    run = sample_serial(PairModel(target), lambda: PairDrafter(draft), sampling, SpecConfig(method="draft", gamma=3),
+                        N, seed=207)
+    check_lengths(run, 3, N)
+    result = sequential_chi_square(run.replies, reference_rows(target, sampling))
+    report(result, run, 3)
+    assert result.p < 1e-6, result
+
+
+def test_accepting_everything_is_caught_at_full_length(monkeypatch):
+    # accept every draft token (the output would follow q, not p)
+    from openalice_runner.engine.sampling import TokenDraws, stream
+
+    real = generator.verify_sampled
+
+    def accept_all(p, q, draft, draws, position=0):
+        real(p, q, draft, draws, position)  # keep the random streams' use alike
+        bonus = stream(draws, position + len(draft), TokenDraws.TARGET)
+        return rejection.Verdict(len(draft), int(torch.multinomial(p[len(draft)], 1, generator=bonus)))
+
+    monkeypatch.setattr(generator, "verify_sampled", accept_all)
+    target, draft = random_pair_chain(1), random_pair_chain(2)
+    sampling = SamplingParams(temperature=0.9, max_tokens=6)
+    run = sample_serial(PairModel(target), lambda: PairDrafter(draft), sampling, SpecConfig(method="draft", gamma=3),
+                        N, seed=208)
+    assert run.rounds.full_accepts(3) > N // 4, run.rounds.summary(3)  # whole drafts of γ, all kept
+    result = sequential_chi_square(run.replies, reference_rows(target, sampling))
+    report(result, run, 3)
+    assert result.p < 1e-6, result
+
+
+# EAGLE as the three-token test ran it: chains with top-p, fused feature layers, drafts sized by the
+# head's own confidence (unseeded), lookup-first with a unigram lookup, trees, and their mixtures.
+# `full`: the least share of N rounds that must reach γ (confidence-sized drafts and small trees
+# reach it less often than a fixed chain).
+EAGLE_CONFIGS = [
+    pytest.param(*c, id=i) for c, i in [
+        ((3, 1.0, None, 0.0, False, 0, 4), "chain3"),
+        ((5, 0.8, None, 0.0, False, 0, 4), "chain5-topp0.8"),
+        ((4, 0.9, [0, 1], 0.0, False, 0, 4), "chain4-topp0.9-eagle3"),
+        ((6, 1.0, None, 0.02, False, 0, 20), "chain6-sized"),
+        ((4, 1.0, None, 0.0, True, 0, 4), "chain4-lookup"),
+        ((4, 1.0, None, 0.0, False, 6, 20), "tree6-depth4"),
+        ((5, 0.9, [0, 1], 0.1, False, 8, 20), "tree8-depth5-sized-eagle3"),
+        ((4, 1.0, None, 0.0, True, 5, 20), "tree5-depth4-lookup"),
+    ]
+]
+
+
+def _fixed_step_time(monkeypatch, runtime) -> None:
+    """Confidence-sized drafts weigh a head step's measured time: a fixed one keeps the lengths
+    (and the assertions on them) independent of the machine's speed and load."""
+    from openalice_runner.engine.drafters import eagle
+
+    runtime.draft_step_s = 1e-4
+    monkeypatch.setattr(eagle, "_record_step", lambda rt, seconds: None)
+
+
+def _unseeded(monkeypatch, seed: int) -> None:
+    # A seeded request drafts a fixed γ (its output must not hang on timing), so confidence-sized
+    # drafts run unseeded: each request's fresh seed comes from a seeded source, not the OS.
+    import random
+
+    from openalice_runner.engine import sampling as sampling_module
+
+    monkeypatch.setattr(sampling_module.secrets, "randbits", random.Random(seed).getrandbits)
+
+
+def _sample_unseeded(model, make_drafter, sampling: SamplingParams, spec, n: int) -> Run:
+    """sample_serial's loop with seed None (the seeds come from the patched source)."""
+    from stand_ins.pair_chain import PairCache, SilentTokenizer
+
+    from openalice_runner.engine.generator import new_sequence, run_sequence
+
+    run = Run([], Rounds.empty())
+    for _ in range(n):
+        s = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                           max_tokens=sampling.max_tokens)
+        seq = new_sequence(PROMPT, s, spec, make_drafter(), PairCache(), SilentTokenizer(), frozenset(),
+                           context_length=128)
+        result = None
+        for event in run_sequence(model, seq):
+            result = event.result or result
+        run.replies.append(tuple(result.token_ids))
+        run.rounds.add(result.stats.draft_depth_histogram)
+        run.proposed += result.stats.draft_proposed
+    return run
+
+
+@pytest.mark.parametrize(("gamma", "top_p", "feature_layers", "costs", "lookup", "tree", "full"), EAGLE_CONFIGS)
+def test_eagle_configurations_at_full_length_keep_the_target(gamma, top_p, feature_layers, costs, lookup, tree,
+                                                             full, monkeypatch):
+    """With `costs` (what each verify row adds to a pass's time, as a share of it) the head
+    sizes each draft from its own confidence, so lengths vary round to round: the three-token
+    test's tenth for the tree; a fiftieth for the chain of 6 (at a tenth this head never found a
+    sixth token worth its row, and at a fiftieth the tree grows wide, never past depth 3); with `lookup` prompt lookup (a unigram
+    match, one-hot q) drafts where the text has a match and the head elsewhere; with `tree` the
+    head drafts trees of up to that many nodes and depth γ."""
+    from openalice_runner.engine.cost_model import PassCostModel
+    from openalice_runner.engine.drafters.eagle import EagleDrafter
+    from openalice_runner.engine.drafters.lookup_first import LookupFirstDrafter
+    from openalice_runner.engine.drafters.ngram import NgramDrafter
+
+    target = random_pair_chain(1)
+    runtime = random_eagle_runtime(gamma, feature_layers)
+    pass_costs = None
+    if costs:
+        pass_costs = PassCostModel()
+        for rows in range(1, 8):
+            pass_costs.record(rows, 0.01 * (1 + costs * (rows - 1)))
+        _fixed_step_time(monkeypatch, runtime)
+        _unseeded(monkeypatch, 300 + gamma)
+    heads, made = [], []
+
+    def make():
+        heads.append(EagleDrafter(runtime, 128, VOCAB, costs=pass_costs, tree_nodes=tree))
+        made.append(LookupFirstDrafter(NgramDrafter(1, 1), heads[-1]) if lookup else heads[-1])
+        return made[-1]
+
+    sampling = SamplingParams(temperature=0.9, top_p=top_p, max_tokens=gamma + 3)
+    spec = SpecConfig(method="eagle", gamma=gamma)
+    if costs:
+        run = _sample_unseeded(PairModel(target), make, sampling, spec, N)
+    else:
+        run = sample_serial(PairModel(target), make, sampling, spec, N, seed=310 + gamma + tree + 50 * lookup)
+    r, summary = run.rounds, run.rounds.summary(gamma)
+    assert run.proposed >= (N // 2 if costs else N)  # the head drafted
+    assert max(r.by_depth) <= gamma, r.by_depth
+    assert r.full(gamma) > N // full, summary
+    assert r.accepted_at_least(2) > N // 20 and r.late_rejections() > N // 20, summary
+    if not tree:
+        assert r.full_accepts(gamma) > 0, summary
+    if costs:  # lengths really varied, by confidence: drafts of every depth from 1 to γ
+        assert all(r.full(d) > r.full(d + 1) for d in range(1, gamma)), r.by_depth
+    if tree and not costs:
+        assert run.proposed > 2 * N  # trees: several candidates a round
+    if lookup:  # both drafted, many times
+        rounds = {source: sum(d.rounds[source] for d in made) for source in ("lookup", "head")}
+        assert min(rounds.values()) > N // 4, rounds
+    assert heads[-1].feats.shape[1] == (len(feature_layers or ()) + 1) * HIDDEN  # it read the taps
+    result = sequential_chi_square(run.replies, reference_rows(target, sampling))
+    report(result, run, gamma)
+    assert result.p > 1e-3, (result, r.by_depth)
+
+
+def test_broken_tree_sampler_is_caught_at_full_length(monkeypatch):
+    """Tree verification that tries each sibling against the target's p instead of the residual
+    left by the siblings rejected before it, on trees reaching depth 3."""
+    from openalice_runner.engine import tree
+    from openalice_runner.engine.drafters.eagle import EagleDrafter
+    from openalice_runner.engine.sampling import TokenDraws, stream
+
+    def broken(p, tokens, parents, draws, position=0):
+        gen = stream(draws, position, TokenDraws.TARGET)
+        kids = tree.children(parents)
+        path, row = [], 0
+        while True:
+            accepted = next((c for c in kids[row] if float(torch.rand((), generator=gen)) < float(p[row, tokens[c]])),
+                            None)
+            if accepted is None:
+                residual = p[row].clone()
+                residual[[tokens[c] for c in kids[row]]] = 0.0
+                residual = residual if residual.sum() > 0 else p[row]
+                return tree.TreeVerdict(path, int(torch.multinomial(residual, 1, generator=gen)))
+            path.append(accepted)
+            row = accepted + 1
+
+    monkeypatch.setattr(generator, "verify_tree_sampled", broken)
+    target, runtime = random_pair_chain(1), random_eagle_runtime(4)
+    sampling = SamplingParams(temperature=0.9, max_tokens=6)
+    run = sample_serial(PairModel(target), lambda: EagleDrafter(runtime, 128, VOCAB, tree_nodes=6), sampling,
+                        SpecConfig(method="eagle", gamma=3), N, seed=330)
+    r = run.rounds
+    assert r.full(3) > N // 20 and r.accepted_at_least(2) > N // 20 and r.late_rejections() > N // 20, r.by_depth
+    result = sequential_chi_square(run.replies, reference_rows(target, sampling))
+    report(result, run, 3)
+    assert result.p < 1e-6, result
+
+
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_suffix_configurations_at_full_length_keep_the_target(gamma):
+    """The suffix drafter's drafts come from other requests' outputs (one store shared by all the
+    replies, seeded with 200 random tokens) and from the reply's own tokens, top-p 0.8. The store
+    keeps the latest 64 replies: replies of 16 tokens leave continuations long enough for γ 5
+    (at γ + 3 tokens 19 rounds of 2500 replies drafted 5)."""
+    from openalice_runner.engine.drafters.suffix import RecentResponses, SuffixDrafter
+
+    target = random_pair_chain(1)
+    sampling = SamplingParams(temperature=0.9, top_p=0.8, max_tokens=16)
+    shared = RecentResponses(n_min=1, n_max=3)
+    gen = torch.Generator().manual_seed(7)
+    shared.extend(shared.open(), torch.randint(0, VOCAB, (200,), generator=gen).tolist())
+    run = sample_serial(PairModel(target), lambda: SuffixDrafter(shared, 1, 2), sampling,
+                        SpecConfig(method="suffix", gamma=gamma), N, seed=340 + gamma)
+    check_lengths(run, gamma, N)
+    result = sequential_chi_square(run.replies, reference_rows(target, sampling))
+    report(result, run, gamma)
+    assert result.p > 1e-3, (result, run.rounds.summary(gamma))
