@@ -345,8 +345,9 @@ async def test_stream_named_tool_choice_sends_the_prefilled_call_from_the_first_
 
 
 async def test_stream_cut_inside_a_call_finishes_with_length():
-    """max_tokens inside the arguments: what was streamed stays (it cannot be taken back) and does
-    not parse; the finish reason says why (the unstreamed reply has the text as content)."""
+    """max_tokens inside the arguments (an engine that did not close the call): what was streamed
+    stays (it cannot be taken back); the finish reason says why; the unstreamed reply never returns
+    the cut markup as content (issue 33)."""
     pieces = ["<tool_call>\n", '{"name": "get_weather", ', '"arguments": {"city": "Li']
     text = "".join(pieces)
     engine = ScriptedEngine(text, pieces)
@@ -359,7 +360,7 @@ async def test_stream_cut_inside_a_call_finishes_with_length():
     cut = ScriptedEngine(text)
     cut.finish_reason = "length"
     whole = await local(cut).chat(req, CallContext())
-    assert whole.tool_calls == [] and whole.content == text and whole.finish_reason == "length"
+    assert whole.tool_calls == [] and whole.content is None and whole.finish_reason == "length"
 
 
 async def test_history_with_tool_results_is_rendered():

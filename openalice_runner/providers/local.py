@@ -435,7 +435,7 @@ class LocalProvider(Provider):
         stats = result.stats
         _stamp(stats, ctx)
         outcome = stats.outcome()
-        content, tool_calls = _split(prompt, result.text)
+        content, tool_calls = _split(prompt, result.text, cut=_budget_ended(result))
         finish = _finish(result, bool(tool_calls))
         out = ChatResult.single(
             model=self.engine.model_name,
@@ -522,11 +522,11 @@ def _internal(exc: BaseException, provider: str) -> ProviderInternalError:
     return ProviderInternalError(f"engine fault ({type(exc).__name__}): {exc}", provider=provider, status_code=500)
 
 
-def _split(prompt: _Prompt, text: str) -> tuple[str | None, list[ToolCall] | None]:
+def _split(prompt: _Prompt, text: str, *, cut: bool) -> tuple[str | None, list[ToolCall] | None]:
     if prompt.tool_names is None:
         return text, None
     parsed = tool_format.parse_tool_calls(prompt.prefill + text, prompt.tool_names)
-    if parsed.malformed and prompt.grammar is not None:
+    if parsed.malformed and cut and prompt.grammar is not None:
         # under a grammar a call block is well formed; one that is not was cut where closing did
         # not fit (finish_reason "length"): dropped, never raw markup as content
         logger.info("reply cut inside %d tool call(s); dropped", len(parsed.malformed))
@@ -545,9 +545,13 @@ def _speculation(outcome: Any, stats: Any) -> SpeculationInfo:
 def _finish(result: Any, calls: bool) -> Literal["stop", "length", "tool_calls"]:
     """A reply the budget ended (its structure closed to fit, or cut) says "length", its calls
     returned all the same; else "tool_calls" where it called, else the engine's reason."""
-    if result.finish_reason in ("length", "context_length") or getattr(result.stats, "closing_tokens", 0):
+    if _budget_ended(result):
         return "length"
     return "tool_calls" if calls else _finish_reason(result.finish_reason)
+
+
+def _budget_ended(result: Any) -> bool:
+    return result.finish_reason in ("length", "context_length") or bool(getattr(result.stats, "closing_tokens", 0))
 
 
 def _finish_reason(engine_finish: str) -> Literal["stop", "length"]:
