@@ -187,8 +187,10 @@ def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
 
 def closing_round(seq: Sequence, path: list[int], left: int) -> tuple[Proposal, list[int]]:
     """A round that forces the closing path: its tokens drafted for free (they are the only
-    ones the budget-masked target allows) and the pass's bonus row on the path too."""
-    k = min(MAX_FORCED, left - 1, len(path) - 1, seq.cache.max_len - len(seq.tokens))
+    ones the budget-masked target allows) and the pass's bonus row on the path too. Without
+    `spec.forced_drafts` nothing is drafted: the pass's one row takes the path's next token."""
+    most = MAX_FORCED if seq.spec.forced_drafts else 0
+    k = min(most, left - 1, len(path) - 1, seq.cache.max_len - len(seq.tokens))
     seq.round_masks = closing.onehot_rows(path[: k + 1], seq.constraint.vocab_size)
     seq.round_forced, seq.round_forced_after, seq.round_closing = k, 0, k + 1
     return Proposal(path[:k]), path[:k]
