@@ -281,8 +281,9 @@ def test_reuse_across_calls_with_different_tool_choices(max_batch):
     held = 0  # the previous call's prompt + reply, in tokens
     for i, choice in enumerate(["required", "auto", {"type": "function", "function": {"name": "get_time"}},
                                 "none"]):
+        # 32: a required call's shortest valid reply here is 22 tokens; a smaller budget is refused
         body = {"model": "m", "messages": messages, "tools": WEATHER_TOOLS, "tool_choice": choice,
-                "max_tokens": 16, "temperature": 0, "parallel_tool_calls": False}
+                "max_tokens": 32, "temperature": 0, "parallel_tool_calls": False}
         r = asyncio.run(provider.chat(ChatRequest.model_validate(body), ctx))
         if i == 0:
             assert r.usage.prompt_tokens_details.cached_tokens == 0
