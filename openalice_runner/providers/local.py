@@ -493,7 +493,7 @@ class LocalProvider(Provider):
         stats = result.stats
         _stamp(stats, ctx)
         outcome = stats.outcome()
-        end = calls.finish()
+        end = calls.finish(budget_ended=_budget_ended(result))
         for piece in end.pieces:
             yield ChatChunk.piece(chunk_id, model, piece.content, piece.tool_calls, first=not started)
             started = True

@@ -75,7 +75,9 @@ class ToolCallStream:
             pass
         return _merged(out)
 
-    def finish(self) -> ToolStreamEnd:
+    def finish(self, budget_ended: bool = False) -> ToolStreamEnd:
+        """The stream's end; `budget_ended`: the reply's budget ended it, so under a grammar a
+        held block that does not parse was cut there and is dropped (never raw markup as content)."""
         out = self.feed("") if self._unfed else []
         end = ToolStreamEnd(pieces=out, calls=self._calls, cut=self._open is not None)
         if self.names is None:
@@ -87,7 +89,7 @@ class ToolCallStream:
             out.append(StreamPiece(content=rest.strip()))  # part of an open tag, cut (content when parsed)
         elif state in ("opening", "held"):
             parsed = tool_format.parse_tool_calls(rest, self.names)
-            if self.incremental:  # grammar-constrained: a block that does not parse was cut, never content
+            if self.incremental and budget_ended:  # grammar-constrained and cut: never content
                 parsed.content = tool_format.without_blocks(parsed)
             first = self._calls + int(end.cut)  # after a call cut short: its index is taken
             deltas = [
