@@ -24,6 +24,14 @@ HI = [{"role": "user", "content": "hi"}]
 STOPPED = ("cancelled", "closed")  # how a generation that was stopped early ends
 
 
+def _slowed(fn, seconds):
+    def slowed(*args, **kwargs):
+        time.sleep(seconds)
+        return fn(*args, **kwargs)
+
+    return slowed
+
+
 class SpyEngine:
     """The tiny engine, with a gate before each generation and an optional delay per decode round.
     A run ends "cancelled" (the engine saw its cancel event) or "closed" (its generator was closed)."""
@@ -285,8 +293,14 @@ def test_client_leaving_mid_stream_stops_the_engine_within_one_round(stack):
     assert _sample(text, "openalice_requests_cancelled_total", reason="client_gone") == before + 1
 
 
-def test_client_leaving_a_plain_request_stops_its_generation_too(stack):
-    stack.engine.step_delay = 0.02
+def test_client_leaving_a_plain_request_stops_its_generation_too(stack, monkeypatch):
+    # Each model pass slowed, so the reply outlasts the client's 0.8 s on any machine: the engine
+    # decodes ahead of the stream's events (most of the tiny model's tokens bring no text event),
+    # so a delay per event let an idle machine finish all 1000 tokens before the client left.
+    model = stack.engine.real.model
+    for name in ("forward", "forward_rows"):
+        if hasattr(model, name):
+            monkeypatch.setattr(model, name, _slowed(getattr(model, name), 0.02))
     before = _sample(stack.metrics(), "openalice_requests_cancelled_total", reason="client_gone")
     with pytest.raises(httpx.ReadTimeout):
         stack.post({"messages": HI, "max_tokens": 1000}, timeout=httpx.Timeout(0.8, connect=5))
