@@ -46,21 +46,13 @@ def add_args_parser(sub: argparse._SubParsersAction, name: str) -> None:
 
 
 def sglang_args(args: argparse.Namespace) -> int:
-    from openalice_runner.config_files import ConfigError
-    from openalice_runner.policies import load_policy_file
-    from openalice_runner.providers.config import load_routing_file
-    from openalice_runner.providers.pool_checks import check_pool_files, find_pool, pool_launch
+    from openalice_runner.cli.pool_files import load_checked
+    from openalice_runner.providers.pool_checks import find_pool, pool_launch
 
-    try:
-        problems = check_pool_files(args.policy, args.providers)
-        policy = load_policy_file(args.policy).policy
-        routing = load_routing_file(args.providers)
-    except ConfigError as exc:
-        problems = exc.problems
-    if problems:
-        for problem in problems:
-            print(problem, file=sys.stderr)
+    files = load_checked(args.policy, args.providers)
+    if files is None:
         return 2
+    policy, routing = files
     try:
         launch = pool_launch(find_pool(routing, args.pool, args.provider), policy, args.adaptive_config_out)
     except KeyError as exc:
