@@ -138,8 +138,10 @@ def test_serve_runs_the_draining_server():
 
 
 def test_after_sigterm_new_requests_get_503_json_with_retry_after_until_the_socket_closes(tmp_path):
-    serve = Serve(tmp_path, TINY + "routes:\n  - {name: default, chain: [local]}\n", "--shutdown-grace", "30")
+    serve = Serve(tmp_path, TINY + "routes:\n  - {name: default, chain: [local]}\n", "--shutdown-grace", "30",
+                  gated=True)
     answers: list[httpx.Response] = []
+    serve.gate.touch()  # the stream's generation holds after its first pass until a new request is answered
     try:
         with httpx.stream(
             "POST", f"{serve.url}/v1/chat/completions", timeout=120,
@@ -149,21 +151,26 @@ def test_after_sigterm_new_requests_get_503_json_with_retry_after_until_the_sock
             next(line for line in lines if line.startswith("data: "))
             serve.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 20
-            while not answers and time.monotonic() < deadline:
-                try:  # a new connection, while the stream is still in flight
-                    got = httpx.post(f"{serve.url}/v1/chat/completions", timeout=5,
-                                     json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})  # fmt: skip
-                    if got.status_code == 503:
-                        answers.append(got)
-                except httpx.ConnectError:
-                    break  # the socket closed first: the assertion below says so
+            while time.monotonic() < deadline:  # the drain has begun once /health says so
+                try:
+                    if httpx.get(f"{serve.url}/health", timeout=1).status_code == 503:
+                        break
+                except httpx.HTTPError:
+                    pass
                 time.sleep(0.05)
+            try:  # a new connection, while the stream is still in flight (its generation holds)
+                answers.append(httpx.post(f"{serve.url}/v1/chat/completions", timeout=10,
+                                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}))
+            except httpx.ConnectError:
+                pass  # the socket closed first: the assertion below says so
+            finally:
+                serve.gate.unlink()
             rest = [line for line in lines if line.startswith("data: ")]
         assert serve.terminate() == 0
     finally:
         if serve.proc.poll() is None:
             serve.terminate()
-    assert answers, "a new request during the drain was not answered 503: " + serve.log()[-2000:]
+    assert answers and answers[0].status_code == 503, "a new request during the drain was not answered 503: " + serve.log()[-2000:]
     error = answers[0].json()["error"]
     assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable_error"
     assert answers[0].headers["retry-after"] == "1"

@@ -32,12 +32,16 @@ def _free_port() -> int:
 
 
 class Serve:
-    def __init__(self, tmp: Path, providers: str, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, providers: str, *args: str, env: dict[str, str] | None = None,
+                 gated: bool = False) -> None:
         self.port = _free_port()
+        # gated: model passes wait while self.gate exists (tests/stand_ins/gated_serve.py)
+        self.gate = tmp / "model-passes.hold"
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "serve.log"
         (tmp / "providers.yaml").write_text(providers)
-        cmd = [sys.executable, "-m", "openalice_runner", "serve", "--port", str(self.port),
+        launcher = ["tests.stand_ins.gated_serve", str(self.gate)] if gated else ["openalice_runner"]
+        cmd = [sys.executable, "-m", *launcher, "serve", "--port", str(self.port),
                "--providers", str(tmp / "providers.yaml"), *args]  # fmt: skip
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **(env or {})}
         self._log = self.log_path.open("wb")
@@ -71,10 +75,12 @@ def test_sigterm_lets_the_request_in_flight_finish_refuses_new_ones_and_flushes(
     trace = tmp_path / "trace.jsonl"
     serve = Serve(
         tmp_path, TINY + "routes:\n  - {name: default, chain: [local]}\n",
-        "--trace-file", str(trace), "--shutdown-grace", "60",
+        "--trace-file", str(trace), "--shutdown-grace", "60", gated=True,
     )  # fmt: skip
     events: list[str] = []
+    refused: list[httpx.Response] = []
     refused_at: list[float] = []
+    serve.gate.touch()  # the stream's generation holds after its first pass until the probe is answered
     try:
         with httpx.stream(
             "POST", f"{serve.url}/v1/chat/completions", timeout=120,
@@ -89,17 +95,20 @@ def test_sigterm_lets_the_request_in_flight_finish_refuses_new_ones_and_flushes(
             serve.proc.send_signal(signal.SIGTERM)  # mid-stream
 
             def probe() -> None:  # new requests are answered 503 while the stream still runs (issue 34)
-                deadline = time.monotonic() + 20
-                while time.monotonic() < deadline:
-                    try:
-                        r = httpx.get(f"{serve.url}/health", timeout=1)
-                        if r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down":
-                            assert r.headers["retry-after"] == "1"
-                            refused_at.append(time.monotonic())
-                            return
-                    except httpx.HTTPError:
-                        pass
-                    time.sleep(0.05)
+                try:
+                    deadline = time.monotonic() + 20
+                    while time.monotonic() < deadline:
+                        try:
+                            r = httpx.get(f"{serve.url}/health", timeout=1)
+                            if r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down":
+                                refused.append(r)
+                                refused_at.append(time.monotonic())
+                                return
+                        except httpx.HTTPError:
+                            pass
+                        time.sleep(0.05)
+                finally:
+                    serve.gate.unlink()  # let the stream finish, answered or not
 
             prober = threading.Thread(target=probe)
             prober.start()
@@ -114,6 +123,7 @@ def test_sigterm_lets_the_request_in_flight_finish_refuses_new_ones_and_flushes(
     usage = json.loads(events[-2])["usage"]
     assert usage["completion_tokens"] > 0
     assert refused_at and refused_at[0] < finished_at, "new requests were still served"
+    assert refused[0].headers["retry-after"] == "1"
     spans = [json.loads(x) for x in trace.read_text().splitlines()]
     chats = [s for s in spans if s["attributes"].get("gen_ai.operation.name") == "chat"]
     assert (
