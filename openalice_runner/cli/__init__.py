@@ -21,13 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"openalice_runner.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"openalice_runner.cli.{name}":
-                continue  # command not built yet
-            raise
-        module.register(sub)
+        # a module that fails to import is an error, not a missing command: --help must not hide it
+        importlib.import_module(f"openalice_runner.cli.{name}").register(sub)
     return parser
 
 

@@ -5,10 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from openalice_runner.bench.repeats import REPEAT_HELP
-from openalice_runner.cli.common import add_engine_args, load_engine, load_policy, positive_int
+from openalice_runner.cli.common import (
+    add_engine_args,
+    load_cases,
+    load_engine,
+    load_policy,
+    positive_int,
+    progress,
+    write_report,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +38,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from openalice_runner.bench.runner import EAGLE_TREE_NODES, bench, format_table
-    from openalice_runner.bench.workload import load_workload
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     tree_nodes = EAGLE_TREE_NODES if args.tree_nodes is None else args.tree_nodes
@@ -41,15 +47,11 @@ def run(args: argparse.Namespace) -> int:
     store = load_policy(args.policy)
     if store is not None and "policy" not in methods:
         methods.append("policy")
-    try:
-        cases = load_workload(args.workload, args.cases.split(",") if args.cases else None)
-    except (OSError, ValueError) as exc:
-        print(f"error: --workload: {exc}", file=sys.stderr)
-        return 2
+    cases = load_cases(args)
     engine = load_engine(args)
     try:
         report = bench(engine, cases, methods, gamma=args.gamma, repeat=args.repeat, policy_store=store,
-                       progress=lambda line: print(line, file=sys.stderr, flush=True), eagle_head=args.eagle_head, tree_nodes=tree_nodes)
+                       progress=progress, eagle_head=args.eagle_head, tree_nodes=tree_nodes)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -58,6 +60,5 @@ def run(args: argparse.Namespace) -> int:
                           "eagle_head": args.eagle_head, "tree_nodes": tree_nodes}
     print(format_table(report))
     print(json.dumps(report["summary"], indent=2))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    write_report(args.json_out, report)
     return 0

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from openalice_runner import defaults
 from openalice_runner.bench.repeats import REPEAT_HELP
 from openalice_runner.bench.workload import COPY_HEAVY, OPEN_ENDED
-from openalice_runner.cli.common import add_engine_args, load_policy, positive_int
+from openalice_runner.cli.common import (
+    add_engine_args,
+    load_cases,
+    load_engine,
+    load_policy,
+    positive_int,
+    progress,
+    write_report,
+)
 
 SUBSETS = {"chat": OPEN_ENDED, "copy-heavy": COPY_HEAVY, "all": OPEN_ENDED + COPY_HEAVY}
 
@@ -60,8 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from openalice_runner.bench.concurrency import bench_concurrency, format_table, plot
-    from openalice_runner.bench.workload import load_workload
-    from openalice_runner.engine import Engine, ModelNotFoundError
+    from openalice_runner.engine import Engine
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     subsets = [s.strip() for s in args.subsets.split(",") if s.strip()]
@@ -70,17 +75,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --subsets: unknown {unknown}; choose from {', '.join(SUBSETS)}", file=sys.stderr)
         return 2
     store = load_policy(args.policy) if "policy" in methods else None
-    try:
-        cases = load_workload(args.workload)
-    except (OSError, ValueError) as exc:
-        print(f"error: --workload: {exc}", file=sys.stderr)
-        return 2
+    cases = load_cases(args)
     max_batch = args.max_batch or max(args.concurrency)
-    try:
-        engine = Engine.load(args.model, dtype=args.dtype, threads=args.threads, max_batch=max(2, max_batch))
-    except ModelNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    engine = load_engine(args, max_batch=max(2, max_batch))
     serial = None
     if any(m.startswith("serial-") for m in methods):
         serial = Engine(engine.hf_model, engine.tokenizer, engine.model_name, engine.dtype, max_batch=1)
@@ -96,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                 methods,
                 store,
                 serial,
-                progress=lambda line: print(line, file=sys.stderr, flush=True),
+                progress=progress,
                 repeat=args.repeat,
             )
         except ValueError as exc:
@@ -113,8 +110,7 @@ def run(args: argparse.Namespace) -> int:
             "repeat": args.repeat,
         },
     }
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(out, indent=2))
+    write_report(args.json_out, out)
     if args.plot:
         plot(reports, args.plot)
     return 0

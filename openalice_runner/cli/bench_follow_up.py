@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 from openalice_runner.bench.repeats import REPEAT_HELP
-from openalice_runner.cli.common import add_engine_args, positive_int
+from openalice_runner.cli.common import (
+    add_engine_args,
+    load_cases,
+    load_engine,
+    positive_int,
+    progress,
+    write_report,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,22 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from openalice_runner.bench.follow_up import bench_follow_up, format_table
-    from openalice_runner.bench.workload import load_workload
-    from openalice_runner.engine import Engine, ModelNotFoundError
 
-    try:
-        cases = load_workload(args.workload, args.cases.split(",") if args.cases else None)
-    except (OSError, ValueError) as exc:
-        print(f"error: --workload: {exc}", file=sys.stderr)
-        return 2
-    try:
-        engine = Engine.load(args.model, dtype=args.dtype, threads=args.threads, max_batch=2)
-    except ModelNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    report = bench_follow_up(engine, cases, args.max_tokens, args.repeat,
-                             progress=lambda line: print(line, file=sys.stderr, flush=True))
+    cases = load_cases(args)
+    engine = load_engine(args, max_batch=2)
+    report = bench_follow_up(engine, cases, args.max_tokens, args.repeat, progress=progress)
     print(format_table(report))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    write_report(args.json_out, report)
     return 0

@@ -1,9 +1,12 @@
-"""Arguments shared by the engine commands (generate, bench)."""
+"""Arguments and loading shared by the engine commands (generate, bench, bench-*)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
+from typing import Any
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -33,14 +36,40 @@ def positive_float(text: str) -> float:
     return value
 
 
-def load_engine(args: argparse.Namespace):
+def load_engine(args: argparse.Namespace, **options: Any):
+    """The engine of `add_engine_args`' flags; `options` (max_batch=...) go to `Engine.load`. Exits 2 when
+    the model is missing."""
     from openalice_runner.engine import Engine, ModelNotFoundError
 
     try:
-        return Engine.load(args.model, dtype=args.dtype, threads=args.threads, prefill=getattr(args, "prefill", None))
+        return Engine.load(args.model, dtype=args.dtype, threads=args.threads, prefill=getattr(args, "prefill", None),
+                           **options)
     except ModelNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
+
+
+def load_cases(args: argparse.Namespace):
+    """The workload cases of `--workload` (and `--cases`, comma-separated ids, where the command has it).
+    Exits 2 when the file is missing or malformed."""
+    from openalice_runner.bench.workload import load_workload
+
+    ids = getattr(args, "cases", None)
+    try:
+        return load_workload(args.workload, ids.split(",") if ids else None)
+    except (OSError, ValueError) as exc:
+        print(f"error: --workload: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+
+
+def progress(line: str) -> None:
+    """A benchmark's progress line, on stderr so that stdout keeps only the report."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def write_report(path: str | None, report: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2))
 
 
 def load_policy(path: str | None):
