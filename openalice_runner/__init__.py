@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Runner", "__version__"]
+__all__ = ["DEFAULT_POLICY", "NO_POLICY", "Runner", "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy, so that `import openalice_runner` does not pull torch in.
-    if name == "Runner":
-        from openalice_runner.runner import Runner
+    if name in ("Runner", "DEFAULT_POLICY", "NO_POLICY"):
+        from openalice_runner import runner
 
-        return Runner
+        return getattr(runner, name)
     raise AttributeError(name)

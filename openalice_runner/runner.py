@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
+from contextvars import Token
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypeVar
 
 from openalice_runner.providers.admission import (
     AdmissionGate,
@@ -34,18 +37,87 @@ from openalice_runner.providers.admission import (
     AdmittedProvider,
 )
 from openalice_runner.providers.base import CallContext, Provider
-from openalice_runner.providers.config import CATCH_ALL_MODEL, Route, RoutingConfig, load_routing_file
+from openalice_runner.providers.config import (
+    CATCH_ALL_MODEL,
+    ProviderConfig,
+    Route,
+    RoutingConfig,
+    load_routing_file,
+)
 from openalice_runner.providers.deciding import PolicyProvider
 from openalice_runner.providers.fallback import FallbackProvider
 from openalice_runner.providers.streams import ChatStream, chat_stream
-from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, coerce_messages
+from openalice_runner.types import (
+    ChatChunk,
+    ChatMessage,
+    ChatRequest,
+    ChatResult,
+    ToolDefinition,
+    coerce_messages,
+)
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.metrics import MeterProvider
+    from opentelemetry.trace import Span, TracerProvider
+    from pydantic import BaseModel
+
+    from openalice_runner.policies import PolicyStore, RequestContext
+    from openalice_runner.prompt_log import PromptLog
+    from openalice_runner.speculation import SpeculationOutcome, SpeculationPlan
+    from openalice_runner.tracing import RunnerTelemetry
 
 logger = logging.getLogger(__name__)
 
 OTEL_CONTEXT_KEY = "otel_context"  # same key as openalice_runner.providers.instrumented
 
+_T = TypeVar("_T")
 
-def build_provider(name: str, config: Any, engine: Any = None) -> Provider:
+
+class SpeculationPolicy(Protocol):
+    """What the Runner asks before each call and tells after it: a PolicyStore, or anything with these
+    two methods (`watch_policy` also needs PolicyStore's start_watching / stop_watching)."""
+
+    def decide(self, ctx: RequestContext) -> SpeculationPlan: ...
+
+    def observe(self, turn_type: str, method: str, provider: str | None, outcome: SpeculationOutcome) -> None: ...
+
+
+class PolicySetting(enum.Enum):
+    """`Runner.from_config(policy=...)` when it is neither a file nor a PolicyStore."""
+
+    DEFAULT = "default"  # the policy shipped in the package (openalice_runner/defaults/policy.yaml)
+    OFF = "off"  # no policy: every call runs without speculation
+
+
+DEFAULT_POLICY = PolicySetting.DEFAULT
+NO_POLICY = PolicySetting.OFF
+
+# What `from_config` takes as its policy. None and False are the older spellings of DEFAULT_POLICY
+# and NO_POLICY, still accepted.
+PolicyArg: TypeAlias = "str | Path | SpeculationPolicy | PolicySetting | None | Literal[False]"
+
+# An engine for the `local` providers: an openalice_runner.engine.Engine, typed `object` here so
+# that the core never imports the engine.
+EngineArg: TypeAlias = object | None
+
+# What the loop passes as messages, tools and tool_choice: OpenAI-shaped dicts or the models.
+MessagesArg: TypeAlias = "ChatRequest | Sequence[ChatMessage | Mapping[str, Any]]"
+ToolsArg: TypeAlias = "Sequence[ToolDefinition | Mapping[str, Any]] | None"
+ToolChoiceArg: TypeAlias = "str | Mapping[str, Any] | None"
+ResponseFormatArg: TypeAlias = "type[BaseModel] | Mapping[str, Any] | None"
+
+
+def policy_setting(policy: PolicyArg) -> str | Path | SpeculationPolicy | PolicySetting:
+    """`policy` with the older spellings read: None is DEFAULT_POLICY, False is NO_POLICY."""
+    if policy is None:
+        return PolicySetting.DEFAULT
+    if policy is False:
+        return PolicySetting.OFF
+    return policy
+
+
+def build_provider(name: str, config: ProviderConfig, engine: EngineArg = None) -> Provider:
     """Provider instance for one entry of the routing config (imports only what that type needs)."""
     if config.type == "local":
         from openalice_runner.providers.local import LocalProvider
@@ -71,14 +143,14 @@ class Runner:
         self,
         routing: RoutingConfig,
         providers: dict[str, Provider],
-        policy: Any = None,
-        telemetry: Any = None,
+        policy: SpeculationPolicy | None = None,
+        telemetry: RunnerTelemetry | None = None,
         admission: AdmissionLimits | None = None,
     ) -> None:
         self.routing = routing
         self.providers = providers  # name -> the bare provider
-        self.policy = policy  # PolicyStore | None
-        self.telemetry = telemetry  # RunnerTelemetry | None
+        self.policy = policy  # None: no policy (from_config resolves the default policy to a store)
+        self.telemetry = telemetry
         # One gate per provider, shared by every route naming it. `admission`: defaults for the limits
         # a provider's own config leaves unset (the server's flags).
         self._admission = admission
@@ -91,7 +163,7 @@ class Runner:
         }
         self._chains = {route.name: self._chain(route.chain) for route in routing.routes}
         self._owns_policy_watch = False
-        self.prompt_log: Any = None  # PromptLog | None: saved traffic for `draft train`
+        self.prompt_log: PromptLog | None = None  # saved traffic for `draft train`
 
     # ---- construction ----
 
@@ -99,21 +171,23 @@ class Runner:
     def from_config(
         cls,
         providers: str | Path | RoutingConfig | None = None,
-        policy: str | Path | Any | None = None,
-        tracer_provider: Any = None,
-        meter_provider: Any = None,
+        policy: PolicyArg = DEFAULT_POLICY,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
         *,
-        telemetry: Any = None,
+        telemetry: RunnerTelemetry | Literal[False] | None = None,
         watch_policy: bool = False,
-        engine: Any = None,
+        engine: EngineArg = None,
         record_content: bool = False,
         admission: AdmissionLimits | None = None,
         prompt_log: str | Path | None = None,
     ) -> Runner:
-        """Build from a routing file (None: embedded default) and a policy file or PolicyStore.
+        """Build from a routing file (None: embedded default) and a policy.
 
-        policy None: the default policy shipped in the package (openalice_runner/defaults/policy.yaml,
-        a copy of policies/default.yaml); policy False: no policy (speculation off). telemetry False: no tracing; None: a
+        policy: a policy file, a PolicyStore, `DEFAULT_POLICY` (the default: the policy shipped in the
+        package, openalice_runner/defaults/policy.yaml, a copy of policies/default.yaml) or `NO_POLICY`
+        (no policy, speculation off). The older spellings still work: None means DEFAULT_POLICY and
+        False means NO_POLICY. telemetry False: no tracing; None: a
         RunnerTelemetry on the given (or the global OpenTelemetry) providers. engine: an Engine
         for every `local` provider (tests and benchmarks pass a tiny one). prompt_log: a JSON-lines
         file that keeps every request's prompt, for `draft train --data` (off by default).
@@ -124,8 +198,8 @@ class Runner:
             routing = providers
         else:
             routing = load_routing_file(providers)
-            _check_pools(policy, providers)
-        store = _policy_store(policy, watch_policy)
+            _check_pools(policy_setting(policy), providers)
+        store = _policy_store(policy_setting(policy), watch_policy)
         if telemetry is None:
             from openalice_runner.tracing import RunnerTelemetry
 
@@ -223,28 +297,12 @@ class Runner:
         block stops the generation and frees the provider's slot."""
         ctx = ctx or CallContext()
         opened = self.chain_for(ctx.turn_type, request.model).stream(request, ctx)
-        return opened if self.prompt_log is None else self._logged(opened, request, ctx)
-
-    @contextlib.asynccontextmanager
-    async def _logged(
-        self, opened: AbstractAsyncContextManager[ChatStream], request: ChatRequest, ctx: CallContext
-    ) -> AsyncIterator[ChatStream]:
-        """The stream, with its prompt kept once it was read to its end (a stream left early, cut
-        or failed is not kept: it produced no completion)."""
-        ended = False
-
-        async def through(chunks: ChatStream) -> AsyncGenerator[ChatChunk, None]:
-            nonlocal ended
-            async for chunk in chunks:
-                yield chunk
-            ended = True
-
-        async with opened as chunks, chat_stream(through(chunks)) as logged:
-            yield logged
-        if ended:
-            self.prompt_log.record(request, ctx.turn_type)
+        if self.prompt_log is None:
+            return opened
+        return _logged(opened, self.prompt_log, request, ctx)
 
     # ---- what the loop calls ----
+
 
     def turn(
         self, conversation_id: str | None = None, turn_type: str = "chat", agent: str | None = None
@@ -256,7 +314,7 @@ class Runner:
 
     async def aclose(self) -> None:
         if self._owns_policy_watch:
-            self.policy.stop_watching()
+            getattr(self.policy, "stop_watching")()  # noqa: B009 (a PolicyStore's; the protocol lacks it)
         for provider in self.providers.values():
             try:
                 await provider.aclose()
@@ -266,25 +324,25 @@ class Runner:
     async def __aenter__(self) -> Runner:
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
 
-def _definition(config: Any) -> dict[str, Any]:
+def _definition(config: ProviderConfig) -> dict[str, Any]:
     """A provider's config without its admission limits (those change live)."""
     return config.model_dump(exclude={"max_in_flight", "max_queue"})
 
 
-def _limits_of(config: Any) -> AdmissionLimits:
+def _limits_of(config: ProviderConfig | None) -> AdmissionLimits:
     return AdmissionLimits(
         max_in_flight=getattr(config, "max_in_flight", None), max_queue=getattr(config, "max_queue", None)
     )
 
 
-def _check_pools(policy: Any, providers: str | Path) -> None:
+def _check_pools(policy: str | Path | SpeculationPolicy | PolicySetting, providers: str | Path) -> None:
     """At load, the policy file's rules against the SGLang pools the routing file deploys
     (ConfigError naming each problem); a policy given as an object or switched off has no file."""
-    if policy is None:
+    if policy is PolicySetting.DEFAULT:
         from openalice_runner import defaults
 
         policy = defaults.path(defaults.POLICY)
@@ -298,10 +356,12 @@ def _check_pools(policy: Any, providers: str | Path) -> None:
         raise ConfigError(problems)
 
 
-def _policy_store(policy: Any, watch: bool) -> Any:
-    if policy is False:
+def _policy_store(
+    policy: str | Path | SpeculationPolicy | PolicySetting, watch: bool
+) -> PolicyStore | SpeculationPolicy | None:
+    if policy is PolicySetting.OFF:
         return None
-    if policy is None:
+    if policy is PolicySetting.DEFAULT:
         from openalice_runner import defaults
 
         policy = defaults.path(defaults.POLICY)
@@ -310,11 +370,11 @@ def _policy_store(policy: Any, watch: bool) -> Any:
 
         return PolicyStore.from_file(policy, watch=watch)
     if watch:
-        policy.start_watching()
+        getattr(policy, "start_watching")()  # noqa: B009 (a PolicyStore's; the protocol lacks it)
     return policy  # a PolicyStore (or anything with decide/observe)
 
 
-def _response_format(value: Any) -> dict[str, Any]:
+def _response_format(value: ResponseFormatArg) -> dict[str, object]:
     """`response_format` as a ChatRequest field: a pydantic model class becomes its strict JSON schema."""
     if value is None:
         return {}
@@ -348,9 +408,9 @@ class Turn:
         self.agent = agent
         self.step = 0
         self._attach = attach_context
-        self._span: Any = None
-        self._otel_ctx: Any = None
-        self._token: Any = None
+        self._span: Span | None = None
+        self._otel_ctx: Context | None = None
+        self._token: Token[Context] | None = None
 
     async def __aenter__(self) -> Turn:
         tel = self.runner.telemetry
@@ -364,7 +424,9 @@ class Turn:
                 self._token = otel_context.attach(self._otel_ctx)
         return self
 
-    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         tel = self.runner.telemetry
         if tel is None or self._span is None:
             return
@@ -391,24 +453,24 @@ class Turn:
 
     @staticmethod
     def _request(
-        messages: Any, tools: Any, tool_choice: Any, model: str | None, sampling: dict
+        messages: MessagesArg, tools: ToolsArg, tool_choice: ToolChoiceArg, model: str | None,
+        sampling: dict[str, object],
     ) -> ChatRequest:
         if isinstance(messages, ChatRequest):
             return messages
-        return ChatRequest(
-            messages=coerce_messages(messages), tools=tools, tool_choice=tool_choice, model=model, **sampling
-        )
+        fields = {"messages": coerce_messages(messages), "tools": tools, "tool_choice": tool_choice, "model": model}
+        return ChatRequest.model_validate({**fields, **sampling})
 
     async def chat(
         self,
-        messages: Any,
+        messages: MessagesArg,
         *,
-        tools: Any = None,
-        tool_choice: Any = None,
-        response_format: Any = None,
+        tools: ToolsArg = None,
+        tool_choice: ToolChoiceArg = None,
+        response_format: ResponseFormatArg = None,
         turn_type: str | None = None,
         model: str | None = None,
-        **sampling: Any,
+        **sampling: object,
     ) -> ChatResult:
         """One model call. `messages`: dicts or ChatMessage (or a ready ChatRequest); `sampling`:
         temperature, top_p, top_k, seed, stop, max_tokens (and any other ChatRequest field, e.g.
@@ -421,14 +483,14 @@ class Turn:
 
     def stream(
         self,
-        messages: Any,
+        messages: MessagesArg,
         *,
-        tools: Any = None,
-        tool_choice: Any = None,
-        response_format: Any = None,
+        tools: ToolsArg = None,
+        tool_choice: ToolChoiceArg = None,
+        response_format: ResponseFormatArg = None,
         turn_type: str | None = None,
         model: str | None = None,
-        **sampling: Any,
+        **sampling: object,
     ) -> AsyncGenerator[ChatChunk, None]:
         """One streamed model call; the last chunk carries finish_reason, usage and speculation.
         The generation stops when the iteration ends or fails, or when the generator is closed: to stop
@@ -441,14 +503,14 @@ class Turn:
 
     @contextlib.asynccontextmanager
     async def tool(
-        self, name: str, call_id: str | None = None, arguments: Any = None
+        self, name: str, call_id: str | None = None, arguments: object = None
     ) -> AsyncIterator[ToolStep]:
         """A tool step run by the loop: timed and traced as `execute_tool {name}`."""
         async with self._tool_step(name, call_id, arguments) as step:
             yield step
 
     @contextlib.asynccontextmanager
-    async def _tool_step(self, name: str, call_id: str | None, arguments: Any) -> AsyncIterator[ToolStep]:
+    async def _tool_step(self, name: str, call_id: str | None, arguments: object) -> AsyncIterator[ToolStep]:
         self.step += 1
         step = ToolStep(name, call_id, self.step)
         tel = self.runner.telemetry
@@ -475,6 +537,26 @@ class Turn:
                     otel_context.detach(token)
 
 
+@contextlib.asynccontextmanager
+async def _logged(
+    opened: AbstractAsyncContextManager[ChatStream], log: PromptLog, request: ChatRequest, ctx: CallContext
+) -> AsyncIterator[ChatStream]:
+    """The stream, with its prompt kept once it was read to its end (a stream left early, cut
+    or failed is not kept: it produced no completion)."""
+    ended = False
+
+    async def through(chunks: ChatStream) -> AsyncGenerator[ChatChunk, None]:
+        nonlocal ended
+        async for chunk in chunks:
+            yield chunk
+        ended = True
+
+    async with opened as chunks, chat_stream(through(chunks)) as logged:
+        yield logged
+    if ended:
+        log.record(request, ctx.turn_type)
+
+
 async def _chunks_of(opened: AbstractAsyncContextManager[ChatStream]) -> AsyncGenerator[ChatChunk, None]:
     """A stream's context as a plain async iterator: closing the generator leaves the context."""
     async with opened as chunks:
@@ -489,7 +571,7 @@ class ToolStep:
         self.name = name
         self.call_id = call_id
         self.step = step
-        self.result: Any = None
+        self.result: object = None  # what the tool returned (traced where content is recorded)
 
 
 # ---------------------------------------------------------------- sync wrappers
@@ -508,9 +590,10 @@ class SyncRunner:
 
     @classmethod
     def from_config(cls, *args: Any, **kwargs: Any) -> SyncRunner:
+        """`Runner.from_config`'s arguments, forwarded as they are."""
         return cls(Runner.from_config(*args, **kwargs))
 
-    def _run(self, coro: Any) -> Any:
+    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def chat(self, request: ChatRequest, ctx: CallContext | None = None) -> ChatResult:
@@ -532,7 +615,7 @@ class SyncRunner:
     def __enter__(self) -> SyncRunner:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -549,31 +632,34 @@ class SyncTurn:
         self._sync._run(self.turn.__aenter__())
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._sync._run(self.turn.__aexit__(exc_type, exc, tb))
 
-    def chat(self, messages: Any, **kwargs: Any) -> ChatResult:
+    def chat(self, messages: MessagesArg, **kwargs: Any) -> ChatResult:
+        """`Turn.chat`, blocking; `kwargs` are its keyword arguments, forwarded."""
         return self._sync._run(self.turn.chat(messages, **kwargs))
 
-    def stream(self, messages: Any, **kwargs: Any) -> Iterator[ChatChunk]:
+    def stream(self, messages: MessagesArg, **kwargs: Any) -> Iterator[ChatChunk]:
+        """`Turn.stream`, blocking; `kwargs` are its keyword arguments, forwarded."""
         chunks = self.turn.stream(messages, **kwargs)
-        done = object()
 
-        async def next_chunk() -> Any:
-            # StopAsyncIteration cannot cross a future: turn it into a sentinel.
+        async def next_chunk() -> ChatChunk | None:
+            # StopAsyncIteration cannot cross a future: None stands for the end (a stream yields no None).
             try:
                 return await anext(chunks)
             except StopAsyncIteration:
-                return done
+                return None
 
         try:
-            while (chunk := self._sync._run(next_chunk())) is not done:
+            while (chunk := self._sync._run(next_chunk())) is not None:
                 yield chunk
         finally:
             self._sync._run(chunks.aclose())  # stops the generation when the caller stops reading
 
     @contextlib.contextmanager
-    def tool(self, name: str, call_id: str | None = None, arguments: Any = None) -> Iterator[ToolStep]:
+    def tool(self, name: str, call_id: str | None = None, arguments: object = None) -> Iterator[ToolStep]:
         cm = self.turn.tool(name, call_id, arguments)
         step = self._sync._run(cm.__aenter__())
         try:
