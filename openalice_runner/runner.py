@@ -451,6 +451,21 @@ class Turn:
             attributes=attributes,
         )
 
+    def _call(
+        self,
+        messages: MessagesArg,
+        tools: ToolsArg,
+        tool_choice: ToolChoiceArg,
+        response_format: ResponseFormatArg,
+        turn_type: str | None,
+        model: str | None,
+        sampling: dict[str, object],
+    ) -> tuple[ChatRequest, CallContext]:
+        """The request of one `chat` or `stream` call and its context (the turn's next step)."""
+        sampling.update(_response_format(response_format))
+        request = self._request(messages, tools, tool_choice, model, sampling)
+        return request, self._next_ctx(turn_type, request.model)
+
     @staticmethod
     def _request(
         messages: MessagesArg, tools: ToolsArg, tool_choice: ToolChoiceArg, model: str | None,
@@ -476,9 +491,7 @@ class Turn:
         temperature, top_p, top_k, seed, stop, max_tokens (and any other ChatRequest field, e.g.
         parallel_tool_calls). `response_format`: OpenAI's dict, or a pydantic model class (its JSON
         schema, strict); the embedded engine enforces it by grammar."""
-        sampling.update(_response_format(response_format))
-        request = self._request(messages, tools, tool_choice, model, sampling)
-        ctx = self._next_ctx(turn_type, request.model)
+        request, ctx = self._call(messages, tools, tool_choice, response_format, turn_type, model, sampling)
         return await self.runner.chat(request, ctx)
 
     def stream(
@@ -496,9 +509,7 @@ class Turn:
         The generation stops when the iteration ends or fails, or when the generator is closed: to stop
         early, read it in `async with contextlib.aclosing(turn.stream(...))` (a bare `break` leaves the
         closing to the garbage collector); `runner.stream` gives the `async with` form directly."""
-        sampling.update(_response_format(response_format))
-        request = self._request(messages, tools, tool_choice, model, sampling)
-        ctx = self._next_ctx(turn_type, request.model)
+        request, ctx = self._call(messages, tools, tool_choice, response_format, turn_type, model, sampling)
         return _chunks_of(self.runner.stream(request, ctx))
 
     @contextlib.asynccontextmanager

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 ENV_API_KEY = "OPENALICE_API_KEY"
 
@@ -230,32 +231,26 @@ def _exit_without_teardown() -> None:
     os._exit(0)
 
 
+# Each server flag's bound, checked in this order: (is out of bound, the message saying the bound).
+_LIMITS: tuple[tuple[Callable[[argparse.Namespace], bool], str], ...] = (
+    (lambda a: a.max_body_bytes < 1024, "--max-body-bytes must be at least 1024"),
+    (lambda a: a.max_in_flight is not None and a.max_in_flight < 1, "--max-in-flight must be at least 1"),
+    (lambda a: a.max_queue is not None and a.max_queue < 0, "--max-queue must be at least 0"),
+    (lambda a: not 0 < a.request_timeout <= 86_400, "--request-timeout must be between 0 and 86400 seconds"),
+    (lambda a: a.max_tokens_limit < 1, "--max-tokens-limit must be at least 1"),
+    (lambda a: a.shutdown_grace < 0, "--shutdown-grace must be at least 0"),
+    (lambda a: not 0 < a.header_timeout <= 3600, "--header-timeout must be between 0 and 3600 seconds"),
+    (lambda a: a.max_connections < 1, "--max-connections must be at least 1"),
+    (lambda a: a.reserved_connections < 0, "--reserved-connections must be at least 0"),
+    (lambda a: not 0 < a.body_timeout <= 3600, "--body-timeout must be between 0 and 3600 seconds"),
+    (lambda a: a.min_body_rate < 0 or a.body_grace < 0, "--min-body-rate and --body-grace must be at least 0"),
+    (lambda a: not 0 < a.grammar_timeout <= 3600, "--grammar-timeout must be between 0 and 3600 seconds"),
+)
+
+
 def _check_limits(args: argparse.Namespace) -> str | None:
-    if args.max_body_bytes < 1024:
-        return "--max-body-bytes must be at least 1024"
-    if args.max_in_flight is not None and args.max_in_flight < 1:
-        return "--max-in-flight must be at least 1"
-    if args.max_queue is not None and args.max_queue < 0:
-        return "--max-queue must be at least 0"
-    if not 0 < args.request_timeout <= 86_400:
-        return "--request-timeout must be between 0 and 86400 seconds"
-    if args.max_tokens_limit < 1:
-        return "--max-tokens-limit must be at least 1"
-    if args.shutdown_grace < 0:
-        return "--shutdown-grace must be at least 0"
-    if not 0 < args.header_timeout <= 3600:
-        return "--header-timeout must be between 0 and 3600 seconds"
-    if args.max_connections < 1:
-        return "--max-connections must be at least 1"
-    if args.reserved_connections < 0:
-        return "--reserved-connections must be at least 0"
-    if not 0 < args.body_timeout <= 3600:
-        return "--body-timeout must be between 0 and 3600 seconds"
-    if args.min_body_rate < 0 or args.body_grace < 0:
-        return "--min-body-rate and --body-grace must be at least 0"
-    if not 0 < args.grammar_timeout <= 3600:
-        return "--grammar-timeout must be between 0 and 3600 seconds"
-    return None
+    """The message of the first flag out of its bound; None when all hold."""
+    return next((message for out_of_bound, message in _LIMITS if out_of_bound(args)), None)
 
 
 def _build_runner(args: argparse.Namespace, telemetry):
