@@ -2,9 +2,9 @@
 # Load test of the embedded default: `openalice-runner serve` with its defaults (SmolLM2-135M-Instruct,
 # admission 8 in flight + 16 queued), then `openalice-runner loadtest` for DURATION seconds at each
 # concurrency, then the memory check: four long prompts with deeply nested tool schemas and max_tokens
-# 4000 at once (scripts/deep_tools_workload.py; DEEP_TOOLS=0 skips it), each allowed DEEP_TIMEOUT seconds
+# 4000 at once (openalice_runner/bench/deep_tools_workload.py; DEEP_TOOLS=0 skips it), each allowed DEEP_TIMEOUT seconds
 # (default 900) so the replies run to their end and the peak covers the whole KV cache they need; then
-# two schema phases (scripts/schema_workloads.py; SCHEMAS=0 skips them), concurrency 4 for DURATION
+# two schema phases (openalice_runner/bench/schema_workloads.py; SCHEMAS=0 skips them), concurrency 4 for DURATION
 # seconds each: `deep-schema` (tool parameters and response formats nested 30 objects deep, validated
 # and compiled per request) and `large-grammar` (eight distinct response formats of 450 optional
 # properties or 1,500 anyOf branches, in turn: the grammar cache keeps compiling and evicting). Writes one JSON report per run
@@ -51,13 +51,13 @@ done
 LEVELS="$CONCURRENCY"
 if [ "$DEEP_TOOLS" != 0 ]; then
   echo "== memory check: 4 long prompts with deep tool schemas at once, ${DURATION}s"
-  "$PY" "$ROOT/scripts/deep_tools_workload.py" "$WORK/deep_tools.jsonl"
+  "$PY" -m openalice_runner.bench.deep_tools_workload "$WORK/deep_tools.jsonl"
   "$PY" -m openalice_runner loadtest --url "http://127.0.0.1:$PORT" --concurrency 4 --workload "$WORK/deep_tools.jsonl" \
     --duration "$DURATION" --request-timeout "$DEEP_TIMEOUT" --server-pid "$SERVER" --json "$WORK/cdeep-tools.json" || true
   LEVELS="$LEVELS deep-tools"
 fi
 if [ "$SCHEMAS" != 0 ]; then
-  "$PY" "$ROOT/scripts/schema_workloads.py" "$WORK"
+  "$PY" -m openalice_runner.bench.schema_workloads "$WORK"
   for phase in deep-schema large-grammar; do
     echo "== memory check: $phase, concurrency 4, ${DURATION}s"
     "$PY" -m openalice_runner loadtest --url "http://127.0.0.1:$PORT" --concurrency 4 --workload "$WORK/$phase.jsonl" \
@@ -101,7 +101,7 @@ text = "\n".join([
     "half the requests streamed, max_tokens 32, six short chat prompts; latency and TTFT in ms (p50 / p95 / p99). "
     "Row `deep-tools` (the memory check): concurrency 4, four ~3.5k-token prompts with deeply nested tool "
     "schemas, max_tokens 4000. Rows `deep-schema` and `large-grammar` (memory checks too): concurrency 4, "
-    "schemas nested 30 objects deep; eight distinct large response formats in turn (scripts/schema_workloads.py).",
+    "schemas nested 30 objects deep; eight distinct large response formats in turn (openalice_runner/bench/schema_workloads.py).",
     "",
     "| concurrency | s | sent | ok | 429 | failed | 5xx | latency ms | TTFT ms | req/s | tokens/s |",
     "|---|---|---|---|---|---|---|---|---|---|---|",

@@ -199,7 +199,7 @@ def test_ceiling_replay_counts_passes_with_free_verification():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "scripts" / "ngram_ceiling.py"
+    path = Path(__file__).parents[1] / "openalice_runner" / "bench" / "ngram_ceiling.py"
     spec = importlib.util.spec_from_file_location("ngram_ceiling", path)
     ceiling = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ceiling)

@@ -1,4 +1,4 @@
-"""Decision micro-benchmark: `python -m openalice_runner.policies.bench_decide [POLICY]` (default: the shipped default policy).
+"""Decision micro-benchmark: `python -m openalice_runner.bench.decide [POLICY]` (default: the shipped default policy).
 
 Prints µs per decision for a mix of contexts (fixed-γ rules, auto-γ rules, the default). A benchmark to
 read, not a timed test: the budget is well under 50 µs per decision.

@@ -2,7 +2,7 @@
 nested tool schemas and a large max_tokens: the requests that once took `serve` past 2 GB of RSS
 (the KV cache was sized for max_tokens at admission). scripts/loadtest.sh runs it as its memory check.
 
-    python scripts/deep_tools_workload.py OUT.jsonl
+    python -m openalice_runner.bench.deep_tools_workload OUT.jsonl
 """
 
 from __future__ import annotations

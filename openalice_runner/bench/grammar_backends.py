@@ -2,7 +2,7 @@
 
 Run with both installed on a side path (not in the project venv):
     pip install --no-deps --target /tmp/gram xgrammar llguidance apache-tvm-ffi
-    PYTHONPATH=/tmp/gram HF_HUB_OFFLINE=1 .venv/bin/python scripts/grammar_backends.py
+    PYTHONPATH=/tmp/gram HF_HUB_OFFLINE=1 .venv/bin/python -m openalice_runner.bench.grammar_backends
 """
 
 from __future__ import annotations

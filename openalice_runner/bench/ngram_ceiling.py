@@ -6,7 +6,7 @@ length costs one plain step) and no gate, for n_max in {4, 8} and γ in {7, 16, 
 case. With the prefill and the plain step timed on the same engine, that gives the tokens per
 second the ideal would reach, and its ratio to `off`.
 
-    python scripts/ngram_ceiling.py --workload ../shared/workloads/agentic.jsonl [--json OUT]
+    python -m openalice_runner.bench.ngram_ceiling --workload ../shared/workloads/agentic.jsonl [--json OUT]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the serial loop's 512-token chunks (no tokenising, no reply). --cpu-time with --
 process CPU seconds instead of wall seconds: on a machine shared with other work that figure does
 not move with their load. Also prints the first-token logits' largest difference from fp32 prefill.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/prefill-ab.py --tokens 1000 --repeats 5 [--threads 1 --cpu-time]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m openalice_runner.bench.prefill_ab --tokens 1000 --repeats 5 [--threads 1 --cpu-time]
 """
 
 from __future__ import annotations

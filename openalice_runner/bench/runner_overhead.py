@@ -1,6 +1,6 @@
 """What a request through the Runner costs on top of the same request straight to the engine.
 
-    python examples/bench_runner_overhead.py [--n 200] [--max-tokens 4] [--real-model]
+    python -m openalice_runner.bench.runner_overhead [--n 200] [--max-tokens 4] [--real-model]
 
 Same prompt, same greedy settings, speculation off on both paths, so the engine does identical
 work; the runner path adds request validation, routing, the policy decision (a policy whose

@@ -7,7 +7,7 @@
   eight distinct ones in turn, so the grammar cache keeps evicting (it is bounded by the grammars'
   text, engine/grammar.py: 64 such grammars once held 1.6 GB).
 
-    python scripts/schema_workloads.py OUT_DIR
+    python -m openalice_runner.bench.schema_workloads OUT_DIR
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What tracing costs a request: file exporter on vs tracing off, measured side by side in one run.
 
-    python examples/bench_tracing_overhead.py [--pairs 40] [--max-tokens 16] [--json]
+    python -m openalice_runner.bench.tracing_overhead [--pairs 40] [--max-tokens 16] [--json]
 
 Two Runners share one engine (the tiny random model: short requests make the overhead look as large
 as it can). Each pair runs the same agent turn (model call, tool step, model call) on both, in
