@@ -9,9 +9,9 @@ import time
 
 import pytest
 from stand_ins.engines import tiny_engine
+from stand_ins.scripted_engine import ScriptedEngine
 from stand_ins.streams import joined_tool_calls, read_all
 
-from openalice_runner.engine.types import GenerationResult, GenerationStats, StreamEvent
 from openalice_runner.providers import tool_format
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderRateLimited
 from openalice_runner.providers.local import LocalConfig, LocalProvider, sampling_params
@@ -35,62 +35,6 @@ TOOLS = [
         "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
     },
 ]
-
-
-class ScriptedEngine:
-    """The engine's interface with a fixed answer: shows what the provider does with given output."""
-
-    model_name = "scripted"
-
-    def __init__(self, text: str, pieces: list[str] | None = None) -> None:
-        real = tiny_engine()
-        self.tokenizer = real.tokenizer
-        self._real = real
-        self.text = text
-        self.pieces = pieces or [text]
-        self.prompts: list[list[int]] = []
-        self.calls: list[tuple] = []
-        self.grammars_used: list = []  # the grammar each call was given (the text is fixed all the same)
-        self.gate: threading.Event | None = None
-        self.paced: threading.Semaphore | None = None  # set: one piece per release
-        self.yielded = 0  # pieces handed out so far
-        self.finish_reason = "stop"
-
-    def render_chat(self, messages, tools=None):
-        return self._real.render_chat(messages, tools)
-
-    def encode(self, text):
-        return self._real.encode(text)
-
-    def _result(self, prompt_ids, spec):
-        stats = GenerationStats(
-            method=spec.method, gamma=spec.gamma, prompt_tokens=len(prompt_ids), completion_tokens=7
-        )
-        stats.finish_reason = self.finish_reason
-        return GenerationResult(self.text, [1] * 7, stats)
-
-    @property
-    def grammars(self):
-        return self._real.grammars
-
-    def stream(self, prompt_ids, sampling, spec, cancel=None, grammar=None):
-        self.prompts.append(prompt_ids)
-        self.calls.append((sampling, spec))
-        self.grammars_used.append(grammar)
-        if self.gate is not None:
-            self.gate.wait(5)
-        for piece in self.pieces:
-            if self.paced is not None:
-                assert self.paced.acquire(timeout=5), "the test released too few pieces"
-            self.yielded += 1
-            yield StreamEvent(piece, [1])
-        yield StreamEvent("", [], result=self._result(prompt_ids, spec))
-
-    def generate(self, prompt_ids, sampling, spec, cancel=None, grammar=None):
-        result = None
-        for event in self.stream(prompt_ids, sampling, spec, cancel, grammar):
-            result = event.result or result
-        return result
 
 
 def local(engine, **kw) -> LocalProvider:

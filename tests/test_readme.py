@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 from stand_ins.engines import tiny_engine
+from stand_ins.scripted_engine import WEATHER_ANSWERS, ScriptedEngine
 
 from openalice_runner import Runner
-from openalice_runner.engine.types import GenerationResult, GenerationStats, StreamEvent
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -121,43 +121,6 @@ def test_readme_yaml_examples_load():
 # ---- the library example ----------------------------------------------------------------------
 
 
-class ScriptedEngine:
-    """A local engine with fixed replies: the tool call's arguments first, then the answer.
-
-    Prompts are rendered and tokenized by the tiny model's real tokenizer and chat template; only
-    the generated text is fixed, so the runner's tool-call parsing and the loop run for real."""
-
-    model_name = "scripted"
-
-    def __init__(self) -> None:
-        real = tiny_engine()
-        self.tokenizer, self._real = real.tokenizer, real
-        self.answers = ['Paris"}}\n', "It is 21 degrees and sunny in Paris."]
-        self.prompts: list[str] = []
-
-    def render_chat(self, messages, tools=None):
-        return self._real.render_chat(messages, tools)
-
-    def encode(self, text):
-        return self._real.encode(text)
-
-    @property
-    def grammars(self):
-        return self._real.grammars
-
-    def stream(self, prompt_ids, sampling, spec, cancel=None, step_policy=None, grammar=None):
-        self.prompts.append(self.tokenizer.decode(prompt_ids))
-        text = self.answers[len(self.prompts) - 1]
-        stats = GenerationStats(
-            method=spec.method, gamma=spec.gamma, prompt_tokens=len(prompt_ids), completion_tokens=5
-        )
-        stats.finish_reason = "stop"
-        yield StreamEvent(text, [1], result=GenerationResult(text, [1], stats))
-
-    def generate(self, prompt_ids, sampling, spec, cancel=None, grammar=None):
-        return list(self.stream(prompt_ids, sampling, spec, cancel, grammar=grammar))[-1].result
-
-
 def _run_snippet_with(engine, monkeypatch) -> None:
     """Execute the README text unchanged; only `Runner.from_config` gets `engine=` added."""
     original = Runner.from_config
@@ -171,11 +134,11 @@ def _run_snippet_with(engine, monkeypatch) -> None:
 
 
 def test_library_example_runs_with_a_scripted_engine(monkeypatch, capsys):
-    engine = ScriptedEngine()
+    engine = ScriptedEngine(WEATHER_ANSWERS, completion_tokens=5)
     _run_snippet_with(engine, monkeypatch)
     out = capsys.readouterr().out
     assert len(engine.prompts) == 2  # the tool call, then the streamed answer
-    assert 'get_weather tool returned: {"city": "Paris", "temperature_c": 21' in engine.prompts[1]
+    assert 'get_weather tool returned: {"city": "Paris", "temperature_c": 21' in engine.prompt_texts[1]
     assert "speculation:" in out and "It is 21 degrees and sunny in Paris." in out
 
 

@@ -15,10 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from stand_ins.engines import tiny_engine
+from stand_ins.scripted_engine import WEATHER_ANSWERS, ScriptedEngine
 
 from openalice_runner import Runner
-from openalice_runner.engine.types import GenerationResult, GenerationStats, StreamEvent
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "agent_loop.py"
@@ -31,43 +30,9 @@ def _load_example():
     return module
 
 
-class TwoAnswers:
-    """A local engine that answers the first call with the call's arguments, the second from the result."""
-
-    model_name = "scripted"
-
-    def __init__(self) -> None:
-        real = tiny_engine()
-        self.tokenizer, self._real = real.tokenizer, real
-        self.answers = ['Paris"}}\n', "It is 21 degrees and sunny in Paris."]
-        self.prompts: list[str] = []
-
-    def render_chat(self, messages, tools=None):
-        return self._real.render_chat(messages, tools)
-
-    def encode(self, text):
-        return self._real.encode(text)
-
-    @property
-    def grammars(self):
-        return self._real.grammars
-
-    def stream(self, prompt_ids, sampling, spec, cancel=None, grammar=None):
-        self.prompts.append(self.tokenizer.decode(prompt_ids))
-        text = self.answers[len(self.prompts) - 1]
-        stats = GenerationStats(
-            method=spec.method, gamma=spec.gamma, prompt_tokens=len(prompt_ids), completion_tokens=5
-        )
-        stats.finish_reason = "stop"
-        yield StreamEvent(text, [1], result=GenerationResult(text, [1], stats))
-
-    def generate(self, prompt_ids, sampling, spec, cancel=None, grammar=None):
-        return list(self.stream(prompt_ids, sampling, spec, cancel, grammar))[-1].result
-
-
 async def test_agent_loop_mechanics(capsys):
     example = _load_example()
-    engine = TwoAnswers()
+    engine = ScriptedEngine(WEATHER_ANSWERS, completion_tokens=5)
     runner = Runner.from_config(engine=engine, telemetry=False)
     code = await example.main_async(["--json"], runner=runner)
     transcript = json.loads(capsys.readouterr().out)
@@ -76,7 +41,7 @@ async def test_agent_loop_mechanics(capsys):
     assert call["name"] == "get_weather" and call["arguments"] == {"city": "Paris"}
     assert json.loads(call["result"])["temperature_c"] == 21
     assert transcript["answer"] == "It is 21 degrees and sunny in Paris."
-    assert 'The get_weather tool returned: {"city": "Paris", "temperature_c": 21' in engine.prompts[1]
+    assert 'The get_weather tool returned: {"city": "Paris", "temperature_c": 21' in engine.prompt_texts[1]
 
 
 @pytest.mark.slow
