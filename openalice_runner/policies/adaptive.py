@@ -163,7 +163,7 @@ class AdaptiveGamma:
         s = self.settings
         est = self._alpha.get((turn_type, method, provider))
         measured = est is not None and est.count >= s.warmup
-        if measured:
+        if est is not None and measured:
             alpha = est.value
         else:
             alpha = prior_alpha if prior_alpha is not None else getattr(s.prior_alpha, method)

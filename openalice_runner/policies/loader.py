@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path as FsPath
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from openalice_runner.config_files.errors import Problem
 from openalice_runner.config_files.yaml_nodes import Located, Path, load_located
@@ -89,7 +90,7 @@ def _moved_keys(loc: Located) -> list[Problem]:
 
 def _schema_problems(exc: ValidationError, loc: Located) -> list[Problem]:
     # One field of a union type (e.g. gamma: int | "auto") yields one error per branch: merge them.
-    grouped: dict[tuple[Path, bool], list[dict]] = {}
+    grouped: dict[tuple[Path, bool], list[ErrorDetails]] = {}
     for err in exc.errors(include_url=False):
         path = _data_path(err["loc"], loc)
         grouped.setdefault((path, err["type"] == "extra_forbidden"), []).append(err)
@@ -116,7 +117,7 @@ def _dotted(path: Path) -> str:
     return out or "(top level)"
 
 
-def _message(path: Path, errs: list[dict]) -> str:
+def _message(path: Path, errs: list[ErrorDetails]) -> str:
     first = errs[0]
     kind = first["type"]
     if kind == "extra_forbidden":

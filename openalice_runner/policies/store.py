@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import cast
 
 from openalice_runner.config_files.errors import Problem
 from openalice_runner.config_files.yaml_nodes import LIMITS
@@ -158,7 +159,8 @@ class PolicyStore:
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_interval):
             try:
-                stat = _stat(self.path)
+                # start_watching refuses a store without a file
+                stat = _stat(cast(Path, self.path))
                 # mtime+size is a cheap hint; the content hash in reload_if_changed is the truth.
                 # A broken file is re-read each poll until fixed (it may be rewritten in the same second).
                 if stat != self._stat or self.last_error is not None:

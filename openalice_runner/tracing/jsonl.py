@@ -27,6 +27,7 @@ def _attrs(attributes: Any) -> dict[str, Any]:
 
 def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
     ctx = span.get_span_context()
+    assert ctx is not None  # an SDK span always has its context (typed Optional by the API)
     parent = span.parent
     return {
         "trace_id": format(ctx.trace_id, "032x"),

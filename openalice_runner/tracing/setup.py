@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -294,7 +294,7 @@ def _add_trace_ids(_logger: Any, _method: str, event: dict[str, Any]) -> dict[st
     return event
 
 
-def _redact_event(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+def _redact_event(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """Keys out of log lines (upstream messages and tracebacks can carry them)."""
     for key, value in event.items():
         if isinstance(value, str):
