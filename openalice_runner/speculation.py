@@ -104,7 +104,7 @@ class SpeculationOutcome:
     # tokens a grammar forced and the round drafted for free (always accepted; not in `proposed`)
     forced: int = 0
     accept_length_histogram: tuple[int, ...] = ()
-    # tokens the target's passes emitted per pass (SGLang's spec_accept_length); None: unknown
+    # tokens the target's passes emitted per pass (>= 1; 1 for plain decoding); None: unknown
     tokens_per_pass: float | None = None
     # the number of draft tokens one round could propose when that differs per round (SGLang's
     # adaptive pools): α then comes from the histogram, never from a rate against `gamma`
@@ -134,3 +134,28 @@ class SpeculationOutcome:
         if self.ttft_s is None or self.total_s is None:
             return None
         return max(0.0, self.total_s - self.ttft_s)
+
+
+# Keys the JSON contracts used to carry, kept one release beside the names above (docs/vocabulary.md):
+# per contract, (old key, key now). The one place the old names live; nothing reads them.
+OLD_KEYS: Mapping[str, tuple[tuple[str, str], ...]] = {
+    "stats": (  # the CLI's `generate --json` stats (engine GenerationStats.to_dict)
+        ("mean_tokens_per_pass", "tokens_per_pass"),
+        ("draft_proposed", "proposed"),
+        ("draft_accepted", "accepted"),
+        ("forced_tokens", "forced"),
+        ("closing_tokens", "closing"),
+    ),
+    "speculation": (("accept_length", "tokens_per_pass"),),  # the HTTP API's `speculation` block
+    "bench": (("mean_accept_length", "tokens_per_pass"),),  # `bench` JSON rows
+    "bench_concurrency": (("mean_tokens_per_pass", "tokens_per_pass"),),  # `bench-concurrency` JSON runs
+    "span": (("openalice.speculation.mean_tokens_per_pass", "openalice.speculation.tokens_per_pass"),),
+}
+
+
+def with_old_keys(contract: str, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with each renamed key of `contract` also under its old name (same value), in place."""
+    for old, now in OLD_KEYS[contract]:
+        if now in data:
+            data[old] = data[now]
+    return data

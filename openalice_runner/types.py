@@ -21,14 +21,16 @@ from pydantic import (
     Discriminator,
     Field,
     PrivateAttr,
+    SerializerFunctionWrapHandler,
     StringConstraints,
     Tag,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
 from openalice_runner.config_files.models import StrictModel
-from openalice_runner.speculation import SpeculationOutcome
+from openalice_runner.speculation import SpeculationOutcome, with_old_keys
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
@@ -403,7 +405,7 @@ class SpeculationInfo(BaseModel):
     """What speculative decoding did for one request (runner extension to OpenAI's body): the
     JSON face of a `SpeculationOutcome`."""
 
-    method: str = "off"  # off | ngram | draft | eagle
+    method: str = "off"  # off | ngram | draft | eagle | suffix
     gamma: int = 0  # draft tokens per round (SGLang: num_draft_tokens - 1)
     proposed: int | None = None  # draft tokens proposed
     accepted: int | None = None  # draft tokens accepted
@@ -411,7 +413,7 @@ class SpeculationInfo(BaseModel):
     closing: int | None = None  # of the reply, tokens forced to close its structure within max_tokens
     acceptance_rate: float | None = None  # accepted / proposed
     target_passes: int | None = None  # target forward passes (decode or verify) after prefill
-    accept_length: float | None = None  # completion tokens / target passes (SGLang's spec_accept_length)
+    tokens_per_pass: float | None = None  # completion tokens / target passes
     rule: str | None = None  # policy rule that decided
     policy_version: str | None = None
     pool: str | None = None  # SGLang pool that served
@@ -426,11 +428,16 @@ class SpeculationInfo(BaseModel):
             forced=outcome.forced,
             acceptance_rate=outcome.acceptance_rate,
             target_passes=outcome.target_passes,
-            accept_length=outcome.tokens_per_pass,
+            tokens_per_pass=outcome.tokens_per_pass,
             rule=outcome.rule,
             policy_version=outcome.policy_version,
             pool=outcome.pool,
         )
+
+    @model_serializer(mode="wrap")
+    def _with_old_keys(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # the renamed keys also under their old names for one release (speculation.OLD_KEYS)
+        return with_old_keys("speculation", handler(self))
 
 
 class AssistantMessage(BaseModel):

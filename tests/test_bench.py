@@ -15,7 +15,7 @@ from openalice_runner.policies import PolicyStore
 
 RUN_FIELDS = {
     "case", "turn_type", "method", "gamma", "tokens", "seconds", "tokens_per_second", "acceptance_rate",
-    "mean_accept_length", "target_passes", "identical_to_off",
+    "tokens_per_pass", "target_passes", "identical_to_off",
 }  # fmt: skip
 
 

@@ -73,7 +73,7 @@ def test_batched_greedy_equals_serial_off_with_mixed_methods(dtype):
         assert got.token_ids == want.token_ids, job[2]
         assert got.text == want.text
     assert results[6].stats.acceptance_rate == 1.0
-    assert results[7].stats.draft_accepted == 0
+    assert results[7].stats.accepted == 0
     # they really shared passes: fewer steps than the rounds they ran one by one
     assert batched.scheduler.steps < sum(r.stats.target_passes for r in results)
 
@@ -160,7 +160,7 @@ def test_gamma_table_sees_the_batch_and_sets_gamma_per_step():
     # while all three ran, nothing was drafted; alone at the end, drafts resume
     assert all(r.token_ids == results[0].token_ids for r in results)
     alone = engine.generate(prompt, sampling, spec)
-    assert alone.stats.draft_proposed > 0
+    assert alone.stats.proposed > 0
 
 
 def test_cancelled_and_abandoned_streams_free_their_slots():

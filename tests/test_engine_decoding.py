@@ -17,7 +17,7 @@ def test_max_tokens_and_figures(tiny_engine):
     assert s.finish_reason in ("length", "stop")
     assert s.prompt_tokens == len(prompt)
     assert s.method == "ngram" and s.gamma == 4
-    assert s.draft_accepted <= s.draft_proposed
+    assert s.accepted <= s.proposed
     assert sum(s.accept_length_histogram) <= s.target_passes
     assert s.ttft_s > 0 and s.total_s >= s.ttft_s and s.tokens_per_second > 0
     assert s.verify_s > 0 and s.draft_s >= 0
@@ -73,9 +73,9 @@ def test_a_reply_ending_on_its_stop_token_reports_at_least_one_token_per_pass(ti
         tiny_engine.eos_token_ids = original
     s = r.stats
     assert r.finish_reason == "stop" and r.token_ids == first[:cut]
-    assert s.mean_tokens_per_pass >= 1.0
+    assert s.tokens_per_pass >= 1.0
     if method == "off":
-        assert s.target_passes == cut and s.mean_tokens_per_pass == 1.0  # the prefill gave the first token
+        assert s.target_passes == cut and s.tokens_per_pass == 1.0  # the prefill gave the first token
 
 
 def test_context_limit(tiny_engine):

@@ -30,7 +30,7 @@ def assert_eagle_equals_off(engine, folder: Path) -> None:
             out = engine.generate(prompt, SamplingParams(max_tokens=40),
                                   SpecConfig(method="eagle", gamma=gamma, eagle_head=str(folder), adaptive_length=False))
             assert out.token_ids == plain.token_ids, gamma
-            assert out.stats.method == "eagle" and out.stats.draft_proposed > 0
+            assert out.stats.method == "eagle" and out.stats.proposed > 0
         out = engine.generate(prompt, SamplingParams(max_tokens=40),
                               SpecConfig(method="eagle", gamma=8, eagle_head=str(folder)))
         assert out.token_ids == plain.token_ids
@@ -46,7 +46,7 @@ def assert_eagle_equals_off(engine, folder: Path) -> None:
                                              adaptive_length=adaptive, eagle_lookup=lookup))
             assert out.token_ids == plain.token_ids, (nodes, adaptive, lookup)
             if not adaptive:
-                assert out.stats.draft_proposed > out.stats.target_passes  # several tokens a round
+                assert out.stats.proposed > out.stats.target_passes  # several tokens a round
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +218,8 @@ def test_prefix_reuse_hands_the_head_its_features(tiny_engine, tiny_fused_head):
         assert out.token_ids == tiny_engine.generate(prompt, sampling).token_ids
         # the head drafts as it would have after a full prefill: its state carried over intact
         full = tiny_engine.generate(prompt, sampling, spec)
-        assert (out.stats.draft_proposed, out.stats.draft_accepted) == (
-            full.stats.draft_proposed, full.stats.draft_accepted) and out.stats.draft_proposed > 0
+        assert (out.stats.proposed, out.stats.accepted) == (
+            full.stats.proposed, full.stats.accepted) and out.stats.proposed > 0
     # after an `off` request there are no features to take over: the prompt is prefilled in full
     engine.generate(prompt + [5], sampling)
     out = engine.generate(prompt + [5, 7], sampling, spec)
@@ -346,7 +346,7 @@ def test_greedy_eagle_equals_off_real_model_fp32(real_engine_fp32, workload_path
         fixed = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=4, eagle_head=str(head),
                                                              adaptive_length=False))
         assert fixed.token_ids == plain.token_ids, case.id
-        assert fixed.stats.draft_proposed > 0
+        assert fixed.stats.proposed > 0
         sized = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=8, eagle_head=str(head)))
         assert sized.token_ids == plain.token_ids, case.id
         lookup = engine.generate(prompt, sampling, SpecConfig(method="eagle", gamma=5, eagle_head=str(head),

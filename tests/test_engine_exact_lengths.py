@@ -474,7 +474,7 @@ def _sample_unseeded(model, make_drafter, sampling: SamplingParams, spec, n: int
             result = event.result or result
         run.replies.append(tuple(result.token_ids))
         run.rounds.add(result.stats.draft_depth_histogram)
-        run.proposed += result.stats.draft_proposed
+        run.proposed += result.stats.proposed
     return run
 
 

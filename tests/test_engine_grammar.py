@@ -77,9 +77,9 @@ def test_greedy_constrained_output_is_the_same_with_and_without_speculation(engi
                 reference = out
             assert out.token_ids == reference.token_ids, (engine.max_batch, spec)
             if spec.forced_drafts and grammar_kind not in ("auto", "json_object"):
-                assert out.stats.forced_tokens > 0
+                assert out.stats.forced > 0
             if not spec.forced_drafts:
-                assert out.stats.forced_tokens == 0
+                assert out.stats.forced == 0
     if grammar_kind == "json_object":
         return  # a random model's free object may run to max_tokens
     if grammar_kind in ("json_schema",):
@@ -97,10 +97,10 @@ def test_forced_drafts_cut_the_passes(engines):
     plain = engine.generate(prompt, SamplingParams(max_tokens=60), SpecConfig(forced_drafts=False), grammar=grammar)
     forced = engine.generate(prompt, SamplingParams(max_tokens=60), SpecConfig(), grammar=grammar)
     assert forced.token_ids == plain.token_ids
-    assert forced.stats.forced_tokens >= 10  # the tags, the name, the keys, the enum's rest
+    assert forced.stats.forced >= 10  # the tags, the name, the keys, the enum's rest
     assert forced.stats.target_passes < plain.stats.target_passes - 5
-    assert forced.stats.draft_proposed == 0  # forced tokens are not the drafter's
-    assert forced.stats.outcome().forced == forced.stats.forced_tokens
+    assert forced.stats.proposed == 0  # forced tokens are not the drafter's
+    assert forced.stats.outcome().forced == forced.stats.forced
 
 
 def _stream_logging_passes(engine, prompt, sampling, spec, grammar):
@@ -195,7 +195,7 @@ def test_forbidden_drafts_end_the_draft_before_verification(engines):
     out = engine.generate(prompt, SamplingParams(max_tokens=40), SpecConfig(method="draft", gamma=4), grammar=grammar,
                           drafter=ForbiddenDrafter(im_start))
     assert out.token_ids == plain.token_ids
-    assert out.stats.draft_proposed == 0  # every draft was cut at its first token
+    assert out.stats.proposed == 0  # every draft was cut at its first token
 
 
 def test_auto_grammar_takes_free_text_or_valid_calls_only(engines):
@@ -272,8 +272,8 @@ def test_a_draft_reaching_a_forced_span_carries_the_span(engines):
     logits[-1] = seq.round_masks[-1].float()[: logits.shape[1]]  # any allowed token
     emitted = settle_round(seq, logits, torch.zeros(len(draft) + 1, 1), proposal, draft, 0, 0.0)
     assert emitted[: len(draft)] == draft and len(emitted) == len(draft) + 1
-    assert seq.stats.draft_proposed == seq.stats.draft_accepted == len(rest_of_tag)
-    assert seq.stats.forced_tokens == len(after) and seq.stats.target_passes == 1
+    assert seq.stats.proposed == seq.stats.accepted == len(rest_of_tag)
+    assert seq.stats.forced == len(after) and seq.stats.target_passes == 1
 
 
 def test_grammar_errors_name_the_problem(engines):
@@ -340,4 +340,4 @@ def test_forced_runs_fit_the_cache_at_a_granule_boundary(max_batch):
         prompt = (base * (length // len(base) + 1))[:length]
         forced = engine.generate(prompt, SamplingParams(max_tokens=40), SpecConfig(), grammar=grammar)
         plain = engine.generate(prompt, SamplingParams(max_tokens=40), SpecConfig(forced_drafts=False), grammar=grammar)
-        assert forced.token_ids == plain.token_ids and forced.stats.forced_tokens >= 10
+        assert forced.token_ids == plain.token_ids and forced.stats.forced >= 10

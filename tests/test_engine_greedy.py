@@ -22,12 +22,12 @@ def check_all_drafters(engine, prompt: list[int], max_tokens: int, gammas=(1, 3,
         accept_all = engine.generate(prompt, sampling, spec,
                                      drafter=OracleDrafter(len(prompt), plain.token_ids, vocab, True))
         assert accept_all.token_ids == plain.token_ids
-        if accept_all.stats.draft_proposed:
+        if accept_all.stats.proposed:
             assert accept_all.stats.acceptance_rate == 1.0
         reject_all = engine.generate(prompt, sampling, spec,
                                      drafter=OracleDrafter(len(prompt), plain.token_ids, vocab, False))
         assert reject_all.token_ids == plain.token_ids
-        assert reject_all.stats.draft_accepted == 0
+        assert reject_all.stats.accepted == 0
         for method in ("ngram", "draft"):
             out = engine.generate(prompt, sampling, SpecConfig(method=method, gamma=gamma))
             assert out.token_ids == plain.token_ids, (method, gamma)
@@ -105,5 +105,5 @@ def test_probes_are_counted_apart(tiny_engine):
     out = tiny_engine.generate(prompt, sampling, SpecConfig(method="draft", gamma=3), drafter=drafter)
     assert out.token_ids == plain.token_ids
     stats = out.stats
-    assert 0 < stats.probe_proposed < stats.draft_proposed
+    assert 0 < stats.probe_proposed < stats.proposed
     assert stats.probe_accepted == stats.probe_proposed  # the oracle is always right

@@ -53,5 +53,5 @@ def test_greedy_output_equals_no_speculation(max_batch):
             spec = engine.generate(prompt, sampling, SpecConfig(method="suffix", gamma=gamma))
             assert spec.token_ids == plain.token_ids
             assert spec.stats.method == "suffix"
-            drafted += spec.stats.draft_proposed
+            drafted += spec.stats.proposed
     assert drafted > 0

@@ -143,8 +143,8 @@ def sample_budgeted(target, make_drafter, sampling, spec, n, seed):
         result = None
         for event in run_sequence(model, seq):
             result = event.result or result
-        closed += result.stats.closing_tokens
-        forced += result.stats.forced_tokens
+        closed += result.stats.closing
+        forced += result.stats.forced
         key = tuple(result.token_ids)
         counts[key] = counts.get(key, 0) + 1
     return counts, closed, forced

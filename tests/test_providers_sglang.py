@@ -111,7 +111,7 @@ async def test_policy_decision_picks_the_pool(servers):
 
 
 async def test_speculation_figures_come_from_sglext(servers):
-    s = servers(method="eagle", num_draft_tokens=4, accept_length=2.0)
+    s = servers(method="eagle", num_draft_tokens=4, tokens_per_pass=2.0)
     p = provider({"eagle3": {"replicas": [s.url], "launch": {**EAGLE3, "num_draft_tokens": 4}}})
     req = ChatRequest(messages=[{"role": "user", "content": "one two three four five six seven"}])
     r = await p.chat(req, CallContext(decision=decision()))
@@ -123,7 +123,7 @@ async def test_speculation_figures_come_from_sglext(servers):
     # 9 completion tokens at 2.0 per verify pass -> 5 passes, 15 proposed, 4 accepted.
     assert r.usage.completion_tokens == 9
     assert (spec.target_passes, spec.proposed, spec.accepted) == (5, 15, 4)
-    assert spec.acceptance_rate == pytest.approx(4 / 15) and spec.accept_length == pytest.approx(9 / 5)
+    assert spec.acceptance_rate == pytest.approx(4 / 15) and spec.tokens_per_pass == pytest.approx(9 / 5)
     assert (spec.rule, spec.policy_version, spec.pool) == ("r1", "v1", "eagle3")
     assert r.outcome.accepted == 4 and r.outcome.method == "eagle"  # for policy.observe
     # SGLang grows the histogram only to the largest k seen ([1, 4] here): padded to γ + 1 = 4
@@ -133,7 +133,7 @@ async def test_speculation_figures_come_from_sglext(servers):
 
 
 async def test_streamed_turns_carry_speculation_figures(servers):
-    s = servers(method="eagle", num_draft_tokens=4, accept_length=2.0)
+    s = servers(method="eagle", num_draft_tokens=4, tokens_per_pass=2.0)
     p = provider({"eagle3": {"replicas": [s.url], "launch": {**EAGLE3, "num_draft_tokens": 4}}})
     req = ChatRequest(messages=[{"role": "user", "content": "one two three four five six seven"}])
     chunks = await read_all(p.stream(req, CallContext(decision=decision())))
@@ -151,7 +151,7 @@ async def test_streamed_turns_carry_speculation_figures(servers):
 
 
 async def test_adaptive_pool_reports_varying_gamma(servers):
-    s = servers(method="eagle", num_draft_tokens=4, accept_length=2.0)
+    s = servers(method="eagle", num_draft_tokens=4, tokens_per_pass=2.0)
     launch = {**EAGLE3, "num_steps": 3, "adaptive": True, "max_running_requests": 8}
     p = provider({"eagle3": {"replicas": [s.url], "launch": launch}})
     req = ChatRequest(messages=[{"role": "user", "content": "one two three four five six seven"}])

@@ -148,7 +148,7 @@ async def test_speculation_figures_and_metrics_by_turn_type_and_method(local):
     [tps] = points["openalice.generation.tokens_per_second"]
     assert tps.attributes["openalice.turn.type"] == "code_edit" and tps.sum > 0
     if result.speculation.proposed:
-        [accepted] = points["openalice.speculation.accepted_length"]
+        [accepted] = points["openalice.speculation.accepted_drafts_per_round"]
         assert accepted.count >= 1
 
 

@@ -24,6 +24,7 @@ from openalice_runner.bench.repeats import kept_label, kept_run
 from openalice_runner.bench.runner import split_method
 from openalice_runner.bench.workload import Case, render_case
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
+from openalice_runner.speculation import with_old_keys
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -69,7 +70,7 @@ def run_level(
     latencies = [r.stats.total_s for r in results]
     ttfts = [r.stats.ttft_s for r in results]
     passes = sum(r.stats.target_passes for r in results)
-    return {
+    return with_old_keys("bench_concurrency", {
         "concurrency": concurrency,
         "method": method,
         "requests": len(results),
@@ -79,9 +80,9 @@ def run_level(
         "latency_p50_s": round(statistics.median(latencies), 3),
         "latency_p95_s": round(_percentile(latencies, 0.95), 3),
         "ttft_p50_s": round(statistics.median(ttfts), 3),
-        "mean_tokens_per_pass": round(tokens / passes, 3) if passes else None,
+        "tokens_per_pass": round(tokens / passes, 3) if passes else None,
         "token_ids": [r.token_ids for r in results],
-    }
+    })
 
 
 def bench_concurrency(
@@ -123,7 +124,7 @@ def bench_concurrency(
                     progress(
                         f"c={level:<3} {method:<16} {run['tokens_per_second']:>8.1f} tok/s  "
                         f"p50 {run['latency_p50_s']:.2f} s  ttft {run['ttft_p50_s']:.2f} s  "
-                        f"tok/pass {run['mean_tokens_per_pass']}"
+                        f"tok/pass {run['tokens_per_pass']}"
                     )
     rows = []
     for level, (_, chosen) in plan.items():
@@ -149,7 +150,7 @@ def format_table(report: dict) -> str:
     for r in report["runs"]:
         lines.append(
             f"| {r['concurrency']} | {r['method']} | {r['tokens_per_second']:.1f} | {r['latency_p50_s']:.2f} "
-            f"| {r['latency_p95_s']:.2f} | {r['ttft_p50_s']:.2f} | {r['mean_tokens_per_pass']} |"
+            f"| {r['latency_p95_s']:.2f} | {r['ttft_p50_s']:.2f} | {r['tokens_per_pass']} |"
         )
     return "\n".join(lines)
 

@@ -179,13 +179,13 @@ def mode_figures(result: Any, reply: str, case: Case) -> dict:
         "tokens_per_s": round(s.completion_tokens / s.total_s, 2) if s.total_s else 0.0,
         # after the first token: prefill (the same in every mode) left out of the comparison
         "decode_tokens_per_s": round((s.completion_tokens - 1) / decode_s, 2) if decode_s > 0 else 0.0,
-        "tokens_per_pass": round(s.mean_tokens_per_pass, 3),
+        "tokens_per_pass": round(s.tokens_per_pass, 3),
         "target_passes": s.target_passes,
         "decode_s": round(decode_s, 6),
         "step_ms": round(1000 * decode_s / s.target_passes, 3) if s.target_passes else None,
         "mask_s": round(s.mask_s, 6),
         "mask_ms_per_token": round(1000 * s.mask_s / max(s.completion_tokens, 1), 4),
-        "forced": s.forced_tokens,
+        "forced": s.forced,
         "parses": parses(case, reply),
         "finish_reason": s.finish_reason,
         "reply": reply,  # the prefill included

@@ -25,6 +25,7 @@ import torch
 from openalice_runner.bench.repeats import kept_label, kept_run
 from openalice_runner.bench.workload import COPY_HEAVY, OPEN_ENDED, Case, render_case
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
+from openalice_runner.speculation import with_old_keys
 
 ENGINE_METHODS = ("off", "ngram", "draft", "eagle", "eagle-lookup", "eagle-tree", "eagle-lookup-tree")
 EAGLE_TREE_NODES = 8  # the bench's draft trees: up to this many tokens (--tree-nodes)
@@ -45,7 +46,7 @@ class Run:
     seconds: float
     gamma: int
     acceptance_rate: float | None = None
-    mean_accept_length: float | None = None
+    tokens_per_pass: float | None = None
     target_passes: int | None = None
     method_used: str | None = None
     rule: str | None = None
@@ -60,7 +61,7 @@ def run_engine(engine: Engine, prompt: list[int], max_tokens: int, spec: SpecCon
         seconds=s.total_s,
         gamma=s.gamma,
         acceptance_rate=s.acceptance_rate,
-        mean_accept_length=s.mean_tokens_per_pass,
+        tokens_per_pass=s.tokens_per_pass,
         target_passes=s.target_passes,
         method_used=s.method,
     )
@@ -147,26 +148,33 @@ def bench(
             run = median_run(runs[method])
             if method == "off":
                 reference = run.tokens
-            row = {
-                "case": case.id,
-                "turn_type": case.turn_type,
-                "method": method,
-                "gamma": run.gamma,
-                "tokens": len(run.tokens),
-                "seconds": round(run.seconds, 4),
-                "tokens_per_second": round(len(run.tokens) / run.seconds, 3) if run.seconds else 0.0,
-                "acceptance_rate": None if run.acceptance_rate is None else round(run.acceptance_rate, 4),
-                "mean_accept_length": None if run.mean_accept_length is None else round(run.mean_accept_length, 3),
-                "target_passes": run.target_passes,
-                "identical_to_off": None if reference is None else run.tokens == reference,
-                "prompt_tokens": len(prompt),
-            }
-            if method == "policy":
-                row.update(policy_method=run.method_used, rule=run.rule, policy_version=run.policy_version)
+            row = report_row(case, method, run, reference, len(prompt))
             rows.append(row)
             if progress:
                 progress(_row_line(row))
     return {"runs": rows, "summary": summarize(rows, methods), "kept": kept_label(repeat)}
+
+
+def report_row(case: Case, method: str, run: Run, reference: list[int] | None, prompt_tokens: int) -> dict:
+    """One row of the `bench` JSON (a contract: the keys are speculation.py's names, with the renamed
+    ones also under their old names for one release)."""
+    row = {
+        "case": case.id,
+        "turn_type": case.turn_type,
+        "method": method,
+        "gamma": run.gamma,
+        "tokens": len(run.tokens),
+        "seconds": round(run.seconds, 4),
+        "tokens_per_second": round(len(run.tokens) / run.seconds, 3) if run.seconds else 0.0,
+        "acceptance_rate": None if run.acceptance_rate is None else round(run.acceptance_rate, 4),
+        "tokens_per_pass": None if run.tokens_per_pass is None else round(run.tokens_per_pass, 3),
+        "target_passes": run.target_passes,
+        "identical_to_off": None if reference is None else run.tokens == reference,
+        "prompt_tokens": prompt_tokens,
+    }
+    if method == "policy":
+        row.update(policy_method=run.method_used, rule=run.rule, policy_version=run.policy_version)
+    return with_old_keys("bench", row)
 
 
 def split_method(method: str, gamma: int) -> tuple[str, int]:
@@ -197,7 +205,7 @@ def _one(engine: Engine, case: Case, prompt: list[int], method: str, gamma: int,
         result.stats.rule, result.stats.policy_version = decision.rule, decision.policy_version
         policy_store.observe(case.turn_type, decision.method, "local", result.stats.outcome())
         s = result.stats
-        return Run(result.token_ids, s.total_s, s.gamma, s.acceptance_rate, s.mean_tokens_per_pass,
+        return Run(result.token_ids, s.total_s, s.gamma, s.acceptance_rate, s.tokens_per_pass,
                    s.target_passes, decision.method, str(decision.rule), decision.policy_version)
     if method == "hf-plain":
         return run_hf(engine, prompt, case.max_tokens, None)
@@ -273,7 +281,7 @@ def summarize(rows: list[dict], methods: list[str]) -> dict:
 
 def _row_line(row: dict) -> str:
     acc = "" if row["acceptance_rate"] is None else f" acc={row['acceptance_rate']:.2f}"
-    mal = "" if row["mean_accept_length"] is None else f" tok/pass={row['mean_accept_length']:.2f}"
+    mal = "" if row["tokens_per_pass"] is None else f" tok/pass={row['tokens_per_pass']:.2f}"
     same = "" if row["identical_to_off"] is None else f" same={'yes' if row['identical_to_off'] else 'NO'}"
     return (f"{row['case']:<24} {row['method']:<17} {row['tokens']:>4} tok {row['seconds']:>7.2f} s "
             f"{row['tokens_per_second']:>7.2f} tok/s{acc}{mal}{same}")

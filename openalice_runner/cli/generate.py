@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from openalice_runner.cli.common import add_engine_args, load_engine, load_policy, positive_int
+from openalice_runner.speculation import SPEC_METHODS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message text")
     src.add_argument("--messages-file", help="JSON file with a list of OpenAI-style messages")
-    p.add_argument("--spec", choices=("off", "ngram", "draft", "eagle"), default="off",
+    p.add_argument("--spec", choices=SPEC_METHODS, default="off",
                    help="speculation method")
     p.add_argument("--gamma", type=positive_int, default=5, help="draft tokens per round")
     p.add_argument("--draft-layers", type=positive_int, default=None, help="self-draft from the first N layers")
@@ -91,5 +92,5 @@ def run(args: argparse.Namespace) -> int:
         s = result.stats
         print(f"[{s.method} γ={s.gamma}: {s.completion_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
               f"ttft {s.ttft_s * 1000:.0f} ms, acceptance {s.acceptance_rate:.2f}, "
-              f"{s.mean_tokens_per_pass:.2f} tokens/pass, finish {s.finish_reason}]", file=sys.stderr)
+              f"{s.tokens_per_pass:.2f} tokens/pass, finish {s.finish_reason}]", file=sys.stderr)
     return 0

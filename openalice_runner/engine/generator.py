@@ -286,13 +286,13 @@ def settle_round(
     # forced tokens are always accepted once reached; the drafter's figures are its own tokens' alone
     proposed = len(draft) - seq.round_forced - seq.round_forced_after
     accepted = min(max(verdict.accepted - seq.round_forced, 0), proposed)
-    seq.stats.forced_tokens += verdict.accepted - accepted  # those before the drafter's and after
+    seq.stats.forced += verdict.accepted - accepted  # those before the drafter's and after
     seq.budget.closing_tokens += seq.round_closing
     seq.round_masks, seq.round_forced, seq.round_forced_after = None, 0, 0
     seq.round_left, seq.round_closing = 0, 0
     if proposed > 0:
-        seq.stats.draft_proposed += proposed
-        seq.stats.draft_accepted += accepted
+        seq.stats.proposed += proposed
+        seq.stats.accepted += accepted
         if proposal.probe:
             seq.stats.probe_proposed += proposed
             seq.stats.probe_accepted += accepted
@@ -489,11 +489,11 @@ def finish(seq: Sequence) -> GenerationResult:
     stats.finish_reason = seq.finish_reason or "length"
     if seq.constraint is not None:
         stats.mask_s = seq.constraint.mask_s
-        stats.closing_tokens = seq.budget.closing_tokens
-    if stats.draft_proposed:
-        stats.acceptance_rate = stats.draft_accepted / stats.draft_proposed
+        stats.closing = seq.budget.closing_tokens
+    if stats.proposed:
+        stats.acceptance_rate = stats.accepted / stats.proposed
     if stats.target_passes:
-        stats.mean_tokens_per_pass = seq.emitted_by_passes / stats.target_passes
+        stats.tokens_per_pass = seq.emitted_by_passes / stats.target_passes
     if seq.accept_lengths:
         histogram = [0] * (max(seq.accept_lengths) + 1)
         for n in seq.accept_lengths:

@@ -18,6 +18,7 @@ from openalice_runner.speculation import (
     SpecMethod,
     SpeculationOutcome,
     SpeculationPlan,
+    with_old_keys,
 )
 
 FinishReason = Literal["stop", "length", "context_length", "cancelled"]
@@ -118,39 +119,43 @@ class SpecConfig:
 
 @dataclass
 class GenerationStats:
-    """Figures every finished request reports (the CLI's JSON `stats`, snake_case, is a contract)."""
+    """Figures every finished request reports (the CLI's JSON `stats`, snake_case, is a contract).
+
+    The shared fields carry `SpeculationOutcome`'s names (speculation.py); the engine's extras, which
+    the outcome has no field for, follow them under "engine extras"."""
 
     method: str = "off"
     gamma: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0  # of those, found in the cache (prefix reuse) and not prefilled
     completion_tokens: int = 0
     target_passes: int = 0  # target forward passes after prefill (decode or verify)
-    draft_proposed: int = 0
-    draft_accepted: int = 0
+    proposed: int = 0  # draft tokens proposed
+    accepted: int = 0  # of those, accepted
     # of those, exploratory drafts (see Proposal.probe): counted above, left out of the policy's α
     probe_proposed: int = 0
     probe_accepted: int = 0
-    forced_tokens: int = 0  # tokens a grammar forced, drafted for free (not in draft_proposed)
-    closing_tokens: int = 0  # tokens forced to close the grammar's structure within the budget (closing.py)
-    mask_s: float = 0.0  # time spent computing grammar masks
+    forced: int = 0  # tokens a grammar forced, drafted for free (not in proposed)
     acceptance_rate: float = 0.0  # accepted / proposed (0 when nothing was proposed)
     # tokens the target passes produced / target passes: >= 1, exactly 1 for plain decoding (a stop token
     # a pass produced counts; the first token, from the prefill, does not)
-    mean_tokens_per_pass: float = 0.0
+    tokens_per_pass: float = 0.0
     accept_length_histogram: list[int] = field(default_factory=list)  # [n rounds that accepted k drafts]
-    # [d][a]: rounds whose drafter's tokens reached depth d (a chain's length, a tree's deepest node)
-    # and accepted a of them: what the exactness tests read to show drafts of every length ran
-    draft_depth_histogram: list[list[int]] = field(default_factory=list)
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
     tokens_per_second: float = 0.0  # completion tokens / total time, prefill included
-    finish_reason: str = "length"
     rule: str | None = None  # policy rule that decided method and gamma, when a policy did
     policy_version: str | None = None
+    # engine extras
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of those, found in the cache (prefix reuse) and not prefilled
+    closing: int = 0  # tokens forced to close the grammar's structure within the budget (closing.py)
+    mask_s: float = 0.0  # time spent computing grammar masks
+    # [d][a]: rounds whose drafter's tokens reached depth d (a chain's length, a tree's deepest node)
+    # and accepted a of them: what the exactness tests read to show drafts of every length ran
+    draft_depth_histogram: list[list[int]] = field(default_factory=list)
+    finish_reason: str = "length"
 
     def count_round(self, proposed: int, accepted: int, parents: list[int] | None = None) -> None:
         """One round of the drafter's: `proposed` tokens (a tree's nodes where `parents`), `accepted` of them."""
@@ -165,7 +170,8 @@ class GenerationStats:
         self.draft_depth_histogram[depth][accepted] += 1
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The CLI's JSON `stats`, the renamed keys also under their old names for one release."""
+        return with_old_keys("stats", asdict(self))
 
     def outcome(self, pool: str | None = None) -> SpeculationOutcome:
         """The provider-neutral figures of this request (what the policy, tracing and API read)."""
@@ -174,13 +180,13 @@ class GenerationStats:
             gamma=self.gamma,
             completion_tokens=self.completion_tokens,
             target_passes=self.target_passes,
-            proposed=self.draft_proposed,
-            accepted=self.draft_accepted,
+            proposed=self.proposed,
+            accepted=self.accepted,
             probe_proposed=self.probe_proposed,
             probe_accepted=self.probe_accepted,
-            forced=self.forced_tokens,
+            forced=self.forced,
             accept_length_histogram=tuple(self.accept_length_histogram),
-            tokens_per_pass=self.mean_tokens_per_pass or None,
+            tokens_per_pass=self.tokens_per_pass or None,
             ttft_s=self.ttft_s,
             prefill_s=self.prefill_s,
             draft_s=self.draft_s,

@@ -538,7 +538,7 @@ def _split(prompt: _Prompt, text: str, *, cut: bool) -> tuple[str | None, list[T
 
 def _speculation(outcome: Any, stats: Any) -> SpeculationInfo:
     info = SpeculationInfo.from_outcome(outcome)
-    info.closing = getattr(stats, "closing_tokens", 0) or None
+    info.closing = getattr(stats, "closing", 0) or None
     return info
 
 
@@ -551,7 +551,7 @@ def _finish(result: Any, calls: bool) -> Literal["stop", "length", "tool_calls"]
 
 
 def _budget_ended(result: Any) -> bool:
-    return result.finish_reason in ("length", "context_length") or bool(getattr(result.stats, "closing_tokens", 0))
+    return result.finish_reason in ("length", "context_length") or bool(getattr(result.stats, "closing", 0))
 
 
 def _finish_reason(engine_finish: str) -> Literal["stop", "length"]:

@@ -157,7 +157,8 @@ class SGLangProvider(PoolProvider):
                 return
 
     def spec_figures(self, ext: dict[str, Any], pool: str, gamma: int, usage: Usage) -> dict[str, Any]:
-        """The outcome from SGLang 0.5.23's per-request counters (tokenizer_manager.py
+        """The outcome from SGLang 0.5.23's per-request counters, read under SGLang's own names (the
+        foreign wire; the runner's names are `SpeculationOutcome`'s) (tokenizer_manager.py
         `_calculate_spec_decoding_metrics`): `spec_verify_ct` verify passes,
         `spec_num_correct_drafts` accepted drafts, `spec_correct_drafts_histogram[k]` passes that
         accepted k drafts (as long as the largest k seen + 1), `spec_accept_length` completion

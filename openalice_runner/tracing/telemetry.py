@@ -24,7 +24,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from openalice_runner.redaction import redact
-from openalice_runner.speculation import SpeculationOutcome, SpeculationPlan
+from openalice_runner.speculation import SpeculationOutcome, SpeculationPlan, with_old_keys
 from openalice_runner.tracing import attributes as A
 from openalice_runner.tracing.labels import LabelBounds
 from openalice_runner.types import ChatRequest
@@ -93,7 +93,7 @@ def outcome_attributes(outcome: SpeculationOutcome) -> dict[str, Any]:
         (A.SPEC_RULE, outcome.rule),
         (A.SPEC_POLICY_VERSION, outcome.policy_version),
         (A.POOL, outcome.pool),
-        (A.SPEC_MEAN_TOKENS_PER_PASS, outcome.tokens_per_pass),
+        (A.SPEC_TOKENS_PER_PASS, outcome.tokens_per_pass),
         (A.TOKENS_PER_SECOND, outcome.tokens_per_second),
     )
     out.update((key, value) for key, value in optional if value is not None)
@@ -106,7 +106,7 @@ def outcome_attributes(outcome: SpeculationOutcome) -> dict[str, Any]:
     ):
         if seconds is not None:
             out[key] = round(seconds * 1000.0, 3)
-    return out
+    return with_old_keys("span", out)
 
 
 @dataclass
@@ -257,11 +257,11 @@ class RunnerTelemetry:
             description="Duration of a tool execution.",
             explicit_bucket_boundaries_advisory=list(A.DURATION_BUCKETS_S),
         )
-        self._accepted_length = meter.create_histogram(
-            A.METRIC_ACCEPTED_LENGTH,
+        self._accepted_drafts_per_round = meter.create_histogram(
+            A.METRIC_ACCEPTED_DRAFTS_PER_ROUND,
             unit="{token}",
             description="Mean draft tokens accepted per verify round, one value per model call.",
-            explicit_bucket_boundaries_advisory=list(A.ACCEPTED_LENGTH_BUCKETS),
+            explicit_bucket_boundaries_advisory=list(A.ACCEPTED_DRAFTS_PER_ROUND_BUCKETS),
         )
         self._tokens_per_second = meter.create_histogram(
             A.METRIC_TOKENS_PER_SECOND,
@@ -525,7 +525,7 @@ class RunnerTelemetry:
             # Mean drafts accepted per verify round of this call (one record per call, not per round:
             # a long generation would otherwise pay for hundreds of records).
             rounds = speculation.proposed / speculation.gamma
-            self._accepted_length.record(speculation.accepted / rounds, labels)
+            self._accepted_drafts_per_round.record(speculation.accepted / rounds, labels)
 
 
 def _span_attr(span: Span, key: str) -> Any:

@@ -348,8 +348,8 @@ def sample_serial(model, make_drafter, sampling: SamplingParams, spec, n: int, s
             result = event.result or result
         run.replies.append(tuple(result.token_ids))
         run.rounds.add(result.stats.draft_depth_histogram)
-        run.forced += result.stats.forced_tokens
-        run.proposed += result.stats.draft_proposed
+        run.forced += result.stats.forced
+        run.proposed += result.stats.proposed
     return run
 
 
@@ -375,7 +375,7 @@ def sample_batched(model, jobs, sampling: SamplingParams, n: int, seed: int, max
                 result = [e.result for e in scheduler.events(request) if e.result is not None][0]
                 run.replies.append(tuple(result.token_ids))
                 run.rounds.add(result.stats.draft_depth_histogram)
-                run.proposed += result.stats.draft_proposed
+                run.proposed += result.stats.proposed
     finally:
         scheduler.close()
     return run

@@ -67,7 +67,7 @@ class SGLangStandIn:
     model: str = "stand-in/llama-8b"
     method: str = "off"  # off | eagle | ngram: what --speculative-algorithm the server "runs"
     num_draft_tokens: int = 4
-    accept_length: float = 2.5  # completion tokens per verify pass it reports
+    tokens_per_pass: float = 2.5  # completion tokens per verify pass it reports (as SGLang's spec_accept_length)
     tool_call_parser: str | None = None  # --tool-call-parser: without it tool calls stay text
     enable_metrics: bool = False  # --enable-metrics: without it there is no /metrics
     running: int = 0  # reported num_running_reqs (on top of requests actually in flight)
@@ -152,7 +152,7 @@ class SGLangStandIn:
                 "decode_moments": None,
             }
             if stand_in.method != "off" and include in (None, "all", "spec"):
-                load["speculative"] = {"accept_length": stand_in.accept_length, "accept_rate": 0.5}
+                load["speculative"] = {"accept_length": stand_in.tokens_per_pass, "accept_rate": 0.5}
             return {
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
                 "version": "0.5.23",
@@ -167,7 +167,7 @@ class SGLangStandIn:
             async def metrics():
                 stand_in.load_reads += 1
                 label = f'{{model_name="{stand_in.model}",engine_type="unified",tp_rank="0",pp_rank="0"}}'
-                accept = stand_in.accept_length if stand_in.method != "off" else 1.0
+                accept = stand_in.tokens_per_pass if stand_in.method != "off" else 1.0
                 lines = [
                     "# HELP sglang:num_running_reqs The number of running requests.",
                     "# TYPE sglang:num_running_reqs gauge",
@@ -230,7 +230,7 @@ class SGLangStandIn:
         """tokenizer_manager.py `_calculate_spec_decoding_metrics`, 0.5.23 names."""
         if self.method == "off" or completion_tokens <= 0:
             return None
-        verify_ct = max(1, math.ceil(completion_tokens / self.accept_length))
+        verify_ct = max(1, math.ceil(completion_tokens / self.tokens_per_pass))
         proposed = verify_ct * (self.num_draft_tokens - 1)
         accepted = max(0, min(proposed, completion_tokens - verify_ct))
         return {
