@@ -8,8 +8,10 @@ import dataclasses
 
 from openalice_runner.bench.runner import Run, report_row
 from openalice_runner.bench.workload import Case
-from openalice_runner.engine.types import GenerationStats
-from openalice_runner.speculation import OLD_KEYS, SpeculationOutcome
+from openalice_runner.drafter_options import DRAFTER_OPTIONS, OPTIONS_BY_METHOD
+from openalice_runner.engine.types import GenerationStats, SpecConfig
+from openalice_runner.policies.schema import MethodOptions
+from openalice_runner.speculation import OLD_KEYS, SPEC_METHODS, SpeculationOutcome
 from openalice_runner.types import SpeculationInfo
 
 OUTCOME = {f.name for f in dataclasses.fields(SpeculationOutcome)} | {"acceptance_rate", "tokens_per_second"}
@@ -62,3 +64,16 @@ def test_an_old_key_is_an_alias_of_a_name_now_and_carries_its_value():
         for old, now in OLD[contract].items():
             assert now in OUTCOME | WIRE_EXTRAS and old not in OUTCOME, (contract, old, now)
             assert data[old] == data[now], (contract, old)
+
+
+def test_the_drafter_options_are_one_table_for_the_policy_file_and_the_engine():
+    names = {o.name for o in DRAFTER_OPTIONS}
+    assert set(MethodOptions.model_fields) == names
+    assert names <= {f.name for f in dataclasses.fields(SpecConfig)}
+    assert set(OPTIONS_BY_METHOD) == set(SPEC_METHODS)
+    for option in DRAFTER_OPTIONS:
+        field = MethodOptions.model_fields[option.name]
+        bounds = {type(m).__name__: m for m in field.metadata}
+        assert (bounds["Ge"].ge if "Ge" in bounds else None) == option.least, option.name
+        assert (bounds["Le"].le if "Le" in bounds else None) == option.hi, option.name
+        assert getattr(SpecConfig(), option.name) == option.default, option.name

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from openalice_runner.drafter_options import DRAFTER_OPTIONS, OPTION, ngram_problem
 from openalice_runner.engine.errors import InvalidRequest
 from openalice_runner.speculation import (
     MAX_GAMMA,
@@ -62,17 +63,18 @@ class SpecConfig:
 
     method: SpecMethod = "off"
     gamma: int = 5
-    ngram_min: int = 1
-    ngram_max: int = 4
+    # the drafter options: defaults and limits in drafter_options.py
+    ngram_min: int = OPTION["ngram_min"].default
+    ngram_max: int = OPTION["ngram_max"].default
     draft_model: str | None = None  # path of a separate draft LM sharing the vocabulary
     draft_layers: int | None = None  # self-draft from the target's first N layers
     eagle_head: str | None = None  # path of a trained EAGLE-style head
     # eagle: draft by prompt lookup (ngram_min..ngram_max) where the context has a match worth
     # drafting, by the head elsewhere (`drafters/lookup_first.py`)
-    eagle_lookup: bool = False
+    eagle_lookup: bool = OPTION["eagle_lookup"].default
     # eagle: draft a tree of up to this many tokens (top-k candidates at each depth, verified in
     # one pass, `engine/tree.py`) instead of a chain; 0 drafts a chain
-    eagle_tree: int = 0
+    eagle_tree: int = OPTION["eagle_tree"].default
     # n-gram and eagle drafters cut a draft below γ where the engine's measured pass costs say
     # the longer one will not pay; False: every draft is γ long (fixed-γ experiments, tests)
     adaptive_length: bool = True
@@ -101,20 +103,20 @@ class SpecConfig:
             raise InvalidRequest(f"method must be one of {SPEC_METHODS}, got {self.method!r}", param="method")
         if self.method != "off" and not (1 <= self.gamma <= MAX_GAMMA):
             raise InvalidRequest(f"gamma must be in [1, {MAX_GAMMA}], got {self.gamma!r}", param="gamma")
-        if not (1 <= self.ngram_min <= self.ngram_max):
-            raise InvalidRequest(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}",
-                                 param="ngram_min")
-        if self.eagle_lookup and self.method != "eagle":
-            raise InvalidRequest(f"eagle_lookup applies to method 'eagle' only, got method {self.method!r}",
-                                 param="eagle_lookup")
-        if self.eagle_tree and self.method != "eagle":
-            raise InvalidRequest(f"eagle_tree applies to method 'eagle' only, got method {self.method!r}",
-                                 param="eagle_tree")
-        if self.eagle_tree != 0 and not (2 <= self.eagle_tree <= 63):
-            raise InvalidRequest(f"eagle_tree must be 0 (a chain) or in [2, 63] tokens, got {self.eagle_tree!r}",
-                                 param="eagle_tree")
-        if self.draft_layers is not None and self.draft_layers < 1:
-            raise InvalidRequest(f"draft_layers must be >= 1, got {self.draft_layers!r}", param="draft_layers")
+        self._check_options()
+
+    def _check_options(self) -> None:
+        """The drafter options' limits and methods, as drafter_options.py defines them."""
+        if wrong := ngram_problem(self.ngram_min, self.ngram_max):
+            raise InvalidRequest(wrong, param="ngram_min")
+        for option in DRAFTER_OPTIONS:
+            value = getattr(self, option.name)
+            if option.switch and value and self.method not in option.methods:
+                methods = " or ".join(sorted(option.methods))
+                raise InvalidRequest(f"{option.name} applies to method {methods} only, got method {self.method!r}",
+                                     param=option.name)
+            if (wrong := option.problem(value)) is not None:
+                raise InvalidRequest(wrong, param=option.name)
 
 
 @dataclass

@@ -7,7 +7,7 @@ d.method, d.gamma, d.per_batch   # a SpeculationPlan (openalice_runner.speculati
 """
 
 from openalice_runner.policies.adaptive import AdaptiveGamma, Choice
-from openalice_runner.policies.decision import CompiledPolicy, Decision, RequestContext
+from openalice_runner.policies.decision import CompiledPolicy, RequestContext
 from openalice_runner.policies.errors import PolicyError, Problem
 from openalice_runner.policies.loader import LoadedPolicy, load_policy_file, load_policy_text
 from openalice_runner.policies.schema import Policy
@@ -18,7 +18,6 @@ __all__ = [
     "AdaptiveGamma",
     "Choice",
     "CompiledPolicy",
-    "Decision",
     "LoadedPolicy",
     "Policy",
     "PolicyError",

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from openalice_runner.config_files.errors import Problem
 from openalice_runner.config_files.yaml_nodes import Located, Path
-from openalice_runner.policies.schema import OPTIONS_BY_METHOD, DecisionSpec, Match, Policy
+from openalice_runner.drafter_options import DRAFTER_OPTIONS, OPTION, OPTIONS_BY_METHOD, ngram_problem
+from openalice_runner.policies.schema import DecisionSpec, Match, Policy
 
 
 def check_policy(policy: Policy, loc: Located) -> list[Problem]:
@@ -56,6 +57,10 @@ def _check_match(match: Match, path: Path, loc: Located) -> list[Problem]:
 
 
 def _check_decision(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
+    return _check_gamma(d, path, loc) + _check_options(d, path, loc) + _check_drafter(d, path, loc)
+
+
+def _check_gamma(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
     problems = []
     at = lambda *sub: (*path, *sub)  # noqa: E731
     if d.method == "off":
@@ -75,7 +80,13 @@ def _check_decision(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
         problems.append(
             loc.problem(at("max_gamma"), f"max_gamma {d.gamma_bounds[1]} < min_gamma {d.gamma_bounds[0]}")
         )
+    return problems
 
+
+def _check_options(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
+    """Each option belongs to the method and sits within its limits (drafter_options.py)."""
+    problems = []
+    at = lambda *sub: (*path, *sub)  # noqa: E731
     allowed = OPTIONS_BY_METHOD[d.method]
     opts = d.options
     for f in opts.model_fields_set:
@@ -83,16 +94,22 @@ def _check_decision(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
             problems.append(
                 loc.problem(at("options", f), f"option {f} does not apply to method {d.method}", key=True)
             )
-    lo, hi = opts.ngram_min or 1, opts.ngram_max or 4
-    if d.method in ("ngram", "eagle", "suffix") and lo > hi:
-        problems.append(loc.problem(at("options", "ngram_max"), f"ngram_max {hi} < ngram_min {lo}"))
-    if opts.eagle_tree == 1:
-        problems.append(loc.problem(at("options", "eagle_tree"),
-                                    "eagle_tree is 0 (chains) or a tree of 2 to 63 tokens, got 1"))
+    if d.method in OPTION["ngram_min"].methods and (wrong := ngram_problem(opts.ngram_min, opts.ngram_max)):
+        problems.append(loc.problem(at("options", "ngram_max"), wrong))
+    for option in DRAFTER_OPTIONS:
+        if (wrong := option.problem(getattr(opts, option.name))) is not None:
+            problems.append(loc.problem(at("options", option.name), wrong))
     if opts.eagle_tree and d.auto:
         # auto learns α per drafted token of a chain; a tree's acceptance counts every node
         problems.append(loc.problem(at("options", "eagle_tree"),
                                     "eagle_tree needs a fixed gamma (its depth cap), not gamma: auto"))
+    return problems
+
+
+def _check_drafter(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
+    """What each method needs to draft with, refused here rather than by every request it matches."""
+    problems = []
+    opts = d.options
     if d.method == "eagle" and opts.eagle_head is None and d.pool is None:
         problems.append(
             loc.problem(path, "method eagle needs options.eagle_head (embedded engine) or pool (SGLang)")
@@ -101,7 +118,7 @@ def _check_decision(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
         # the engine refuses what it cannot run: refused here too, not by every request it matches
         if opts.draft_model is not None:
             problems.append(loc.problem(
-                at("options", "draft_model"),
+                (*path, "options", "draft_model"),
                 "options.draft_model: the embedded engine has no separate draft models; it drafts from the "
                 "target's first layers (options.draft_layers). SGLang and vLLM pools name their draft model "
                 "in the routing file (launch)", key=True,
@@ -110,5 +127,4 @@ def _check_decision(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
             problems.append(loc.problem(
                 path, "method draft needs options.draft_layers (the target's first N layers draft)"
             ))  # fmt: skip
-
     return problems

@@ -29,10 +29,6 @@ class RequestContext:
     model: str | None = None
 
 
-# What a decision is: the provider-neutral plan (method, γ, γ by batch size, options).
-Decision = SpeculationPlan
-
-
 @dataclass(frozen=True, slots=True)
 class CompiledRule:
     name: str
@@ -50,7 +46,7 @@ class CompiledRule:
     pool: str | None
     options: dict[str, Any]
     prior_alpha: float | None
-    fixed: Decision | None  # prebuilt when γ is fixed (or off)
+    fixed: SpeculationPlan | None  # prebuilt when γ is fixed (or off)
     where: str  # e.g. "rule 'copy' (#1)", for reasons
 
 
@@ -65,7 +61,7 @@ def _compile_one(spec: DecisionSpec, name: str, where: str, version: str, match:
     fixed = None
     if not auto:
         text = f"{where}: {spec.method}" + (f" gamma {lo}" if spec.method != "off" else "")
-        fixed = Decision(spec.method, lo, name, text, version, spec.pool, options)
+        fixed = SpeculationPlan(spec.method, lo, name, text, version, spec.pool, options)
     b = match.batch_size if match is not None else None
     return CompiledRule(
         name=name,
@@ -137,21 +133,21 @@ class CompiledPolicy:
         pieces = self.pieces(ctx)
         return pieces[-1][1] if pieces else self.default
 
-    def decide(self, ctx: RequestContext, adaptive: AdaptiveGamma) -> Decision:
+    def decide(self, ctx: RequestContext, adaptive: AdaptiveGamma) -> SpeculationPlan:
         r = self.match(ctx)
         f = r.fixed
         if f is not None:
             table = self.gamma_table(ctx, r, f.method, f.gamma, adaptive) if f.gamma > 0 else None
             reason = f.reason if ctx.batch_size is not None else f"batch size unknown; {f.reason}"
-            return Decision(
+            return SpeculationPlan(
                 f.method, f.gamma, f.rule, reason, f.policy_version, f.pool, dict(f.options), None, table
             )
         choice = adaptive.choose(ctx.turn_type, r.method, ctx.provider, r.gamma_lo, r.gamma_hi, r.prior_alpha)
         where = r.where if ctx.batch_size is not None else f"batch size unknown; {r.where}"
         if choice.gamma <= 0:
-            return Decision("off", 0, r.name, f"{where}; {choice.describe()}", self.version, r.pool, {},
+            return SpeculationPlan("off", 0, r.name, f"{where}; {choice.describe()}", self.version, r.pool, {},
                             (r.gamma_lo, r.gamma_hi))  # fmt: skip
-        return Decision(
+        return SpeculationPlan(
             r.method, choice.gamma, r.name, f"{where}; {choice.describe()}", self.version, r.pool,
             dict(r.options), (r.gamma_lo, r.gamma_hi), self.gamma_table(ctx, r, r.method, choice.gamma, adaptive),
         )  # fmt: skip

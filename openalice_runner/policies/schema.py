@@ -11,11 +11,12 @@ is not silently accepted where an integer is meant.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
 from openalice_runner.config_files.models import StrictModel
+from openalice_runner.drafter_options import OPTION
 from openalice_runner.speculation import MAX_GAMMA, SpecMethod
 
 Method = SpecMethod  # the policy file names the same methods the providers run
@@ -48,26 +49,23 @@ class Match(_Strict):
     model: str | list[str] | None = None
 
 
+def _limits(name: str) -> Any:
+    option = OPTION[name]
+    return Field(None, ge=option.least, le=option.hi)
+
+
 class MethodOptions(_Strict):
-    """Options of the speculation method; only the ones that belong to the rule's method are allowed."""
+    """Options of the speculation method; only the ones that belong to the rule's method are allowed.
+    Their types, limits and methods are drafter_options.py's (tests/test_vocabulary.py keeps the
+    fields and that table the same)."""
 
-    ngram_min: int | None = Field(None, ge=1, le=16)
-    ngram_max: int | None = Field(None, ge=1, le=16)
+    ngram_min: int | None = _limits("ngram_min")
+    ngram_max: int | None = _limits("ngram_max")
     draft_model: str | None = None  # read only to refuse it with its place (checks.py): no engine runs it
-    draft_layers: int | None = Field(None, ge=1)
+    draft_layers: int | None = _limits("draft_layers")
     eagle_head: str | None = None
-    eagle_lookup: bool | None = None  # eagle: prompt lookup drafts where it has a match worth it
-    # eagle: draft trees of up to this many tokens (γ caps their depth); absent or 0: chains
-    eagle_tree: int | None = Field(None, ge=0, le=63)
-
-
-OPTIONS_BY_METHOD: dict[str, frozenset[str]] = {
-    "off": frozenset(),
-    "ngram": frozenset({"ngram_min", "ngram_max"}),
-    "suffix": frozenset({"ngram_min", "ngram_max"}),
-    "draft": frozenset({"draft_model", "draft_layers"}),
-    "eagle": frozenset({"eagle_head", "eagle_lookup", "eagle_tree", "ngram_min", "ngram_max"}),
-}
+    eagle_lookup: bool | None = None
+    eagle_tree: int | None = _limits("eagle_tree")
 
 
 class DecisionSpec(_Strict):

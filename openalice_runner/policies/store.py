@@ -22,11 +22,11 @@ from typing import cast
 from openalice_runner.config_files.errors import Problem
 from openalice_runner.config_files.yaml_nodes import LIMITS
 from openalice_runner.policies.adaptive import AdaptiveGamma
-from openalice_runner.policies.decision import CompiledPolicy, Decision, RequestContext
+from openalice_runner.policies.decision import CompiledPolicy, RequestContext
 from openalice_runner.policies.errors import PolicyError
 from openalice_runner.policies.loader import content_version, load_policy_bytes, load_policy_text
 from openalice_runner.policies.schema import Policy
-from openalice_runner.speculation import SpeculationOutcome
+from openalice_runner.speculation import SpeculationOutcome, SpeculationPlan
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +76,13 @@ class PolicyStore:
     def compiled(self) -> CompiledPolicy:
         return self._compiled
 
-    def decide(self, ctx: RequestContext) -> Decision:
+    def decide(self, ctx: RequestContext) -> SpeculationPlan:
         compiled = self._compiled  # one read: a concurrent reload cannot mix two policies
         try:
             return compiled.decide(ctx, self.adaptive)
         except Exception as exc:  # never fail a request because of the policy
             log.exception("policy decision failed; speculating off")
-            return Decision("off", 0, "error", f"policy error: {exc!r}", compiled.version)
+            return SpeculationPlan("off", 0, "error", f"policy error: {exc!r}", compiled.version)
 
     def observe(self, turn_type: str, method: str, provider: str | None, outcome: SpeculationOutcome) -> None:
         """Feed a finished request's outcome into the adaptive-γ estimates. Never raises."""

@@ -4,7 +4,7 @@ The engine is synchronous and serialises requests; this provider runs it in a wo
 event loop stays free and counts requests in flight (its load). How many may run and queue is the
 admission gate's business (providers/admission.py), in front of this provider. Requests the model
 can never serve (a prompt longer than its context, max_tokens past it) are refused before they
-reach the engine. Tool prompts and parsing live in tool_format.py. The policy's Decision becomes the
+reach the engine. Tool prompts and parsing live in tool_format.py. The policy's SpeculationPlan becomes the
 request's SpecConfig; a method the engine cannot run is downgraded to "off" and the result says so.
 """
 

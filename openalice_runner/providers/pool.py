@@ -1,7 +1,7 @@
 """Self-hosted engine pools: the model SGLang and vLLM share, and the one replica attempt loop.
 
 Both engines fix speculation per server at launch, so the runner realises a policy by routing:
-the Decision's `pool` (or, failing that, the pool whose method matches the Decision's method, or
+the plan's `pool` (or, failing that, the pool whose method matches the plan's method, or
 the default pool) picks the pool; inside it one replica serves. A dialect (providers/sglang.py,
 providers/vllm.py) says what differs: how a replica's load is read, what the request body adds,
 where the per-request speculation figures come back, and the engine's name in messages.

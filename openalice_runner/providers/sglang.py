@@ -1,6 +1,6 @@
 """SGLang provider: self-hosted SGLang servers grouped into pools, one speculation setting per pool.
 
-The pool model (routing by the Decision's pool, replica choice, the attempt loop) is shared with
+The pool model (routing by the plan's pool, replica choice, the attempt loop) is shared with
 vLLM (providers/pool.py); this is SGLang's dialect. Replica load comes from the server itself,
 cached for `load_cache_s`:
   GET /v1/loads?include=core   -> {"loads": [{"dp_rank", "num_running_reqs", "num_waiting_reqs", ...}]}
