@@ -117,79 +117,29 @@ def compile_pool(
     neither the settings nor the rules set γ, or where the settings contradict the rules."""
     routed = _routed(policy, pool_name) if policy is not None else []
     ema_weight = (policy.adaptive if policy is not None else AdaptiveSettings()).ema_weight
-    all_steps = sorted({s for _, _, d in routed for s in _steps_of(d)})
-    positive = [s for s in all_steps if s > 0]
+    positive = [s for s in sorted({s for _, _, d in routed for s in _steps_of(d)}) if s > 0]
     args: list[str] = ["--model-path", model] if model else []
     adaptive_cfg: dict | None = None
     cfg_path: str | None = None
-
     if pool.algorithm in ("EAGLE", "EAGLE3"):
-        topk = pool.eagle_topk or 1
         if pool.adaptive:
-            # the same batch pieces the engine's γ tables come from; a piece holds every
-            # candidate of the rules that cover it (the pool serves all their turn types)
-            slots: dict[int, set[int]] = {
-                lo: {s for d in covering for s in _steps_of(d)}
-                for lo, covering in batch_segments(routed)
-                if covering
-            }
-            if not positive and pool.num_steps is None:
-                raise ValueError(
-                    f"pool {pool_name!r}: no rule routes to it with speculation on; set num_steps"
-                )
-            if not slots:
-                slots[1] = {pool.num_steps}
-            union = sorted(set().union(*slots.values()))
-            steps = pool.num_steps if pool.num_steps is not None else positive[len(positive) // 2]
-            if steps not in union:
-                raise ValueError(
-                    f"pool {pool_name!r}: num_steps {steps} is not among the rules' candidates {union}"
-                )
-            adaptive_cfg = {"ema_alpha": ema_weight}
-            for lo in sorted(slots):
-                adaptive_cfg[str(lo)] = {"candidate_steps": sorted(slots[lo])}
-            cfg_path = (
-                adaptive_config_path or pool.adaptive_config_path or f"sglang-adaptive-{pool_name}.json"
-            )
+            steps, adaptive_cfg = _adaptive_steps(pool, pool_name, routed, positive, ema_weight)
+            cfg_path = adaptive_config_path or pool.adaptive_config_path or f"sglang-adaptive-{pool_name}.json"
             draft_tokens = steps + 1
         else:
             steps = pool.num_steps if pool.num_steps is not None else (max(positive) if positive else None)
             if steps is None:
-                raise ValueError(
-                    f"pool {pool_name!r}: no rule routes to it with speculation on; set num_steps"
-                )
+                raise ValueError(f"pool {pool_name!r}: no rule routes to it with speculation on; set num_steps")
             draft_tokens = pool.num_draft_tokens if pool.num_draft_tokens is not None else steps + 1
         args += ["--speculative-algorithm", pool.algorithm]
         args += ["--speculative-draft-model-path", str(pool.draft_model_path)]
         args += ["--speculative-num-steps", str(steps)]
-        args += ["--speculative-eagle-topk", str(topk)]
+        args += ["--speculative-eagle-topk", str(pool.eagle_topk or 1)]
         args += ["--speculative-num-draft-tokens", str(draft_tokens)]
         if pool.adaptive:
             args += ["--speculative-adaptive", "--speculative-adaptive-config", str(cfg_path)]
     elif pool.algorithm == "NGRAM":
-        if pool.num_draft_tokens is not None:
-            draft_tokens = pool.num_draft_tokens
-        elif positive:
-            draft_tokens = max(positive) + 1
-        else:
-            raise ValueError(
-                f"pool {pool_name!r}: no rule routes to it with speculation on; set num_draft_tokens"
-            )
-        args += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(draft_tokens)]
-        if pool.num_steps is not None:
-            args += ["--speculative-num-steps", str(pool.num_steps)]
-        ng = pool.ngram
-        if ng is not None:
-            for field, flag in (
-                ("min_bfs_breadth", "--speculative-ngram-min-bfs-breadth"),
-                ("max_bfs_breadth", "--speculative-ngram-max-bfs-breadth"),
-                ("match_type", "--speculative-ngram-match-type"),
-                ("max_trie_depth", "--speculative-ngram-max-trie-depth"),
-                ("capacity", "--speculative-ngram-capacity"),
-            ):
-                value = getattr(ng, field)
-                if value is not None:
-                    args += [flag, str(value)]
+        args += _ngram_args(pool, pool_name, positive)
     for flag, value in (
         ("--tool-call-parser", pool.tool_call_parser),
         ("--reasoning-parser", pool.reasoning_parser),
@@ -199,3 +149,52 @@ def compile_pool(
             args += [flag, str(value)]
     args += list(pool.extra_args)
     return SGLangLaunch(pool_name, args, adaptive_cfg, cfg_path)
+
+
+def _adaptive_steps(
+    pool: LaunchSettings, pool_name: str, routed: list[tuple[int, float, DecisionSpec]], positive: list[int],
+    ema_weight: float,
+) -> tuple[int, dict]:
+    """An adaptive EAGLE pool's launch steps and its `--speculative-adaptive-config` content."""
+    # the same batch pieces the engine's γ tables come from; a piece holds every
+    # candidate of the rules that cover it (the pool serves all their turn types)
+    slots: dict[int, set[int]] = {
+        lo: {s for d in covering for s in _steps_of(d)} for lo, covering in batch_segments(routed) if covering
+    }
+    if not positive and pool.num_steps is None:
+        raise ValueError(f"pool {pool_name!r}: no rule routes to it with speculation on; set num_steps")
+    if not slots:
+        slots[1] = {pool.num_steps}
+    union = sorted(set().union(*slots.values()))
+    steps = pool.num_steps if pool.num_steps is not None else positive[len(positive) // 2]
+    if steps not in union:
+        raise ValueError(f"pool {pool_name!r}: num_steps {steps} is not among the rules' candidates {union}")
+    adaptive_cfg: dict = {"ema_alpha": ema_weight}
+    for lo in sorted(slots):
+        adaptive_cfg[str(lo)] = {"candidate_steps": sorted(slots[lo])}
+    return steps, adaptive_cfg
+
+
+def _ngram_args(pool: LaunchSettings, pool_name: str, positive: list[int]) -> list[str]:
+    if pool.num_draft_tokens is not None:
+        draft_tokens = pool.num_draft_tokens
+    elif positive:
+        draft_tokens = max(positive) + 1
+    else:
+        raise ValueError(f"pool {pool_name!r}: no rule routes to it with speculation on; set num_draft_tokens")
+    args = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(draft_tokens)]
+    if pool.num_steps is not None:
+        args += ["--speculative-num-steps", str(pool.num_steps)]
+    ng = pool.ngram
+    if ng is not None:
+        for field, flag in (
+            ("min_bfs_breadth", "--speculative-ngram-min-bfs-breadth"),
+            ("max_bfs_breadth", "--speculative-ngram-max-bfs-breadth"),
+            ("match_type", "--speculative-ngram-match-type"),
+            ("max_trie_depth", "--speculative-ngram-max-trie-depth"),
+            ("capacity", "--speculative-ngram-capacity"),
+        ):
+            value = getattr(ng, field)
+            if value is not None:
+                args += [flag, str(value)]
+    return args
