@@ -138,7 +138,7 @@ class Budget:
     refresh_at: int = 0
     # paths found after a token the window checked: (position, token) -> path
     checked: dict[tuple[int, int], list[int] | None] = field(default_factory=dict)
-    closing_tokens: int = 0  # tokens the reply was forced to close with
+    closing: int = 0  # tokens the reply was forced to close with
 
     def known(self, tokens: list[int]) -> list[int] | None:
         """The closing path from len(tokens), where the last one found still applies: the reply

@@ -102,7 +102,7 @@ def choose_token(logits: torch.Tensor, seq: Sequence) -> int:
         left = tokens_left(seq)
         state, path, _ = closing.mode(seq, left, 0)
         if state == closing.CLOSING:
-            seq.budget.closing_tokens += 1
+            seq.budget.closing += 1
             return path[0]
         if state == closing.WINDOWED:
             return budget_choice(logits, seq, allowed, left, path, len(seq.tokens))
@@ -287,7 +287,7 @@ def settle_round(
     proposed = len(draft) - seq.round_forced - seq.round_forced_after
     accepted = min(max(verdict.accepted - seq.round_forced, 0), proposed)
     seq.stats.forced += verdict.accepted - accepted  # those before the drafter's and after
-    seq.budget.closing_tokens += seq.round_closing
+    seq.budget.closing += seq.round_closing
     seq.round_masks, seq.round_forced, seq.round_forced_after = None, 0, 0
     seq.round_left, seq.round_closing = 0, 0
     if proposed > 0:
@@ -489,7 +489,7 @@ def finish(seq: Sequence) -> GenerationResult:
     stats.finish_reason = seq.finish_reason or "length"
     if seq.constraint is not None:
         stats.mask_s = seq.constraint.mask_s
-        stats.closing = seq.budget.closing_tokens
+        stats.closing = seq.budget.closing
     if stats.proposed:
         stats.acceptance_rate = stats.accepted / stats.proposed
     if stats.target_passes:
