@@ -435,7 +435,7 @@ class SpeculationInfo(BaseModel):
         )
 
     @model_serializer(mode="wrap")
-    def _with_old_keys(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _with_old_keys(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the fields'
         # the renamed keys also under their old names for one release (speculation.OLD_KEYS)
         return with_old_keys("speculation", handler(self))
 
