@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # annotations only: the routing config imports every provider
 @runtime_checkable
 class ServedRunner(Protocol):
     policy: PolicyStore | None  # /v1/policy, /health, watched while serving
+    routing: RoutingConfig  # the routing in force (its turn types are metric labels)
     providers: dict[str, Provider]  # name -> the bare provider (loaded at startup, memory metrics)
     gates: dict[str, AdmissionGate]  # name -> its admission gate (metrics)
 

@@ -1,0 +1,20 @@
+"""The sidecar's settings (`openalice-runner serve` fills them from its flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerSettings:
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    turn_idle_timeout_s: float = 300.0
+    max_open_turns: int = 4096
+    watch_policy: bool = True
+    request_timeout_s: float = 300.0  # caps the deadline a client asks for (server/deadline.py)
+    max_tokens_limit: int = 32_768  # larger max_tokens are refused as absurd (400)
+    providers_file: str | None = None  # watched and applied live when it validates (routing_watch.py)
+    watch_interval_s: float = 1.0
+    metrics_public: bool = False  # /metrics without the API key even when one is set
+    metrics_max_age_s: float = 0.0  # > 0: scrapes within this long of a render reuse it
