@@ -62,8 +62,14 @@ def create_app(
         if settings.providers_file
         else None
     )
-    served = {"settings": settings, "tracker": tracker, "metrics": metrics}
-    lifespan = ServingLifespan(runner, **served, routing_watch=watch, on_shutdown=on_shutdown)
+    lifespan = ServingLifespan(
+        runner,
+        settings=settings,
+        tracker=tracker,
+        metrics=metrics,
+        routing_watch=watch,
+        on_shutdown=on_shutdown,
+    )
     app = FastAPI(
         title="openalice-runner",
         version=_version(),
@@ -90,9 +96,12 @@ def create_app(
         metrics=metrics,
         public_paths=PUBLIC_PATHS | {"/metrics"} if settings.metrics_public else PUBLIC_PATHS,
     )
-    chat = ChatCompletions(runner, **served, bounds=bounds)
+    chat = ChatCompletions(runner, settings=settings, tracker=tracker, metrics=metrics, bounds=bounds)
     app.post("/v1/chat/completions", openapi_extra=CHAT_BODY_DOC)(chat.chat_completions)
-    ReadOnlyEndpoints(runner, **served, routing_watch=watch).add_to(app)
+    read_only = ReadOnlyEndpoints(
+        runner, settings=settings, tracker=tracker, metrics=metrics, routing_watch=watch
+    )
+    read_only.add_to(app)
     with_chat_schemas(app)
     return app
 

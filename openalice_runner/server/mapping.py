@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -55,7 +57,8 @@ def _mapped(exc: BaseException) -> APIError:
 
 
 def _invalid_value(exc: ValidationError) -> APIError:
-    first = exc.errors()[0] if exc.errors() else {}
+    errors = exc.errors()
+    first: Mapping[str, Any] = errors[0] if errors else {}
     param = ".".join(str(p) for p in first.get("loc", ())) or None
     return APIError(400, f"{param}: {first.get('msg', 'invalid value')}", param=param, code="invalid_value")
 
