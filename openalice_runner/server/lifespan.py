@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 from openalice_runner.server.metrics import ServerMetrics
 from openalice_runner.server.routing_watch import RoutingWatcher
-from openalice_runner.server.runner_protocol import ServedRunner
+from openalice_runner.server.runner_protocol import ServedRunner, policy_store
 from openalice_runner.server.settings import ServerSettings
 from openalice_runner.server.turns import TurnTracker
 
@@ -43,7 +43,7 @@ class ServingLifespan:
 
     @asynccontextmanager
     async def run(self, _app: FastAPI) -> AsyncIterator[None]:
-        policy = self.runner.policy if self.settings.watch_policy else None
+        policy = policy_store(self.runner) if self.settings.watch_policy else None  # a file to watch
         if policy is not None:
             policy.start_watching()
         for provider in self.runner.providers.values():

@@ -18,7 +18,7 @@ from openalice_runner.server.errors import APIError
 from openalice_runner.server.health import authenticated, file_status
 from openalice_runner.server.metrics import ServerMetrics
 from openalice_runner.server.routing_watch import RoutingWatcher
-from openalice_runner.server.runner_protocol import ServedRunner
+from openalice_runner.server.runner_protocol import ServedRunner, policy_store
 from openalice_runner.server.settings import ServerSettings
 from openalice_runner.server.turns import TurnTracker
 
@@ -60,9 +60,11 @@ class ReadOnlyEndpoints:
         return _model_object(model_id, int(time.time()))
 
     async def policy_in_force(self) -> dict[str, Any]:
-        store = self.runner.policy
-        if store is None:
+        if self.runner.policy is None:
             raise APIError(404, "no policy is configured", code="no_policy")
+        store = policy_store(self.runner)
+        if store is None:  # a policy of another kind: there is no version, file or rules to show
+            return {"version": None, "source": "", "policy": None}
         view: dict[str, Any] = {
             "version": store.version,
             "source": str(store.path or ""),
@@ -73,7 +75,7 @@ class ReadOnlyEndpoints:
         return view
 
     async def health(self, request: Request) -> dict[str, Any]:
-        store = self.runner.policy
+        store = policy_store(self.runner)
         full = authenticated(request.headers.get("authorization"), self.settings.api_key)
         out: dict[str, Any] = {
             "status": "ok",

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from openalice_runner.server.runner_protocol import policy_store
+
 if TYPE_CHECKING:
     from openalice_runner.server.runner_protocol import ServedRunner
 
@@ -98,7 +100,8 @@ class RoutingWatcher:
 
     def _check_pools(self) -> None:
         """The served policy's rules against the edited file's SGLang pools, as at load (ConfigError)."""
-        policy_path = getattr(getattr(self.runner, "policy", None), "path", None)
+        store = policy_store(self.runner)
+        policy_path = store.path if store is not None else None
         if policy_path is None:
             return  # no policy file (switched off, or given as an object)
         from openalice_runner.config_files import ConfigError

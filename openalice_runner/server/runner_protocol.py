@@ -8,19 +8,20 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from openalice_runner.policies import PolicyStore
 from openalice_runner.providers.admission import AdmissionGate, AdmissionRefused
 from openalice_runner.providers.base import CallContext, Provider
 from openalice_runner.providers.streams import ChatStream
 from openalice_runner.types import ChatRequest, ChatResult
 
 if TYPE_CHECKING:  # annotations only: the routing config imports every provider type
-    from openalice_runner.policies import PolicyStore
     from openalice_runner.providers.config import RoutingConfig
+    from openalice_runner.runner import SpeculationPolicy
 
 
 @runtime_checkable
 class ServedRunner(Protocol):
-    policy: PolicyStore | None  # /v1/policy, /health, watched while serving
+    policy: SpeculationPolicy | None  # a PolicyStore's is shown (/v1/policy, /health) and watched
     routing: RoutingConfig  # the routing in force (its turn types are metric labels)
     providers: dict[str, Provider]  # name -> the bare provider (loaded at startup, memory metrics)
     gates: dict[str, AdmissionGate]  # name -> its admission gate (metrics)
@@ -42,3 +43,10 @@ class ServedRunner(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+def policy_store(runner: ServedRunner) -> PolicyStore | None:
+    """The runner's policy when it is a PolicyStore: one with a version, a file, a reload error to show
+    and to watch. None without a policy or for a policy of another kind (decide and observe only)."""
+    policy = runner.policy
+    return policy if isinstance(policy, PolicyStore) else None

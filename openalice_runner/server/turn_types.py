@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from openalice_runner.server.runner_protocol import ServedRunner
+from openalice_runner.server.runner_protocol import ServedRunner, policy_store
 
 
 class ConfiguredTurnTypes:
@@ -17,7 +17,7 @@ class ConfiguredTurnTypes:
         self._names: frozenset[str] = frozenset()
 
     def __call__(self) -> frozenset[str]:
-        store, routing = self.runner.policy, self.runner.routing
+        store, routing = policy_store(self.runner), self.runner.routing
         key = (store.version if store is not None else None, id(routing))
         if key != self._key:
             names: set[str] = set()
