@@ -26,12 +26,14 @@ from stand_ins.pair_chain import (
     Rounds,
     Run,
     chain_constraint,
+    check_lengths,
     grammar_drafts,
     moved_rows,
     plain_probs,
     random_eagle_runtime,
     random_pair_chain,
     reference_rows,
+    report,
     sample_batched,
     sample_reference,
     sample_serial,
@@ -54,24 +56,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def report(result, run, gamma: int) -> None:
-    """What the run showed (pytest -rP prints it; docs/testing.md quotes it)."""
-    print(f"p={result.p:.3g} chi2={result.statistic:.1f} df={result.df}; {run.rounds.summary(gamma)}; "
-          f"depths {run.rounds.by_depth}")
-
-
-def check_lengths(run, gamma: int, n: int, late: bool = True) -> None:
-    """The drafter drafted its full γ in many rounds; with `late`, tokens at draft positions 2+
-    were accepted and drafts were rejected after an acceptance, many times."""
-    r = run.rounds
-    summary = r.summary(gamma)
-    assert r.full(gamma) > n // 4, summary
-    if late and gamma >= 2:
-        assert r.accepted_at_least(2) > n // 20, summary
-        assert r.late_rejections() > n // 20, summary
-        assert r.full_accepts(gamma) > 0, summary
 
 
 # ---- the reference, by hand ----------------------------------------------------------------------

@@ -1,50 +1,73 @@
 """Exactness of speculative sampling under a grammar and a budget that cuts (engine/closing.py).
 
-The grammar is an automaton over a Markov chain's tokens whose state is the last token; only
+The target is the second-order chain of stand_ins/pair_chain.py (it reads its cache, so rollback
+faults show). The grammar is an automaton over its tokens whose state is the last token; only
 state 0 is accepting, so a reply must end there within max_tokens. The budget-and-grammar-masked
-target at a position with `left` tokens left: the grammar's row (temperature, top-p), restricted
-to the tokens t from which an accepting state is reachable in `left - 1` tokens, renormalised
-(where top-p kept none of those, the closing path's token).
-The reference computes those distances by breadth-first search, independently of the engine's
-closing search (which is greedy; on this automaton its lowest allowed token is on a shortest
-path, so the two agree). A chi-square test compares sampled replies with the exact joint, for
-drafts of several lengths, forced drafts on and off; the same test fails when the closing is
-drawn without the budget mask, or when a window token that does not fit is replaced by the
-closing path's instead of drawn again.
+target at reply position t, with `left = LENGTH - t` tokens left, after tokens a, b: the
+grammar's row after b (temperature, top-k, top-p), restricted to the tokens u from which an
+accepting state is reachable in `left - 1` tokens, renormalised (where top-p kept none of those,
+the closing path's token). The reference writes those rows with the plain sampling code of
+stand_ins/pair_chain.py and computes the distances by breadth-first search, independently of
+the engine's sampling and of its closing search (which is greedy; on this automaton its lowest
+allowed token is on a shortest path, so the two agree).
+
+Replies of LENGTH tokens leave several rounds before the closing window in which every γ drafts
+its full length, and rounds inside it (window of WINDOW) whose late draft positions the budget
+checks; each configuration shows from GenerationStats.draft_depth_histogram that full-length
+drafts, late acceptances and rejections, and whole accepts (a bonus after them) occurred. The
+test is the sequential chi-square of stand_ins/pair_chain.py with position-dependent rows; it
+fails when the closing is drawn without the budget mask, or when a window token that does not
+fit is replaced by the closing path's instead of drawn again.
 """
 
 from __future__ import annotations
 
-import itertools
-from types import SimpleNamespace
-
 import pytest
 import torch
-from stand_ins.markov import (
+from stand_ins.pair_chain import (
     PROMPT,
     VOCAB,
-    MarkovDrafter,
-    MarkovModel,
-    SilentTokenizer,
-    ToyCache,
-    chi_square_p,
-    random_chain,
+    PairDrafter,
+    PairModel,
+    chain_constraint,
+    check_lengths,
+    grammar_drafts,
+    random_pair_chain,
+    reference_rows,
+    report,
+    sample_serial,
+    sequential_chi_square,
 )
 
 from openalice_runner.engine import closing
-from openalice_runner.engine.generator import new_sequence, run_sequence
-from openalice_runner.engine.grammar import GrammarConstraint
-from openalice_runner.engine.sampling import processed_probs
 from openalice_runner.engine.types import SamplingParams, SpecConfig
 
-N = 2500
-LENGTH = 5
-ACCEPTING = {0}
+N = 1500
+LENGTH = 12
+WINDOW = 4
+ACCEPTING = frozenset({0})
 # after 2 only 1 (a forced token); from 1 and 3 one token back to 0; from 2 two; 0 may stay
 ROWS = torch.tensor([[True, True, True, True],
                      [True, False, True, True],
                      [False, True, False, False],
                      [True, False, True, False]])
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: torch's intra-op threads only wait on each other on a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def small_window(monkeypatch):
+    # the chain's closing length is at most 2 and no token raises it by more: a window of 4 keeps
+    # the filter exact, lets γ 3 drafts run whole inside it (the budget checks their late
+    # positions) while rounds before it draft freely (the shipped 24 would window every position)
+    monkeypatch.setattr(closing, "WINDOW", WINDOW)
 
 
 def distances() -> list[int]:
@@ -61,140 +84,97 @@ def distances() -> list[int]:
     return dist
 
 
-class Automaton:
-    """The LLMatcher methods GrammarConstraint and the closing search call."""
-
-    def __init__(self, start: int):
-        self.states = [start]
-
-    def is_stopped(self):
-        return False
-
-    def is_accepting(self):
-        return self.states[-1] in ACCEPTING
-
-    def is_error(self):
-        return False
-
-    def get_error(self):
-        return ""
-
-    def compute_ff_tokens(self):
-        out, state = [], self.states[-1]
-        while len(out) < 8 and int(ROWS[state].sum()) == 1:
-            state = int(ROWS[state].nonzero()[0, 0])
-            out.append(state)
-        return out
-
-    def consume_token(self, token):
-        if not ROWS[self.states[-1], token]:
-            return False
-        self.states.append(token)
-        return True
-
-    def consume_tokens(self, tokens):
-        return all(self.consume_token(t) for t in tokens)
-
-    def rollback(self, n):
-        del self.states[len(self.states) - n :]
-        return True
-
-
-class AutomatonConstraint(GrammarConstraint):
-    def _grammar_mask(self):
-        return ROWS[self._matcher.states[-1]].clone()
+def budget_rows(table: torch.Tensor, sampling: SamplingParams, length: int = LENGTH):
+    """row(t, a, b): the budget-and-grammar-masked target's next-token distribution at reply
+    position t after tokens a, b (all zero where the budget-masked target never gets there)."""
+    dist, plain = distances(), reference_rows(table, sampling, ROWS)
+    rows = {}
+    for t in range(length):
+        left = length - t
+        for (a, b), base in plain.items():
+            fits = [bool(ROWS[b, u]) and dist[u] <= left - 1 for u in range(VOCAB)]
+            kept = [p if f else 0.0 for p, f in zip(base, fits, strict=True)]
+            if sum(kept) == 0.0 and any(fits):  # top-p kept no token that fits: the closing path's
+                kept[fits.index(True)] = 1.0
+            total = sum(kept)
+            rows[(t, a, b)] = [k / total for k in kept] if total else kept
+    return lambda t, a, b: rows[(t, a, b)]
 
 
 def constraint():
-    return AutomatonConstraint(Automaton(PROMPT[-1]), SimpleNamespace(vocab_size=VOCAB, eos_ids=()))
+    return chain_constraint(PROMPT[-1], ROWS, ACCEPTING)
 
 
-def exact_budget_joint(table: torch.Tensor, sampling: SamplingParams) -> dict[tuple[int, ...], float]:
-    dist = distances()
-    rows = processed_probs(table.log().masked_fill(~ROWS, float("-inf")), sampling)
-    joint = {}
-    for seq in itertools.product(range(VOCAB), repeat=LENGTH):
-        prob, last = 1.0, PROMPT[-1]
-        for i, t in enumerate(seq):
-            left = LENGTH - i
-            fits = torch.tensor([bool(ROWS[last, u]) and dist[u] <= left - 1 for u in range(VOCAB)])
-            row = rows[last] * fits
-            if not fits.any():  # a prefix the budget-masked target never writes
-                prob = 0.0
-                break
-            if row.sum() == 0:  # top-p kept no token that fits: the closing path's (here the first that fits)
-                row = torch.zeros(VOCAB)
-                row[int(fits.nonzero()[0, 0])] = 1.0
-            prob *= float(row[t] / row.sum())
-            last = t
-        joint[seq] = prob
-    return joint
-
-
-def sample_budgeted(target, make_drafter, sampling, spec, n, seed):
-    model = MarkovModel(target)
-    counts: dict[tuple[int, ...], int] = {}
-    closed = forced = 0
-    for i in range(n):
-        s = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed * 100_000 + i,
-                           max_tokens=LENGTH)
-        seq = new_sequence(PROMPT, s, spec, make_drafter(), ToyCache(), SilentTokenizer(), frozenset(),
-                           context_length=64, constraint=constraint())
-        result = None
-        for event in run_sequence(model, seq):
-            result = event.result or result
-        closed += result.stats.closing
-        forced += result.stats.forced
-        key = tuple(result.token_ids)
-        counts[key] = counts.get(key, 0) + 1
-    return counts, closed, forced
-
-
-@pytest.fixture(autouse=True)
-def small_window(monkeypatch):
-    # the chain's closing length is at most 2 and no token raises it by more: a window of 2 keeps
-    # the filter exact while rounds before it draft freely (the shipped 24 would window every position)
-    monkeypatch.setattr(closing, "WINDOW", 2)
+def sample_budgeted(target, make_drafter, sampling, spec, seed):
+    return sample_serial(PairModel(target), make_drafter, sampling, spec, N, seed, constraint=constraint)
 
 
 def test_the_reference_distances():
     assert distances() == [0, 1, 2, 1]
 
 
+def test_the_budget_rows_by_hand():
+    table = random_pair_chain(1)
+    sampling = SamplingParams(temperature=0.9)
+    row, plain = budget_rows(table, sampling), reference_rows(table, sampling, ROWS)
+    last = LENGTH - 1
+    for a in range(VOCAB):
+        assert row(last, a, 1) == row(last, a, 3) == row(last, a, 0) == [1.0, 0.0, 0.0, 0.0]  # one left: close
+        assert row(last, a, 2) == [0.0] * VOCAB  # 2 needs two tokens: never the last but one
+        assert row(last - 1, a, 2) == [0.0, 1.0, 0.0, 0.0]
+        kept = plain[(a, 0)][:2] + [0.0, plain[(a, 0)][3]]  # two left after 0: not 2 (it needs two more)
+        assert row(last - 1, a, 0) == pytest.approx([k / sum(kept) for k in kept], abs=1e-12)
+        assert row(0, a, 0) == pytest.approx(plain[(a, 0)], abs=1e-12)  # far from the end: the grammar's row alone
+
+
 CONFIGS = [
-    pytest.param(gamma, top_p, drafter, forced, id=f"gamma{gamma}-topp{top_p}-{drafter}-{'forced' if forced else 'unforced'}")
-    for gamma, top_p, drafter, forced in [
-        (1, 1.0, "sampled", True), (3, 0.8, "sampled", True), (3, 1.0, "onehot", True),
-        (3, 1.0, "sampled", False), (3, 1.0, "none", True), (3, 0.8, "none", False),
+    pytest.param(gamma, top_k, top_p, drafter, forced,
+                 id=f"gamma{gamma}-topk{top_k}-topp{top_p}-{drafter}-{'forced' if forced else 'unforced'}")
+    for gamma, top_k, top_p, drafter, forced in [
+        (1, 0, 1.0, "sampled", True), (3, 0, 0.8, "sampled", True), (3, 0, 1.0, "onehot", True),
+        (3, 0, 1.0, "sampled", False), (3, 0, 1.0, "none", True), (3, 0, 0.8, "none", False),
     ]
 ]
+# Known engine fault (found by these replies, open): a window round's verdict token that does not
+# fit is drawn again by generator.within_budget through budget_choice with the misfit removed from
+# the mask *before* top-p / top-k, so those are recomputed over fewer tokens and a token the
+# target's top-p dropped comes out (after tokens 1, 0 with two left: token 1 at 0.13 where the
+# target gives it none). The target restricted to the tokens that fit keeps top-p's own set.
+TOP_P_REDRAW = pytest.mark.xfail(strict=True, reason="within_budget's redraw recomputes top-p/top-k over the "
+                                                     "mask without the misfit (engine/generator.py)")
+CONFIGS = [pytest.param(*c.values, id=c.id, marks=TOP_P_REDRAW if c.values[2] < 1.0 else ()) for c in CONFIGS]
 
 
-@pytest.mark.parametrize(("gamma", "top_p", "drafter", "forced"), CONFIGS)
-def test_speculative_sampling_with_a_cutting_budget_matches_the_budget_masked_joint(gamma, top_p, drafter, forced):
-    target, draft = random_chain(1), random_chain(2)
-    sampling = SamplingParams(temperature=0.9, top_p=top_p, max_tokens=LENGTH)
-    joint = exact_budget_joint(target, sampling)
+@pytest.mark.parametrize(("gamma", "top_k", "top_p", "drafter", "forced"), CONFIGS)
+def test_speculative_sampling_with_a_cutting_budget_matches_the_budget_masked_target(gamma, top_k, top_p,
+                                                                                    drafter, forced):
+    target, draft = random_pair_chain(1), grammar_drafts(2, ROWS)
+    sampling = SamplingParams(temperature=0.9, top_k=top_k, top_p=top_p, max_tokens=LENGTH)
     if drafter == "none":
         spec, make = SpecConfig(method="off", forced_drafts=forced), lambda: None
     else:
         spec = SpecConfig(method="draft", gamma=gamma, forced_drafts=forced)
-        make = lambda: MarkovDrafter(draft, deterministic=drafter == "onehot")  # noqa: E731
-    counts, closed, _ = sample_budgeted(target, make, sampling, spec, N, seed=gamma + 10 * forced)
-    assert all(key[-1] in ACCEPTING for key in counts)  # every reply ends valid
-    assert closed > N // 4  # the budget cut often
-    assert chi_square_p(joint, counts, N) > 1e-3
+        make = lambda: PairDrafter(draft, deterministic=drafter == "onehot")  # noqa: E731
+    run = sample_budgeted(target, make, sampling, spec, seed=gamma + 10 * forced + top_k)
+    assert all(len(reply) == LENGTH and reply[-1] in ACCEPTING for reply in run.replies)  # every reply ends valid
+    assert run.closing > N // 4  # the budget cut often
+    if drafter != "none":  # drafts of full length, accepted and rejected late, accepted whole
+        check_lengths(run, gamma, N)
+    result = sequential_chi_square(run.replies, budget_rows(target, sampling))
+    report(result, run, gamma)
+    assert result.p > 1e-3, (result, run.rounds.summary(gamma))
 
 
 def test_closing_drawn_without_the_budget_mask_is_caught(monkeypatch):
     # broken: the budget ignored, every position drawn from the grammar's mask alone
     monkeypatch.setattr(closing, "mode", lambda seq, left, rows: (closing.FREE, None, left))
-    target, draft = random_chain(1), random_chain(2)
+    target, draft = random_pair_chain(1), grammar_drafts(2, ROWS)
     sampling = SamplingParams(temperature=0.9, max_tokens=LENGTH)
-    joint = exact_budget_joint(target, sampling)
-    spec = SpecConfig(method="draft", gamma=3)
-    counts, _, _ = sample_budgeted(target, lambda: MarkovDrafter(draft, deterministic=False), sampling, spec, N, 31)
-    assert chi_square_p(joint, counts, N) < 1e-6
+    run = sample_budgeted(target, lambda: PairDrafter(draft), sampling, SpecConfig(method="draft", gamma=3), 31)
+    check_lengths(run, 3, N)
+    result = sequential_chi_square(run.replies, budget_rows(target, sampling))
+    report(result, run, 3)
+    assert result.p < 1e-6, result
 
 
 def test_a_window_that_takes_the_closing_token_instead_of_redrawing_is_caught(monkeypatch):
@@ -213,10 +193,13 @@ def test_a_window_that_takes_the_closing_token_instead_of_redrawing_is_caught(mo
         return real(logits, seq, allowed, left, path, position, use)
 
     monkeypatch.setattr(generator, "budget_choice", closing_token)
-    target, draft = random_chain(1), random_chain(2)
+    # the fault shows only after token 1 with two left (a drawn 2 goes to 0 instead of to 0 or 3):
+    # a chain whose rows after 1 weigh 2 and 3 (seed 4; on seed 1's, 1500 replies see p ~ 0.2)
+    target, draft = random_pair_chain(4), grammar_drafts(2, ROWS)
     sampling = SamplingParams(temperature=0.9, max_tokens=LENGTH)
-    joint = exact_budget_joint(target, sampling)
-    spec = SpecConfig(method="draft", gamma=3)
-    counts, _, _ = sample_budgeted(target, lambda: MarkovDrafter(draft, deterministic=False), sampling, spec, N, 32)
-    assert all(key[-1] in ACCEPTING for key in counts)
-    assert chi_square_p(joint, counts, N) < 1e-6
+    run = sample_budgeted(target, lambda: PairDrafter(draft), sampling, SpecConfig(method="draft", gamma=3), 32)
+    check_lengths(run, 3, N)
+    assert all(reply[-1] in ACCEPTING for reply in run.replies)
+    result = sequential_chi_square(run.replies, budget_rows(target, sampling))
+    report(result, run, 3)
+    assert result.p < 1e-6, result

@@ -251,7 +251,8 @@ MIN_EXPECTED = 5.0  # cells expected below this are pooled (the chi-square appro
 
 def sequential_chi_square(replies: list[tuple[int, ...]], rows, prompt: list[int] = PROMPT) -> ChiSquare:
     """Pearson's test of every (reply position, two previous tokens) group's next-token counts
-    against the reference row. Within a group the smallest cells are pooled until the pool expects
+    against the reference row: `rows[(a, b)]`, or `rows(t, a, b)` where the row depends on the
+    reply position t too (a budget's end). Within a group the smallest cells are pooled until the pool expects
     MIN_EXPECTED; a group expecting less than that in all is left out (its counts stay in the
     states of the next position). Which groups and pools enter depends only on the counts of the
     states, fixed before the tokens they test are drawn, so the test keeps its level."""
@@ -262,8 +263,8 @@ def sequential_chi_square(replies: list[tuple[int, ...]], rows, prompt: list[int
             groups[(t, a, b)][token] += 1
             a, b = b, token
     statistic, df, impossible = 0.0, 0, 0
-    for (_, a, b), counts in groups.items():
-        probs, n = rows[(a, b)], sum(counts)
+    for (t, a, b), counts in groups.items():
+        probs, n = (rows(t, a, b) if callable(rows) else rows[(a, b)]), sum(counts)
         impossible += sum(c for c, q in zip(counts, probs, strict=True) if q == 0.0)
         cells = sorted(((n * q, c) for c, q in zip(counts, probs, strict=True) if q > 0.0))
         bins: list[list[float]] = []
@@ -332,15 +333,36 @@ class Run:
     rounds: Rounds
     forced: int = 0  # tokens a grammar forced, over all replies
     proposed: int = 0
+    closing: int = 0  # tokens forced to close the grammar within the budget (closing.py), over all replies
 
 
-def sample_serial(model, make_drafter, sampling: SamplingParams, spec, n: int, seed: int,
+def check_lengths(run: Run, gamma: int, n: int, late: bool = True) -> None:
+    """The drafter drafted its full γ in many rounds; with `late`, tokens at draft positions 2+
+    were accepted, drafts were rejected after an acceptance, many times, and whole drafts of γ
+    were accepted (a bonus token followed)."""
+    r = run.rounds
+    summary = r.summary(gamma)
+    assert r.full(gamma) > n // 4, summary
+    if late and gamma >= 2:
+        assert r.accepted_at_least(2) > n // 20, summary
+        assert r.late_rejections() > n // 20, summary
+        assert r.full_accepts(gamma) > 0, summary
+
+
+def report(result: ChiSquare, run: Run, gamma: int) -> None:
+    """What the run showed (pytest -rP prints it; docs/testing.md quotes it)."""
+    print(f"p={result.p:.3g} chi2={result.statistic:.1f} df={result.df}; {run.rounds.summary(gamma)}; "
+          f"depths {run.rounds.by_depth}")
+
+
+def sample_serial(model, make_drafter, sampling: SamplingParams, spec, n: int, seed: int | None,
                   prompt: list[int] = PROMPT, constraint=None) -> Run:
-    """n replies of the serial engine, seeds seed * 100_000 + i, each with a fresh drafter."""
+    """n replies of the serial engine, seeds seed * 100_000 + i (None: unseeded requests), each
+    with a fresh drafter."""
     run = Run([], Rounds.empty())
     for i in range(n):
         s = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                           seed=seed * 100_000 + i, max_tokens=sampling.max_tokens)
+                           seed=None if seed is None else seed * 100_000 + i, max_tokens=sampling.max_tokens)
         seq = new_sequence(prompt, s, spec, make_drafter(), PairCache(), SilentTokenizer(), frozenset(),
                            context_length=128, constraint=None if constraint is None else constraint())
         result = None
@@ -350,6 +372,7 @@ def sample_serial(model, make_drafter, sampling: SamplingParams, spec, n: int, s
         run.rounds.add(result.stats.draft_depth_histogram)
         run.forced += result.stats.forced
         run.proposed += result.stats.proposed
+        run.closing += result.stats.closing
     return run
 
 
@@ -392,17 +415,21 @@ GRAMMAR_ROWS = torch.tensor([[False, True, True, True],
 
 
 class ChainGrammar:
-    """The LLMatcher methods GrammarConstraint calls, for the automaton above."""
+    """The LLMatcher methods GrammarConstraint and the closing search call, for an automaton whose
+    state is the last token: `rows` (V, V) its allowed tokens after each (GRAMMAR_ROWS above),
+    `accepting` the states a reply may end in (None: every one)."""
 
-    def __init__(self, start: int):
+    def __init__(self, start: int, rows: torch.Tensor = GRAMMAR_ROWS, accepting: frozenset[int] | None = None):
         self.states = [start]
         self.error = ""
+        self.rows = rows
+        self.accepting = accepting
 
     def is_stopped(self):
         return False
 
     def is_accepting(self):
-        return True
+        return self.accepting is None or self.states[-1] in self.accepting
 
     def is_error(self):
         return bool(self.error)
@@ -412,13 +439,13 @@ class ChainGrammar:
 
     def compute_ff_tokens(self):
         out, state = [], self.states[-1]
-        while len(out) < 8 and int(GRAMMAR_ROWS[state].sum()) == 1:
-            state = int(GRAMMAR_ROWS[state].nonzero()[0, 0])
+        while len(out) < 8 and int(self.rows[state].sum()) == 1:
+            state = int(self.rows[state].nonzero()[0, 0])
             out.append(state)
         return out
 
     def consume_token(self, token):
-        if not GRAMMAR_ROWS[self.states[-1], token]:
+        if not self.rows[self.states[-1], token]:
             self.error = f"token {token} is not allowed after {self.states[-1]}"
             return False
         self.states.append(token)
@@ -432,20 +459,22 @@ class ChainGrammar:
         return True
 
 
-def grammar_drafts(seed: int) -> torch.Tensor:
-    """A draft chain that mostly keeps to the grammar (so drafts run long before a forbidden token
-    cuts them), with a tenth of the weight left on forbidden tokens."""
+def grammar_drafts(seed: int, rows: torch.Tensor = GRAMMAR_ROWS) -> torch.Tensor:
+    """A draft chain that mostly keeps to the grammar `rows` (so drafts run long before a forbidden
+    token cuts them), with a tenth of the weight left on forbidden tokens."""
     table = random_pair_chain(seed)
-    allowed = GRAMMAR_ROWS.repeat(VOCAB, 1)  # row a * V + b: the grammar's row after b
+    allowed = rows.repeat(VOCAB, 1)  # row a * V + b: the grammar's row after b
     table = table * (allowed.float() * 0.9 + 0.1)
     return table / table.sum(-1, keepdim=True)
 
 
-def chain_constraint(last: int = PROMPT[-1]):
+def chain_constraint(last: int = PROMPT[-1], rows: torch.Tensor = GRAMMAR_ROWS,
+                     accepting: frozenset[int] | None = None):
+    """GrammarConstraint over ChainGrammar (its mask: the automaton's row), from state `last`."""
     from openalice_runner.engine.grammar import GrammarConstraint
 
     class ChainConstraint(GrammarConstraint):
         def _grammar_mask(self):
-            return GRAMMAR_ROWS[self._matcher.states[-1]].clone()
+            return self._matcher.rows[self._matcher.states[-1]].clone()
 
-    return ChainConstraint(ChainGrammar(last), SimpleNamespace(vocab_size=VOCAB, eos_ids=()))
+    return ChainConstraint(ChainGrammar(last, rows, accepting), SimpleNamespace(vocab_size=VOCAB, eos_ids=()))
