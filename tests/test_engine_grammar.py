@@ -247,7 +247,7 @@ def test_a_draft_reaching_a_forced_span_carries_the_span(engines):
     it: here the rest of the tag after '<' and, once the tag is written, the call's opening and
     the only tool's name, verified in the same pass. Accepted, they count as forced tokens, not
     as the drafter's."""
-    from openalice_runner.engine.generator import begin, new_sequence, plan_round, settle_round
+    from openalice_runner.engine.generator import Round, begin, new_sequence, plan_round, settle_round
     from openalice_runner.engine.llama import KVCache
 
     engine = engines[0]
@@ -270,7 +270,7 @@ def test_a_draft_reaching_a_forced_span_carries_the_span(engines):
     logits = torch.full((len(draft) + 1, engine.model.cfg.vocab_size), -1.0)
     logits[torch.arange(len(draft)), torch.tensor(draft)] = 1.0
     logits[-1] = seq.round_masks[-1].float()[: logits.shape[1]]  # any allowed token
-    emitted = settle_round(seq, logits, torch.zeros(len(draft) + 1, 1), proposal, draft, 0, 0.0)
+    emitted = settle_round(seq, Round(proposal, draft, 0), logits, torch.zeros(len(draft) + 1, 1), 0.0)
     assert emitted[: len(draft)] == draft and len(emitted) == len(draft) + 1
     assert seq.stats.proposed == seq.stats.accepted == len(rest_of_tag)
     assert seq.stats.forced == len(after) and seq.stats.target_passes == 1

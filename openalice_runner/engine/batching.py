@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 import torch
 
 from openalice_runner.engine.cost_model import PassCostModel
-from openalice_runner.engine.drafters.base import Proposal, observed_rows, taps_for
+from openalice_runner.engine.drafters.base import observed_rows, taps_for
 from openalice_runner.engine.generator import (
     PREFILL_CHUNK,
+    Round,
     Sequence,
     accept_tokens,
     begin,
@@ -100,9 +101,41 @@ class _Rows:
     request: BatchRequest
     first: int
     count: int
-    proposal: Proposal | None = None  # None: a prefill chunk
-    draft: list[int] = field(default_factory=list)
-    length_before: int = 0
+    start: int  # the cache position of its first row
+    logits_at: int  # its first row of the pass's logits (where it has any)
+    round: Round | None = None  # None: a prefill chunk
+
+
+@dataclass
+class _StepRows:
+    """The rows of a step's one pass, in order, and the plans they belong to."""
+
+    plans: list[_Rows] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)  # rows that choose a token: only theirs are computed
+
+    def add(self, request: BatchRequest, fed: list[int], start: int, choosing: int,
+            planned: Round | None = None) -> None:
+        """`fed` tokens of `request` at cache positions from `start`; the last `choosing` rows choose."""
+        first, n = len(self.tokens), len(fed)
+        self.plans.append(_Rows(request, first, n, start, len(self.logit_rows), planned))
+        self.logit_rows += range(first + n - choosing, first + n)
+        self.tokens += fed
+        self.positions += range(start, start + n)
+        self.slots += [request.seq.slot] * n
+
+
+@dataclass
+class _PassOut:
+    """What the step's pass gives the sequences settling on it."""
+
+    hidden: torch.Tensor
+    tapped: torch.Tensor | None
+    taps: tuple[int, ...]
+    logits: torch.Tensor | None
+    pass_s: float
 
 
 class BatchScheduler:
@@ -342,130 +375,138 @@ class BatchScheduler:
             self.cache.grow(self.cache.batch, _granules(need))
 
     def _step(self) -> None:
+        """One step: plan every running sequence's rows, run them in one pass, settle each."""
         self._reserve()
+        rows = self._plan()
+        if not rows.plans:
+            return
+        try:
+            out = self._pass(rows)
+        except Exception as exc:  # the shared pass: its sequences fail, the others and the scheduler go on
+            logger.error("engine pass of %d rows failed; its %d sequences fail", len(rows.tokens), len(rows.plans),
+                         exc_info=exc)
+            for plan in rows.plans:
+                self._fail_one(plan.request, exc, logged=True)
+            return
+        self._settle(rows.plans, out)
+
+    def _plan(self) -> _StepRows:
+        """Every running sequence's rows for this step: a prompt chunk within the step's prefill budget,
+        or the last token and its drafts; cancelled sequences leave, a fault in one's planning fails it."""
+        rows = _StepRows()
         batch, waiting = len(self._running), len(self._waiting)
-        tokens: list[int] = []
-        row_slot: list[int] = []
-        row_pos: list[int] = []
-        plans: list[_Rows] = []
         decoders = sum(not r.prefilling for r in self._running)
         budget = self.prefill_chunk if decoders else PREFILL_CHUNK
         unplanned = decoders  # decoding sequences the loop has not reached yet
         for request in list(self._running):
-            seq = request.seq
             unplanned -= not request.prefilling
             if request.cancel.is_set():
-                seq.finish_reason = "cancelled"
+                request.seq.finish_reason = "cancelled"
                 self._retire(request)
-                continue
-            if request.prefilling:
-                n = min(budget, len(seq.prompt) - request.prefilled)
-                if n <= 0:
-                    continue
-                budget -= n
-                plans.append(_Rows(request, len(tokens), n))
-                tokens += seq.prompt[request.prefilled : request.prefilled + n]
-                row_pos += range(request.prefilled, request.prefilled + n)
-                row_slot += [seq.slot] * n
-                continue
-            try:  # a fault in one sequence's planning fails that sequence, not the batch
-                if seq.drafter is not None:
-                    # rows so far, plus one for this and each decoding sequence still to come
-                    seq.drafter.step_load(decoders, len(tokens) + 1 + unplanned)
-                proposal, draft = plan_round(seq, request.gamma_now(batch, waiting))
-                preview = preview_forced(seq, draft)  # certain tokens go out before the pass
-            except Exception as exc:
-                self._fail_one(request, exc)
-                continue
-            if preview is not None:
-                request.events.put(preview)
-            start = seq.cache.lengths[seq.slot]
-            plans.append(_Rows(request, len(tokens), 1 + len(draft), proposal, draft, start))
-            tokens += [seq.tokens[-1], *draft]
-            row_pos += range(start, start + 1 + len(draft))
-            row_slot += [seq.slot] * (1 + len(draft))
-        if not plans:
-            return
-        try:
-            hidden, tapped, taps, logits, pass_s = self._pass(plans, tokens, row_slot, row_pos)
-        except Exception as exc:  # the shared pass: its sequences fail, the others and the scheduler go on
-            logger.error("engine pass of %d rows failed; its %d sequences fail", len(tokens), len(plans),
-                         exc_info=exc)
-            for plan in plans:
-                self._fail_one(plan.request, exc, logged=True)
-            return
-        self._settle(plans, hidden, tapped, taps, logits, pass_s)
+            elif request.prefilling:
+                budget -= self._plan_prefill(rows, request, budget)
+            else:
+                try:  # a fault in one sequence's planning fails that sequence, not the batch
+                    self._plan_decode(rows, request, request.gamma_now(batch, waiting), decoders, unplanned)
+                except Exception as exc:
+                    self._fail_one(request, exc)
+        return rows
 
-    def _pass(self, plans: list[_Rows], tokens: list[int], row_slot: list[int], row_pos: list[int]):
-        """The step's one forward pass over every planned row: (hidden, tapped, taps, logits, pass_s)."""
+    @staticmethod
+    def _plan_prefill(rows: _StepRows, request: BatchRequest, budget: int) -> int:
+        """A chunk of the prompt, at most `budget` tokens; how many it takes."""
+        seq = request.seq
+        n = min(budget, len(seq.prompt) - request.prefilled)
+        if n <= 0:
+            return 0
+        # the last row of the chunk that ends the prompt chooses the reply's first token
+        choosing = 1 if request.prefilled + n == len(seq.prompt) else 0
+        rows.add(request, seq.prompt[request.prefilled : request.prefilled + n], request.prefilled, choosing)
+        return n
+
+    @staticmethod
+    def _plan_decode(rows: _StepRows, request: BatchRequest, gamma: int, decoders: int, unplanned: int) -> None:
+        """The round's last token and drafts; forced tokens' text goes out before the pass."""
+        seq = request.seq
+        if seq.drafter is not None:
+            # rows so far, plus one for this and each decoding sequence still to come
+            seq.drafter.step_load(decoders, len(rows.tokens) + 1 + unplanned)
+        proposal, draft = plan_round(seq, gamma)
+        preview = preview_forced(seq, draft)  # certain tokens go out before the pass
+        if preview is not None:
+            request.events.put(preview)
+        start = seq.cache.lengths[seq.slot]
+        fed = [seq.tokens[-1], *draft]
+        rows.add(request, fed, start, len(fed), Round(proposal, draft, start))  # every row verifies
+
+    def _pass(self, rows: _StepRows) -> _PassOut:
+        """The step's one forward pass over every planned row, and the logits of the rows that choose."""
+        plans = rows.plans
         tree = _tree_mask(plans)
         t0 = time.perf_counter()
         taps = taps_for(plan.request.seq.drafter for plan in plans)
         # only eagle-3 drafters ask for taps, and tree drafters for a mask: other models need not know
         extra = {} if tree is None else {"tree": tree}
-        spans = [(plan.first, plan.first + plan.count) for plan in plans if plan.proposal is None]
+        spans = [(plan.first, plan.first + plan.count) for plan in plans if plan.round is None]
         if spans and getattr(self.model, "prefill_bf16", False):  # prompt rows in bf16; decode rows keep their bits
             extra["prompt_spans"] = spans
+        feed = torch.tensor(rows.tokens)
         if taps:
-            hidden, tapped = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos, taps, **extra)
+            hidden, tapped = self.model.forward_rows(feed, self.cache, rows.slots, rows.positions, taps, **extra)
         else:
-            hidden, tapped = self.model.forward_rows(torch.tensor(tokens), self.cache, row_slot, row_pos, **extra), None
+            hidden, tapped = self.model.forward_rows(feed, self.cache, rows.slots, rows.positions, **extra), None
         # logits only where a token is chosen: every decode row, the last row of a finished prefill
-        wanted: list[int] = []
-        for plan in plans:
-            if plan.proposal is not None:
-                wanted += range(plan.first, plan.first + plan.count)
-            elif plan.request.prefilled + plan.count == len(plan.request.seq.prompt):
-                wanted.append(plan.first + plan.count - 1)
-        logits = self.model.logits(hidden[wanted]) if wanted else None
+        logits = self.model.logits(hidden[rows.logit_rows]) if rows.logit_rows else None
         pass_s = time.perf_counter() - t0
         self.steps += 1
-        if self.costs is not None and all(plan.proposal is not None for plan in plans):
+        if self.costs is not None and all(plan.round is not None for plan in plans):
             # decode-only steps: what drafters weigh a longer draft against (prefill rows would
             # make a step of few decode rows look dear)
-            self.costs.record(len(tokens), pass_s, context=max(row_pos) + 1)
-        return hidden, tapped, taps, logits, pass_s
+            self.costs.record(len(rows.tokens), pass_s, context=max(rows.positions) + 1)
+        return _PassOut(hidden, tapped, taps, logits, pass_s)
 
-    def _settle(self, plans: list[_Rows], hidden, tapped, taps, logits, pass_s: float) -> None:
+    def _settle(self, plans: list[_Rows], out: _PassOut) -> None:
         """Each sequence settles on its own rows; a fault in one fails that sequence only."""
-        at = 0  # next row of `logits`
         for plan in plans:
-            start = at
-            if plan.proposal is not None:
-                at += plan.count
-            elif plan.request.prefilled + plan.count == len(plan.request.seq.prompt):
-                at += 1
             try:
-                self._settle_one(plan, hidden, tapped, taps, logits, start, pass_s)
+                self._settle_one(plan, out)
             except Exception as exc:
                 self._fail_one(plan.request, exc)
 
-    def _settle_one(self, plan: _Rows, hidden, tapped, taps, logits, at: int, pass_s: float) -> None:
-        """`at`: the plan's first row of `logits`."""
+    def _settle_one(self, plan: _Rows, out: _PassOut) -> None:
         request, seq = plan.request, plan.request.seq
-        rows = hidden[plan.first : plan.first + plan.count]
+        rows = out.hidden[plan.first : plan.first + plan.count]
         if seq.drafter is not None and seq.drafter.feature_layers:
-            rows = observed_rows(seq.drafter, rows, tapped[plan.first : plan.first + plan.count], taps)
-        if plan.proposal is None:
-            request.prefilled += plan.count
-            seq.cache.lengths[seq.slot] = request.prefilled
-            if seq.drafter is not None and seq.drafter.wants_hidden:
-                seq.drafter.observe(rows)
-            if request.prefilling:
+            rows = observed_rows(seq.drafter, rows, out.tapped[plan.first : plan.first + plan.count], out.taps)
+        if plan.round is None:
+            emitted = self._settle_prefill(plan, rows, out.logits)
+            if emitted is None:
                 return
-            first = choose_token(logits[at], seq)
-            # the invariant of generator.py holds: `first` is emitted but not yet fed
-            seq.stats.prefill_s = time.perf_counter() - request.prefill_started
-            seq.stats.ttft_s = time.perf_counter() - seq.started
-            emitted = accept_tokens(seq, [first])
         else:
-            own = logits[at : at + plan.count]
-            emitted = settle_round(seq, own, rows, plan.proposal, plan.draft, plan.length_before, pass_s)
+            own = out.logits[plan.logits_at : plan.logits_at + plan.count]
+            emitted = settle_round(seq, plan.round, own, rows, out.pass_s)
         event = emit(seq, emitted)
         if event is not None:
             request.events.put(event)
         if seq.finished:
             self._retire(request)
+
+    @staticmethod
+    def _settle_prefill(plan: _Rows, rows: torch.Tensor, logits: torch.Tensor | None) -> list[int] | None:
+        """A prompt chunk is in the cache; once the prompt is, its last row chooses the first token
+        (the tokens emitted; None while the prompt is not all in)."""
+        request, seq = plan.request, plan.request.seq
+        request.prefilled += plan.count
+        seq.cache.lengths[seq.slot] = request.prefilled
+        if seq.drafter is not None and seq.drafter.wants_hidden:
+            seq.drafter.observe(rows)
+        if request.prefilling:
+            return None
+        first = choose_token(logits[plan.logits_at], seq)
+        # the invariant of generator.py holds: `first` is emitted but not yet fed
+        seq.stats.prefill_s = time.perf_counter() - request.prefill_started
+        seq.stats.ttft_s = time.perf_counter() - seq.started
+        return accept_tokens(seq, [first])
 
     def _retire(self, request: BatchRequest) -> None:
         seq = request.seq
@@ -519,16 +560,14 @@ def _granules(positions: int) -> int:
 
 def _tree_mask(plans: list[_Rows]) -> TreeMask | None:
     """The pass's mask where a draft tree is in it (every row gets an entry), else None."""
-    if all(plan.proposal is None or plan.proposal.parents is None for plan in plans):
+    if all(plan.round is None or plan.round.proposal.parents is None for plan in plans):
         return None
     rows: list[tuple[int, int, int]] = []
     for plan in plans:
-        if plan.proposal is None:  # a prefill chunk, fed from what the slot holds
-            rows += plain_rows(plan.request.prefilled, plan.count)
-        elif plan.proposal.parents is None:
-            rows += plain_rows(plan.length_before, plan.count)
+        if plan.round is None or plan.round.proposal.parents is None:  # a chain, or a prompt chunk
+            rows += plain_rows(plan.start, plan.count)
         else:
-            rows += tree_rows(plan.length_before, plan.proposal.parents)
+            rows += tree_rows(plan.start, plan.round.proposal.parents)
     return TreeMask.from_rows(rows)
 
 

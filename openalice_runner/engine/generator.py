@@ -260,31 +260,51 @@ def round_mask(proposal: Proposal, start: int) -> TreeMask | None:
     return None if proposal.parents is None else TreeMask.from_rows(tree_rows(start, proposal.parents))
 
 
-def settle_round(
-    seq: Sequence,
-    logits: torch.Tensor,
-    hidden: torch.Tensor,
-    proposal: Proposal,
-    draft: list[int],
-    length_before: int,
-    pass_s: float,
-) -> list[int]:
+@dataclass
+class Round:
+    """One decode round as planned: the drafter's proposal, the draft fed after the last token (a
+    tree's nodes in order), and `start`, the cache position where that last token is fed."""
+
+    proposal: Proposal
+    draft: list[int]
+    start: int
+
+
+def settle_round(seq: Sequence, planned: Round, logits: torch.Tensor, hidden: torch.Tensor,
+                 pass_s: float) -> list[int]:
     """Verify the draft against the target's (k+1, V) logits of the round, roll the cache back
     to the accepted prefix and emit 1..k+1 tokens. `hidden`: the round's (k+1, ...) rows as the
-    drafter observes them (`observed_rows`). A tree's accepted path moves down to where a chain
-    would have put it."""
+    drafter observes them (`observed_rows`); `pass_s`: the pass's time."""
     t0 = time.perf_counter()
-    verdict = verify(logits, proposal, draft, seq)
-    kept = slice(0, 1 + verdict.accepted)
-    if isinstance(verdict, TreeVerdict):
-        seq.cache.keep(seq.slot, [length_before + 1 + i for i in verdict.path], length_before + 1)
-        kept = [0] + [1 + i for i in verdict.path]
-    # Roll back: keep the fed last token and the accepted drafts.
-    seq.cache.lengths[seq.slot] = length_before + 1 + verdict.accepted
+    verdict = verify(logits, planned.proposal, planned.draft, seq)
+    kept = roll_back(seq, planned, verdict)
     seq.stats.verify_s += pass_s + time.perf_counter() - t0
     seq.stats.target_passes += 1
+    proposed, accepted = count_round(seq, planned, verdict)
+    emitted = verdict.emitted(planned.draft)
+    if seq.drafter is not None:
+        if seq.drafter.wants_hidden:
+            seq.drafter.observe(hidden[kept])
+        seq.drafter.update(seq.tokens + emitted, max(proposed, 0), accepted)
+    return accept_tokens(seq, emitted, from_pass=True)
+
+
+def roll_back(seq: Sequence, planned: Round, verdict: Verdict | TreeVerdict) -> slice | list[int]:
+    """Cut the cache back to the fed last token and the accepted drafts; the round's rows they are.
+    A tree's accepted path moves down to where a chain would have put it."""
+    kept = slice(0, 1 + verdict.accepted)
+    if isinstance(verdict, TreeVerdict):
+        seq.cache.keep(seq.slot, [planned.start + 1 + i for i in verdict.path], planned.start + 1)
+        kept = [0] + [1 + i for i in verdict.path]
+    seq.cache.lengths[seq.slot] = planned.start + 1 + verdict.accepted
+    return kept
+
+
+def count_round(seq: Sequence, planned: Round, verdict: Verdict | TreeVerdict) -> tuple[int, int]:
+    """The round's figures into the stats, and the drafter's (proposed, accepted) tokens; the
+    round's grammar state is cleared for the next."""
     # forced tokens are always accepted once reached; the drafter's figures are its own tokens' alone
-    proposed = len(draft) - seq.round_forced - seq.round_forced_after
+    proposed = len(planned.draft) - seq.round_forced - seq.round_forced_after
     accepted = min(max(verdict.accepted - seq.round_forced, 0), proposed)
     seq.stats.forced += verdict.accepted - accepted  # those before the drafter's and after
     seq.budget.closing += seq.round_closing
@@ -293,17 +313,12 @@ def settle_round(
     if proposed > 0:
         seq.stats.proposed += proposed
         seq.stats.accepted += accepted
-        if proposal.probe:
+        if planned.proposal.probe:
             seq.stats.probe_proposed += proposed
             seq.stats.probe_accepted += accepted
         seq.accept_lengths.append(accepted)
-        seq.stats.count_round(proposed, accepted, proposal.parents)
-    emitted = verdict.emitted(draft)
-    if seq.drafter is not None:
-        if seq.drafter.wants_hidden:
-            seq.drafter.observe(hidden[kept])
-        seq.drafter.update(seq.tokens + emitted, max(proposed, 0), accepted)
-    return accept_tokens(seq, emitted, from_pass=True)
+        seq.stats.count_round(proposed, accepted, planned.proposal.parents)
+    return proposed, accepted
 
 
 def decode_round(model: LlamaModel, seq: Sequence, planned: tuple[Proposal, list[int]]) -> list[int]:
@@ -320,7 +335,7 @@ def decode_round(model: LlamaModel, seq: Sequence, planned: tuple[Proposal, list
     if seq.costs is not None:
         seq.costs.record(len(draft) + 1, pass_s, context=length_before + len(draft) + 1)
     observed = hidden[0] if seq.drafter is None else observed_rows(seq.drafter, hidden[0], tapped, taps)
-    return settle_round(seq, logits, observed, proposal, draft, length_before, pass_s)
+    return settle_round(seq, Round(proposal, draft, length_before), logits, observed, pass_s)
 
 
 def _forward(model: LlamaModel, feed: torch.Tensor, seq: Sequence, taps: tuple[int, ...],
