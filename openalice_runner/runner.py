@@ -30,12 +30,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypeVar
 
-from openalice_runner.providers.admission import (
-    AdmissionGate,
-    AdmissionLimits,
-    AdmissionRefused,
-    AdmittedProvider,
-)
 from openalice_runner.providers.base import CallContext, Provider
 from openalice_runner.providers.config import (
     CATCH_ALL_MODEL,
@@ -44,9 +38,15 @@ from openalice_runner.providers.config import (
     RoutingConfig,
     load_routing_file,
 )
-from openalice_runner.providers.deciding import PolicyProvider
-from openalice_runner.providers.fallback import FallbackProvider
 from openalice_runner.providers.streams import ChatStream, chat_stream
+from openalice_runner.providers.wrappers.admission import (
+    AdmissionGate,
+    AdmissionLimits,
+    AdmissionRefused,
+    AdmittedProvider,
+)
+from openalice_runner.providers.wrappers.fallback import FallbackProvider
+from openalice_runner.providers.wrappers.policy import PolicyProvider
 from openalice_runner.types import (
     ChatChunk,
     ChatMessage,
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-OTEL_CONTEXT_KEY = "otel_context"  # same key as openalice_runner.providers.instrumented
+OTEL_CONTEXT_KEY = "otel_context"  # same key as openalice_runner.providers.wrappers.instrumented
 
 _T = TypeVar("_T")
 
@@ -124,11 +124,11 @@ def build_provider(name: str, config: ProviderConfig, engine: EngineArg = None) 
 
         return LocalProvider(name, config, engine=engine)
     if config.type == "sglang":
-        from openalice_runner.providers.sglang import SGLangProvider
+        from openalice_runner.providers.pools.sglang import SGLangProvider
 
         return SGLangProvider(name, config)
     if config.type == "vllm":
-        from openalice_runner.providers.vllm import VLLMProvider
+        from openalice_runner.providers.pools.vllm import VLLMProvider
 
         return VLLMProvider(name, config)
     if config.type == "hosted":
@@ -220,7 +220,7 @@ class Runner:
         for name in names:
             provider = self.providers[name]
             if self.telemetry is not None:
-                from openalice_runner.providers.instrumented import InstrumentedProvider
+                from openalice_runner.providers.wrappers.instrumented import InstrumentedProvider
 
                 provider = InstrumentedProvider(provider, self.telemetry)
             if self.policy is not None:
@@ -349,7 +349,7 @@ def _check_pools(policy: str | Path | SpeculationPolicy | PolicySetting, provide
     if not isinstance(policy, str | Path):
         return
     from openalice_runner.config_files import ConfigError
-    from openalice_runner.providers.pool_checks import check_pool_files
+    from openalice_runner.providers.pools.pool_checks import check_pool_files
 
     problems = check_pool_files(policy, providers)
     if problems:

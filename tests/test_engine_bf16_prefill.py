@@ -107,7 +107,7 @@ def test_engine_refuses_unknown_mode(tiny_engine):
 def test_local_config_prefill_setting():
     from pydantic import ValidationError
 
-    from openalice_runner.providers.local_config import LocalConfig
+    from openalice_runner.providers.embedded.local_config import LocalConfig
 
     assert LocalConfig(type="local").prefill == "auto"
     assert LocalConfig(type="local", prefill="fp32").prefill == "fp32"

@@ -15,7 +15,7 @@ import torch
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 from openalice_runner.engine.drafters.base import Drafter, Proposal
 from openalice_runner.engine.grammar import GrammarError, json_grammar, tool_call_grammar
-from openalice_runner.providers.tool_format import parse_tool_calls
+from openalice_runner.providers.embedded.tool_format import parse_tool_calls
 
 # Short, closed values only: a random model fills a free string or integer until max_tokens.
 WEATHER = {

@@ -26,8 +26,8 @@ from openalice_runner.providers.base import (
     ProviderInternalError,
     StreamBroken,
 )
+from openalice_runner.providers.embedded.local_config import LocalConfig
 from openalice_runner.providers.local import LocalProvider
-from openalice_runner.providers.local_config import LocalConfig
 from openalice_runner.types import ChatRequest
 
 MARK = 13  # max_tokens that marks the sequence a test faults

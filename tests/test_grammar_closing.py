@@ -17,7 +17,7 @@ import pytest
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 from openalice_runner.engine.closing import closing_path, shortest_reply
 from openalice_runner.engine.grammar import json_grammar, tool_call_grammar
-from openalice_runner.providers.tool_format import parse_tool_calls
+from openalice_runner.providers.embedded.tool_format import parse_tool_calls
 
 NESTED = {
     "type": "object",

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from openalice_runner.providers.embedded.local_config import LocalConfig
 from openalice_runner.providers.local import LocalProvider
-from openalice_runner.providers.local_config import LocalConfig
 
 
 def test_warm_up_runs_a_constrained_call_once_at_load():

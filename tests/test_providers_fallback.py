@@ -17,10 +17,10 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
-from openalice_runner.providers.fallback import FallbackProvider
 from openalice_runner.providers.hosted import HostedConfig, HostedProvider
-from openalice_runner.providers.sglang import SGLangConfig, SGLangProvider
+from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangProvider
 from openalice_runner.providers.streams import chat_stream
+from openalice_runner.providers.wrappers.fallback import FallbackProvider
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
 
 REQ = ChatRequest(messages=[{"role": "user", "content": "hello there"}])

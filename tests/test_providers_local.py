@@ -12,8 +12,8 @@ from stand_ins.engines import tiny_engine
 from stand_ins.scripted_engine import ScriptedEngine
 from stand_ins.streams import joined_tool_calls, read_all
 
-from openalice_runner.providers import tool_format
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderRateLimited
+from openalice_runner.providers.embedded import tool_format
 from openalice_runner.providers.local import LocalConfig, LocalProvider, sampling_params
 from openalice_runner.speculation import SpeculationPlan
 from openalice_runner.types import ChatRequest
@@ -332,7 +332,7 @@ async def test_history_with_tool_results_is_rendered():
 
 async def test_overload_is_refused_early():
     """The admission gate in front of the engine: one running, one queued, the next refused at once."""
-    from openalice_runner.providers.admission import AdmissionGate, AdmittedProvider
+    from openalice_runner.providers.wrappers.admission import AdmissionGate, AdmittedProvider
 
     engine = ScriptedEngine("ok")
     engine.gate = threading.Event()
@@ -354,7 +354,7 @@ async def test_overload_is_refused_early():
 async def test_policy_decides_gamma_again_at_every_engine_step():
     """The policy's batch ranges reach the batching engine per step, not only per request."""
     from openalice_runner.policies import PolicyStore
-    from openalice_runner.providers.deciding import PolicyProvider
+    from openalice_runner.providers.wrappers.policy import PolicyProvider
 
     engine = ScriptedEngine("fine")
     store = PolicyStore.from_file("policies/default.yaml")

@@ -20,7 +20,7 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
-from openalice_runner.providers.sglang import SGLangConfig, SGLangProvider, parse_prometheus_sum
+from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangProvider, parse_prometheus_sum
 from openalice_runner.types import ChatRequest
 
 REQ = ChatRequest(messages=[{"role": "user", "content": "hello there"}])
@@ -218,8 +218,8 @@ async def test_sglang_0_5_23_reply_shapes_parse(servers):
 async def test_malformed_upstream_body_falls_back_before_the_first_token(body, monkeypatch):
     from stand_ins.openai_server import OpenAIStandIn
 
-    from openalice_runner.providers.fallback import FallbackProvider
     from openalice_runner.providers.hosted import HostedConfig, HostedProvider
+    from openalice_runner.providers.wrappers.fallback import FallbackProvider
 
     p = provider({"off": {"replicas": ["http://sglang"]}})
     with pytest.raises(ProviderBadResponse) as info:
@@ -513,7 +513,7 @@ async def test_affinity_off_is_least_loaded_alone(servers):
 
 async def test_unknown_load_is_not_batch_one_and_is_logged_once(servers, caplog):
     from openalice_runner.policies import PolicyStore, RequestContext
-    from openalice_runner.providers.deciding import PolicyProvider
+    from openalice_runner.providers.wrappers.policy import PolicyProvider
 
     blind = servers(legacy=True)  # neither /v1/loads nor /metrics
     p = provider(
@@ -528,7 +528,7 @@ async def test_unknown_load_is_not_batch_one_and_is_logged_once(servers, caplog)
         "default: {method: ngram, gamma: 4, pool: ngram}\n"
     )
     deciding = PolicyProvider(p, policy)
-    with caplog.at_level("WARNING", logger="openalice_runner.providers.pool"):
+    with caplog.at_level("WARNING", logger="openalice_runner.providers.pools.pool"):
         for _ in range(3):
             r = await deciding.chat(REQ, CallContext())
             assert r.speculation.rule == "big" and r.speculation.pool == "off"  # the conservative rule
@@ -551,7 +551,7 @@ async def test_unknown_load_is_not_batch_one_and_is_logged_once(servers, caplog)
 
 async def test_the_policy_sees_the_batch_of_the_pool_its_rule_names(servers):
     from openalice_runner.policies import PolicyStore
-    from openalice_runner.providers.deciding import PolicyProvider
+    from openalice_runner.providers.wrappers.policy import PolicyProvider
 
     busy, idle = servers(method="ngram", running=5), servers(running=0)
     p = provider(

@@ -17,14 +17,14 @@ from opentelemetry.trace import StatusCode
 from stand_ins.streams import read_all
 
 from openalice_runner.policies import PolicyStore
-from openalice_runner.providers.admission import AdmissionGate, AdmittedProvider
 from openalice_runner.providers.base import CallContext, Provider, ProviderUnavailable
 from openalice_runner.providers.config import RoutingConfig
-from openalice_runner.providers.deciding import PolicyProvider
-from openalice_runner.providers.fallback import FallbackProvider
-from openalice_runner.providers.instrumented import InstrumentedProvider
 from openalice_runner.providers.streams import ChatStream, chat_stream
-from openalice_runner.providers.wrapper import WrapperProvider
+from openalice_runner.providers.wrappers.admission import AdmissionGate, AdmittedProvider
+from openalice_runner.providers.wrappers.fallback import FallbackProvider
+from openalice_runner.providers.wrappers.instrumented import InstrumentedProvider
+from openalice_runner.providers.wrappers.policy import PolicyProvider
+from openalice_runner.providers.wrappers.wrapper import WrapperProvider
 from openalice_runner.runner import Runner
 from openalice_runner.server.runner_protocol import ServedRunner
 from openalice_runner.tracing import RunnerTelemetry

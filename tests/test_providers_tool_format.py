@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from openalice_runner.providers import tool_format as tf
+from openalice_runner.providers.embedded import tool_format as tf
 from openalice_runner.types import NamedToolChoice
 
 TOOLS = [

@@ -1,5 +1,5 @@
-"""Tool calls read out of a streaming reply (providers/tool_stream.py) and the canonical JSON re-writer
-under it (providers/json_stream.py): torch-free, text in, deltas out."""
+"""Tool calls read out of a streaming reply (providers/embedded/tool_stream.py) and the canonical JSON re-writer
+under it (providers/embedded/json_stream.py): torch-free, text in, deltas out."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from openalice_runner.providers import tool_format
-from openalice_runner.providers.json_stream import CanonicalJSON, JSONStreamError
-from openalice_runner.providers.tool_stream import ToolCallStream
+from openalice_runner.providers.embedded import tool_format
+from openalice_runner.providers.embedded.json_stream import CanonicalJSON, JSONStreamError
+from openalice_runner.providers.embedded.tool_stream import ToolCallStream
 
 NAMES = {"get_weather", "get_time", "get"}
 OBJECTS = [

@@ -16,8 +16,8 @@ from stand_ins.streams import read_all
 from openalice_runner.policies.adaptive import request_alpha
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderUnavailable, StreamBroken
 from openalice_runner.providers.config import RoutingConfigError, load_routing_text
-from openalice_runner.providers.tool_format import render_fallback_messages
-from openalice_runner.providers.vllm import VLLMConfig, VLLMProvider
+from openalice_runner.providers.embedded.tool_format import render_fallback_messages
+from openalice_runner.providers.pools.vllm import VLLMConfig, VLLMProvider
 from openalice_runner.types import ChatRequest
 
 ROOT = Path(__file__).resolve().parents[1]

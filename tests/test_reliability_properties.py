@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from openalice_runner.providers.admission import AdmissionGate, AdmissionRefused
 from openalice_runner.providers.config import RoutingConfig, RoutingConfigError, load_routing_text
+from openalice_runner.providers.wrappers.admission import AdmissionGate, AdmissionRefused
 from openalice_runner.server.errors import APIError
 from openalice_runner.server.validation import ServerChatRequest, check_request
 from openalice_runner.types import ChatRequest

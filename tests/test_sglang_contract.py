@@ -20,7 +20,7 @@ from stand_ins.sglang_server import SGLangStandIn
 from stand_ins.streams import read_all
 
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, StreamBroken
-from openalice_runner.providers.sglang import SGLangConfig, SGLangProvider
+from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangProvider
 from openalice_runner.types import ChatRequest
 
 VENV = os.environ.get("OPENALICE_SGLANG_VENV") or str(  # scripts/sglang-contract-venv.sh; .ci/run caches it here

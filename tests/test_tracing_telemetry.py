@@ -13,8 +13,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from stand_ins.streams import read_all
 
 from openalice_runner.providers.base import CallContext, ProviderBadRequest
-from openalice_runner.providers.instrumented import InstrumentedProvider
 from openalice_runner.providers.local import LocalConfig, LocalProvider
+from openalice_runner.providers.wrappers.instrumented import InstrumentedProvider
 from openalice_runner.speculation import SpeculationPlan
 from openalice_runner.tracing import RunnerTelemetry
 from openalice_runner.types import ChatRequest

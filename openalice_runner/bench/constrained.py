@@ -34,9 +34,9 @@ import jsonschema
 from openalice_runner.bench.runner import geomean
 from openalice_runner.bench.workload import Case
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
+from openalice_runner.providers.embedded.local_config import LocalConfig
+from openalice_runner.providers.embedded.tool_format import TOOL_CALL_CLOSE, parse_tool_calls
 from openalice_runner.providers.local import LocalProvider
-from openalice_runner.providers.local_config import LocalConfig
-from openalice_runner.providers.tool_format import TOOL_CALL_CLOSE, parse_tool_calls
 from openalice_runner.types import ChatRequest
 
 MODES = ("unconstrained-off", "constrained-off", "constrained-forced", "constrained-forced-ngram")

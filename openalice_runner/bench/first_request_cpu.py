@@ -9,8 +9,8 @@ from pathlib import Path
 
 from openalice_runner.bench.workload import load_workload
 from openalice_runner.providers.base import CallContext
+from openalice_runner.providers.embedded.local_config import LocalConfig
 from openalice_runner.providers.local import LocalProvider
-from openalice_runner.providers.local_config import LocalConfig
 from openalice_runner.types import ChatRequest
 
 # ../shared/workloads beside the checkout

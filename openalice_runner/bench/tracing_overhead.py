@@ -25,7 +25,7 @@ from pathlib import Path
 from openalice_runner.engine import Engine
 from openalice_runner.providers.base import CallContext, Provider
 from openalice_runner.providers.config import RoutingConfig
-from openalice_runner.providers.instrumented import InstrumentedProvider
+from openalice_runner.providers.wrappers.instrumented import InstrumentedProvider
 from openalice_runner.runner import Runner
 from openalice_runner.tracing import RunnerTelemetry
 from openalice_runner.tracing.setup import configure_telemetry

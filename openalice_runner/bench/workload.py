@@ -48,7 +48,7 @@ def render_case(engine, case: Case) -> list[int]:
     has_tool_history = any(m.get("role") == "tool" or m.get("tool_calls") for m in case.messages)
     if not case.tools and not has_tool_history:
         return engine.render_chat(case.messages)
-    from openalice_runner.providers import tool_format
+    from openalice_runner.providers.embedded import tool_format
 
     template = getattr(engine.tokenizer, "chat_template", None)
     if tool_format.template_renders_tools(template if isinstance(template, str) else None):

@@ -112,7 +112,7 @@ def _check(args: argparse.Namespace) -> int:
         load_policy_file(args.file)
         problems = []
         if args.providers:
-            from openalice_runner.providers.pool_checks import check_pool_files
+            from openalice_runner.providers.pools.pool_checks import check_pool_files
 
             problems = check_pool_files(args.file, args.providers)
     except ConfigError as exc:  # the policy (PolicyError) or the routing file on its own

@@ -12,7 +12,7 @@ def load_checked(policy_path: str, providers_path: str) -> tuple[Any, Any] | Non
     from openalice_runner.config_files import ConfigError
     from openalice_runner.policies import load_policy_file
     from openalice_runner.providers.config import load_routing_file
-    from openalice_runner.providers.pool_checks import check_pool_files
+    from openalice_runner.providers.pools.pool_checks import check_pool_files
 
     try:
         problems = check_pool_files(policy_path, providers_path)

@@ -254,7 +254,7 @@ def _check_limits(args: argparse.Namespace) -> str | None:
 
 
 def _build_runner(args: argparse.Namespace, telemetry):
-    from openalice_runner.providers.admission import AdmissionLimits
+    from openalice_runner.providers.wrappers.admission import AdmissionLimits
     from openalice_runner.runner import Runner
 
     admission = AdmissionLimits(max_in_flight=args.max_in_flight, max_queue=args.max_queue)

@@ -47,7 +47,7 @@ def add_args_parser(sub: argparse._SubParsersAction, name: str) -> None:
 
 def sglang_args(args: argparse.Namespace) -> int:
     from openalice_runner.cli.pool_files import load_checked
-    from openalice_runner.providers.pool_checks import find_pool, pool_launch
+    from openalice_runner.providers.pools.pool_checks import find_pool, pool_launch
 
     files = load_checked(args.policy, args.providers)
     if files is None:

@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def vllm_args(args: argparse.Namespace) -> int:
     from openalice_runner.cli.pool_files import load_checked
-    from openalice_runner.providers.pool_checks import find_pool, vllm_pool_launch
+    from openalice_runner.providers.pools.pool_checks import find_pool, vllm_pool_launch
 
     files = load_checked(args.policy, args.providers)
     if files is None:

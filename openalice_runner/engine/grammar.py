@@ -38,7 +38,7 @@ try:  # the engine extra installs it; the error says so where it is missing
 except ImportError:  # pragma: no cover - exercised only without the engine extra
     llguidance = None
 
-TOOL_CALL_OPEN = "<tool_call>"  # the fallback tool format's tags (providers/tool_format.py)
+TOOL_CALL_OPEN = "<tool_call>"  # the fallback tool format's tags (providers/embedded/tool_format.py)
 TOOL_CALL_CLOSE = "</tool_call>"
 
 

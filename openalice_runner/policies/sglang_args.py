@@ -2,7 +2,7 @@
 
 SGLang fixes speculation per server at launch, so the runner realises a policy by routing requests
 among pools. The routing file owns each pool's launch settings (`providers.P.pools.NAME.launch`,
-providers/sglang_launch.py); what only the policy knows comes from the rules that name the pool:
+providers/pools/sglang_launch.py); what only the policy knows comes from the rules that name the pool:
 the adaptive pool's per-batch step candidates, and γ where the launch leaves it out. This is the one
 flag generator (`openalice-runner sglang args`). Flag names and constraints follow SGLang 0.5.x
 `server_args` (checked against 0.5.23, see tests/test_policy_sglang.py):
@@ -38,7 +38,7 @@ from openalice_runner.policies.schema import AdaptiveSettings, DecisionSpec, Pol
 
 
 class LaunchSettings(Protocol):
-    """A pool's launch settings as the routing file holds them (providers/sglang_launch.py's
+    """A pool's launch settings as the routing file holds them (providers/pools/sglang_launch.py's
     SGLangLaunch; named by shape here, as policies/ does not import providers/)."""
 
     algorithm: str

@@ -36,7 +36,7 @@ _POLICY_METHOD = {"ngram": "ngram", "suffix": "suffix", "eagle": "eagle", "eagle
 
 
 class VLLMLaunchSettings(Protocol):
-    """providers/vllm_launch.py's VLLMLaunch, named by shape (policies/ does not import providers/)."""
+    """providers/pools/vllm_launch.py's VLLMLaunch, named by shape (policies/ does not import providers/)."""
 
     model_path: str | None
     method: str

@@ -16,9 +16,9 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
-from openalice_runner.providers.fallback import FallbackProvider
 from openalice_runner.providers.streams import ChatStream
-from openalice_runner.providers.wrapper import WrapperProvider
+from openalice_runner.providers.wrappers.fallback import FallbackProvider
+from openalice_runner.providers.wrappers.wrapper import WrapperProvider
 
 __all__ = [
     "CallContext",

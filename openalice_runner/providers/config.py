@@ -31,12 +31,12 @@ from typing import Annotated
 from pydantic import Field, ValidationError, model_validator
 
 from openalice_runner.config_files import ConfigError, Located, Problem, StrictModel, load_located
+from openalice_runner.providers.embedded.local_config import LocalConfig
 from openalice_runner.providers.hosted import HostedConfig
-from openalice_runner.providers.local_config import LocalConfig
-from openalice_runner.providers.sglang import SGLangConfig
-from openalice_runner.providers.sglang_launch import launch_problems
-from openalice_runner.providers.vllm import VLLMConfig
-from openalice_runner.providers.vllm_launch import launch_problems as vllm_launch_problems
+from openalice_runner.providers.pools.sglang import SGLangConfig
+from openalice_runner.providers.pools.sglang_launch import launch_problems
+from openalice_runner.providers.pools.vllm import VLLMConfig
+from openalice_runner.providers.pools.vllm_launch import launch_problems as vllm_launch_problems
 
 ProviderConfig = Annotated[
     LocalConfig | SGLangConfig | VLLMConfig | HostedConfig, Field(discriminator="type")

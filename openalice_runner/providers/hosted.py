@@ -21,7 +21,6 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from openalice_runner.providers import openai_wire as wire
-from openalice_runner.providers.admission import AdmissionLimits
 from openalice_runner.providers.base import (
     CallContext,
     Capabilities,
@@ -35,6 +34,7 @@ from openalice_runner.providers.base import (
     StreamBroken,
 )
 from openalice_runner.providers.streams import ChatStream, chat_stream
+from openalice_runner.providers.wrappers.admission import AdmissionLimits
 from openalice_runner.redaction import register_secret
 from openalice_runner.types import (
     ChatChunk,

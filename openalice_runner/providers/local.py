@@ -2,7 +2,7 @@
 
 The engine is synchronous and serialises requests; this provider runs it in a worker thread so the
 event loop stays free and counts requests in flight (its load). How many may run and queue is the
-admission gate's business (providers/admission.py), in front of this provider. Requests the model
+admission gate's business (providers/wrappers/admission.py), in front of this provider. Requests the model
 can never serve (a prompt longer than its context, max_tokens past it) are refused before they
 reach the engine. Tool prompts and parsing live in tool_format.py. The policy's SpeculationPlan becomes the
 request's SpecConfig; a method the engine cannot run is downgraded to "off" and the result says so.
@@ -22,7 +22,6 @@ from typing import Any, Literal
 from openalice_runner.engine.errors import InvalidRequest
 from openalice_runner.engine.histories import ConversationHistories, align_prompt
 from openalice_runner.engine.types import EngineOverloaded, SamplingParams, SpecConfig
-from openalice_runner.providers import tool_format
 from openalice_runner.providers.base import (
     CallContext,
     Capabilities,
@@ -34,9 +33,10 @@ from openalice_runner.providers.base import (
     ProviderRateLimited,
     StreamBroken,
 )
-from openalice_runner.providers.local_config import LocalConfig
+from openalice_runner.providers.embedded import tool_format
+from openalice_runner.providers.embedded.local_config import LocalConfig
+from openalice_runner.providers.embedded.tool_stream import ToolCallStream
 from openalice_runner.providers.streams import ChatStream, chat_stream
-from openalice_runner.providers.tool_stream import ToolCallStream
 from openalice_runner.speculation import SPEC_METHODS, SpeculationPlan
 from openalice_runner.types import (
     AllowedToolChoice,

@@ -20,8 +20,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from openalice_runner.providers.base import CallContext
-from openalice_runner.providers.instrumented import OTEL_CONTEXT_KEY
 from openalice_runner.providers.streams import ChatStream
+from openalice_runner.providers.wrappers.instrumented import OTEL_CONTEXT_KEY
 from openalice_runner.server.body import read_chat_request
 from openalice_runner.server.context import caller_trace_context, turn_context
 from openalice_runner.server.deadline import ClientGone, Deadline, DeadlineExceeded, race, request_deadline

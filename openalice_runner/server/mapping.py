@@ -8,7 +8,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from openalice_runner.providers.admission import AdmissionRefused
 from openalice_runner.providers.base import (
     NoProviderAvailable,
     ProviderBadRequest,
@@ -19,6 +18,7 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
+from openalice_runner.providers.wrappers.admission import AdmissionRefused
 from openalice_runner.redaction import redact
 from openalice_runner.server.error_log import ERRORS
 from openalice_runner.server.errors import APIError

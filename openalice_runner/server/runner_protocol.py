@@ -9,9 +9,9 @@ from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from openalice_runner.policies import PolicyStore
-from openalice_runner.providers.admission import AdmissionGate, AdmissionRefused
 from openalice_runner.providers.base import CallContext, Provider
 from openalice_runner.providers.streams import ChatStream
+from openalice_runner.providers.wrappers.admission import AdmissionGate, AdmissionRefused
 from openalice_runner.types import ChatRequest, ChatResult
 
 if TYPE_CHECKING:  # annotations only: the routing config imports every provider type

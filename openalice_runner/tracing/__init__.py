@@ -1,7 +1,7 @@
 """OpenTelemetry tracing and metrics of turns, model calls and tool steps (GenAI conventions).
 
 Library side: RunnerTelemetry; it never installs a global provider. The provider wrapper that traces
-each model call is openalice_runner.providers.instrumented.InstrumentedProvider (providers depend on
+each model call is openalice_runner.providers.wrappers.instrumented.InstrumentedProvider (providers depend on
 tracing, never the reverse).
 Application side (CLI, server): openalice_runner.tracing.setup.configure_telemetry.
 """

@@ -14,7 +14,7 @@ from opentelemetry import context as otel_context
 
 from openalice_runner.providers.base import CallContext
 from openalice_runner.providers.streams import ChatStream, chat_stream
-from openalice_runner.providers.wrapper import WrapperProvider
+from openalice_runner.providers.wrappers.wrapper import WrapperProvider
 from openalice_runner.tracing.telemetry import ChatCall, RunnerTelemetry
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, Usage
 

@@ -21,7 +21,7 @@ from openalice_runner.providers.base import (
     StreamBroken,
 )
 from openalice_runner.providers.streams import ChatStream, chat_stream
-from openalice_runner.providers.wrapper import WrapperProvider
+from openalice_runner.providers.wrappers.wrapper import WrapperProvider
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
 
 logger = logging.getLogger(__name__)

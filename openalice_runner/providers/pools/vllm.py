@@ -1,6 +1,6 @@
 """vLLM provider: self-hosted vLLM servers grouped into pools, one speculation setting per pool.
 
-The second dialect of the pool model (providers/pool.py; SGLang is the first). What is vLLM's
+The second dialect of the pool model (providers/pools/pool.py; SGLang is the first). What is vLLM's
 (read from vLLM 0.32's source):
 - load: GET /metrics, Prometheus `vllm:num_requests_running` and `vllm:num_requests_waiting`
   (v1/metrics/loggers.py; one sample per engine, summed). vLLM does not export its
@@ -26,7 +26,7 @@ import httpx
 from pydantic import Field
 
 from openalice_runner.providers.base import ProviderBadRequest, ProviderError
-from openalice_runner.providers.pool import (
+from openalice_runner.providers.pools.pool import (
     Figures,
     LoadReader,
     PoolBase,
@@ -37,7 +37,7 @@ from openalice_runner.providers.pool import (
     http_error,
     parse_prometheus_sum,
 )
-from openalice_runner.providers.vllm_launch import VLLMLaunch
+from openalice_runner.providers.pools.vllm_launch import VLLMLaunch
 from openalice_runner.speculation import SpecMethod
 from openalice_runner.types import AllowedToolChoice, ChatRequest, Usage
 

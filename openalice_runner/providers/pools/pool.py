@@ -2,8 +2,8 @@
 
 Both engines fix speculation per server at launch, so the runner realises a policy by routing:
 the plan's `pool` (or, failing that, the pool whose method matches the plan's method, or
-the default pool) picks the pool; inside it one replica serves. A dialect (providers/sglang.py,
-providers/vllm.py) says what differs: how a replica's load is read, what the request body adds,
+the default pool) picks the pool; inside it one replica serves. A dialect (providers/pools/sglang.py,
+providers/pools/vllm.py) says what differs: how a replica's load is read, what the request body adds,
 where the per-request speculation figures come back, and the engine's name in messages.
 
 Replica choice (`rank_replicas`): with a conversation id, consistent hashing keeps a conversation
@@ -35,7 +35,6 @@ from pydantic import Field, field_validator, model_validator
 
 from openalice_runner.config_files.models import StrictModel
 from openalice_runner.providers import openai_wire as wire
-from openalice_runner.providers.admission import AdmissionLimits
 from openalice_runner.providers.base import (
     CallContext,
     Capabilities,
@@ -50,6 +49,7 @@ from openalice_runner.providers.base import (
     StreamBroken,
 )
 from openalice_runner.providers.streams import ChatStream, chat_stream
+from openalice_runner.providers.wrappers.admission import AdmissionLimits
 from openalice_runner.redaction import register_secret
 from openalice_runner.speculation import SpecMethod, SpeculationOutcome
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, SpeculationInfo, Usage

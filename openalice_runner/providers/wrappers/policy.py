@@ -16,7 +16,7 @@ from typing import Any
 
 from openalice_runner.providers.base import CallContext, Provider, ProviderLoad
 from openalice_runner.providers.streams import ChatStream, chat_stream
-from openalice_runner.providers.wrapper import WrapperProvider
+from openalice_runner.providers.wrappers.wrapper import WrapperProvider
 from openalice_runner.speculation import SpeculationOutcome
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
 

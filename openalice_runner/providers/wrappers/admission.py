@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from openalice_runner.providers.base import CallContext, Provider, ProviderLoad, ProviderRateLimited
 from openalice_runner.providers.streams import ChatStream
-from openalice_runner.providers.wrapper import WrapperProvider
+from openalice_runner.providers.wrappers.wrapper import WrapperProvider
 from openalice_runner.types import ChatRequest, ChatResult
 
 # Built-in limits where neither the provider's YAML nor the server's flags set one. The embedded

@@ -1,7 +1,7 @@
 """SGLang provider: self-hosted SGLang servers grouped into pools, one speculation setting per pool.
 
 The pool model (routing by the plan's pool, replica choice, the attempt loop) is shared with
-vLLM (providers/pool.py); this is SGLang's dialect. Replica load comes from the server itself,
+vLLM (providers/pools/pool.py); this is SGLang's dialect. Replica load comes from the server itself,
 cached for `load_cache_s`:
   GET /v1/loads?include=core   -> {"loads": [{"dp_rank", "num_running_reqs", "num_waiting_reqs", ...}]}
   GET /metrics                 -> Prometheus `sglang:num_running_reqs`, `sglang:num_queue_reqs`
@@ -26,7 +26,7 @@ import httpx
 from pydantic import Field
 
 from openalice_runner.providers import openai_wire as wire
-from openalice_runner.providers.pool import (
+from openalice_runner.providers.pools.pool import (
     Figures,
     LoadReader,
     PoolBase,
@@ -36,7 +36,7 @@ from openalice_runner.providers.pool import (
     decision_gamma,
     parse_prometheus_sum,
 )
-from openalice_runner.providers.sglang_launch import SGLangLaunch
+from openalice_runner.providers.pools.sglang_launch import SGLangLaunch
 from openalice_runner.speculation import SpecMethod
 from openalice_runner.types import AllowedToolChoice, ChatRequest, Usage
 

@@ -30,10 +30,10 @@ from openalice_runner.policies.schema import Policy
 from openalice_runner.policies.sglang_args import SGLangLaunch, compile_pool
 from openalice_runner.policies.vllm_args import VLLMLaunchLine, compile_vllm_pool
 from openalice_runner.providers.config import RoutingConfig, RoutingConfigError, load_routing_text
-from openalice_runner.providers.sglang import SGLangConfig, SGLangPool
-from openalice_runner.providers.sglang_launch import SERVES
-from openalice_runner.providers.vllm import VLLMConfig, VLLMPool
-from openalice_runner.providers.vllm_launch import SERVES as VLLM_SERVES
+from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangPool
+from openalice_runner.providers.pools.sglang_launch import SERVES
+from openalice_runner.providers.pools.vllm import VLLMConfig, VLLMPool
+from openalice_runner.providers.pools.vllm_launch import SERVES as VLLM_SERVES
 
 ENGINE = {"sglang": "SGLang", "vllm": "vLLM"}
 

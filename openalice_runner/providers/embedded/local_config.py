@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from openalice_runner.providers.admission import AdmissionLimits
+from openalice_runner.providers.wrappers.admission import AdmissionLimits
 
 
 class LocalConfig(AdmissionLimits):

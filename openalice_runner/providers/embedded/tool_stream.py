@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from openalice_runner.providers import tool_format
-from openalice_runner.providers.json_stream import CanonicalJSON, JSONStreamError
+from openalice_runner.providers.embedded import tool_format
+from openalice_runner.providers.embedded.json_stream import CanonicalJSON, JSONStreamError
 from openalice_runner.types import FunctionCallDelta, ToolCallDelta
 
 _OPEN = tool_format.TOOL_CALL_OPEN
