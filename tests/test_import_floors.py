@@ -67,7 +67,7 @@ FLOORS = (
 
 # Crossings tolerated while they are being removed, as (importer, imported). Empty since the engine's
 # SpecConfig / GenerationStats vocabulary moved to the torch-free openalice_runner/speculation.py (it held
-# types.SamplingSettings.to_engine, policies.decision.Decision.to_spec_config and providers.sglang's
+# types.SamplingSettings.to_engine, policies.decision.Decision.to_spec_config and providers.pools.sglang's
 # GenerationStats). Never add one for new code: a new crossing is a bug. A listed one that is gone fails too.
 KNOWN_CROSSINGS: frozenset[tuple[str, str]] = frozenset()
 
