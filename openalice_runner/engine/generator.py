@@ -366,9 +366,9 @@ def within_budget(verdict: Verdict, logits: torch.Tensor, draft: list[int], seq:
         with closing.ahead(seq.constraint, emitted[:j]):
             if closing.fits(seq, position + j, token, seq.round_left - j):
                 continue
-            allowed = seq.round_masks[j].clone()
-            allowed[token] = False
-            chosen = budget_choice(logits[j], seq, allowed, seq.round_left - j, None, position + j,
+            # the redraw starts from the grammar's own mask, not one without the misfit: top-p and
+            # top-k must keep the target's set (windowed_choice leaves the misfit out itself)
+            chosen = budget_choice(logits[j], seq, seq.round_masks[j], seq.round_left - j, None, position + j,
                                    TokenDraws.CLOSING)
         return Verdict(j, chosen)
     return verdict
