@@ -529,3 +529,49 @@ async def test_schema_the_grammar_backend_refuses_is_a_bad_request_naming_the_to
     with pytest.raises(ProviderBadRequest) as info:
         await local(tiny_engine()).chat(req, CallContext())
     assert info.value.param == "tools[1].function.parameters" and "look-around" in str(info.value)
+
+
+class _FailingEngine(ScriptedEngine):
+    """An engine whose generation raises `fault` before its first piece, plain or streamed."""
+
+    def __init__(self, fault: Exception) -> None:
+        super().__init__("never")
+        self.fault = fault
+
+    def stream(self, *args, **kwargs):
+        raise self.fault
+
+    def generate(self, *args, **kwargs):
+        raise self.fault
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected", "status"),
+    [
+        (RuntimeError("a bug of ours"), "ProviderInternalError", 500),
+        (KeyError("a bug of ours"), "ProviderInternalError", 500),
+        ("invalid", "ProviderBadRequest", 400),
+        ("overloaded", "ProviderRateLimited", None),  # the server maps it to 429
+    ],
+)
+async def test_plain_and_streamed_calls_map_an_engine_fault_alike(fault, expected, status):
+    """One error mapping for both paths: the client's faults are 400, ours 500, never raw."""
+    from openalice_runner.engine.errors import InvalidRequest
+    from openalice_runner.engine.types import EngineOverloaded
+    from openalice_runner.providers.base import ProviderError
+
+    if fault == "invalid":
+        fault = InvalidRequest("top_p: out of range")
+    elif fault == "overloaded":
+        fault = EngineOverloaded("the waiting line is full")
+    req = ChatRequest(messages=[{"role": "user", "content": "x"}])
+    p = local(_FailingEngine(fault))
+    with pytest.raises(ProviderError) as plain:
+        await p.chat(req, CallContext())
+    with pytest.raises(ProviderError) as streamed:
+        await read_all(p.stream(req, CallContext()))
+    for info in (plain, streamed):
+        assert type(info.value).__name__ == expected
+        assert info.value.status_code == status
+        assert info.value.__cause__ is fault
+    assert str(plain.value) == str(streamed.value)

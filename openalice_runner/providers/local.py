@@ -330,17 +330,10 @@ class LocalProvider(Provider):
             sampling = _replace_stop(sampling, (*sampling.stop, tool_format.TOOL_CALL_CLOSE))
         decision = ctx.decision
         spec = SpecConfig()
-        if decision is not None:
-            if decision.method in ENGINE_SPEC_METHODS:
-                spec = self._planned_spec(decision)
-                if spec.method == "eagle":
-                    spec = self._usable_head(spec, decision)
-            else:
-                logger.info(
-                    "%s: method %r not available in the engine; running without speculation",
-                    self.name,
-                    decision.method,
-                )
+        if decision is not None:  # every SpecMethod is one the engine runs (ENGINE_SPEC_METHODS)
+            spec = self._planned_spec(decision)
+            if spec.method == "eagle":
+                spec = self._usable_head(spec, decision)
         return sampling, spec
 
     def _planned_spec(self, decision: SpeculationPlan) -> SpecConfig:
@@ -421,32 +414,25 @@ class LocalProvider(Provider):
                 prompt, result = await asyncio.to_thread(self._generate, request, ctx, cancel)
             except ProviderError:
                 raise
-            except EngineOverloaded as exc:
-                raise ProviderRateLimited(str(exc), provider=self.name) from exc
-            except InvalidRequest as exc:  # the engine's checks of the request's input
-                raise _bad_request(exc, self.name) from exc
-            except Exception as exc:  # anything else is ours, not the client's
-                raise _internal(exc, self.name) from exc
+            except Exception as exc:
+                raise _engine_error(exc, self.name, started=False) from exc
         except asyncio.CancelledError:
             cancel.set()  # the worker thread stops at its next round
             raise
         finally:
             self._in_flight -= 1
-        stats = result.stats
-        _stamp(stats, ctx)
-        outcome = stats.outcome()
+        done = _Finished.of(result, prompt, ctx)
         content, tool_calls = _split(prompt, result.text, cut=_budget_ended(result))
-        finish = _finish(result, bool(tool_calls))
         out = ChatResult.single(
             model=self.engine.model_name,
             content=content,
             tool_calls=tool_calls,
-            finish_reason=finish,
-            usage=Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens, stats.cached_prompt_tokens),
-            speculation=_speculation(outcome, stats),
+            finish_reason=_finish(result, bool(tool_calls)),
+            usage=done.usage,
+            speculation=done.speculation,
             provider=self.name,
         )
-        return out.attach_outcome(outcome)
+        return out.attach_outcome(done.outcome)
 
     # ---- stream ----
 
@@ -473,26 +459,14 @@ class LocalProvider(Provider):
                         started = True
             except ProviderError:
                 raise
-            except EngineOverloaded as exc:
-                raise ProviderRateLimited(str(exc), provider=self.name) from exc
-            except InvalidRequest as exc:
-                if started:
-                    raise StreamBroken(str(exc), provider=self.name) from exc
-                raise _bad_request(exc, self.name) from exc
-            except Exception as exc:  # anything else is ours, not the client's
-                if started:
-                    logger.error("%s: engine failed mid-stream", self.name, exc_info=exc)
-                    raise StreamBroken(f"engine failed mid-stream ({type(exc).__name__})",
-                                       provider=self.name) from exc
-                raise _internal(exc, self.name) from exc
+            except Exception as exc:
+                raise _engine_error(exc, self.name, started=started) from exc
             finally:
                 await events.aclose()
         finally:
             self._in_flight -= 1
         assert result is not None, "engine stream ended without a result"
-        stats = result.stats
-        _stamp(stats, ctx)
-        outcome = stats.outcome()
+        done = _Finished.of(result, prompt, ctx)
         end = calls.finish(budget_ended=_budget_ended(result))
         for piece in end.pieces:
             yield ChatChunk.piece(chunk_id, model, piece.content, piece.tool_calls, first=not started)
@@ -502,14 +476,45 @@ class LocalProvider(Provider):
             id=chunk_id,
             model=model,
             choices=[ChunkChoice(finish_reason=finish)],
-            usage=Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens, stats.cached_prompt_tokens),
-            speculation=_speculation(outcome, stats),
+            usage=done.usage,
+            speculation=done.speculation,
             provider=self.name,
         )
-        yield final.attach_outcome(outcome)
+        yield final.attach_outcome(done.outcome)
 
 
 # ---------------------------------------------------------------- helpers
+
+
+@dataclass(frozen=True)
+class _Finished:
+    """What a plain reply and a stream's last chunk both report of a finished generation."""
+
+    outcome: Any
+    usage: Usage
+    speculation: SpeculationInfo
+
+    @classmethod
+    def of(cls, result: Any, prompt: _Prompt, ctx: CallContext) -> _Finished:
+        stats = result.stats
+        _stamp(stats, ctx)
+        outcome = stats.outcome()
+        usage = Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens, stats.cached_prompt_tokens)
+        return cls(outcome=outcome, usage=usage, speculation=_speculation(outcome, stats))
+
+
+def _engine_error(exc: Exception, provider: str, *, started: bool) -> ProviderError:
+    """The one mapping of an engine exception, for plain and streamed calls alike: overload is 429,
+    the engine's checks of the request are the client's (400), anything else is ours (500); once a
+    stream has sent chunks, both of the latter break it instead."""
+    if isinstance(exc, EngineOverloaded):
+        return ProviderRateLimited(str(exc), provider=provider)
+    if isinstance(exc, InvalidRequest):
+        return StreamBroken(str(exc), provider=provider) if started else _bad_request(exc, provider)
+    if started:
+        logger.error("%s: engine failed mid-stream", provider, exc_info=exc)
+        return StreamBroken(f"engine failed mid-stream ({type(exc).__name__})", provider=provider)
+    return _internal(exc, provider)
 
 
 def _bad_request(exc: InvalidRequest, provider: str) -> ProviderBadRequest:
