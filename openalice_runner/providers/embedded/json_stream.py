@@ -67,26 +67,9 @@ class CanonicalJSON:
             raise JSONStreamError(f"expected an object, got {ch!r}")
         expect = self._expect
         if ch in "}]" and (expect == "next" or (self._first and expect in ("key", "value"))):
-            if not self._stack or self._stack[-1] != ("{" if ch == "}" else "["):
-                raise JSONStreamError(f"unexpected {ch!r}")
-            self._stack.pop()
-            if not self._stack:
-                self.done = True  # the closing brace is the caller's to send
-                return
-            out.append(ch)
-            self._first = False
-            self._after_value()
+            self._close(ch, out)
         elif expect == "value":
-            if ch in "{[":
-                out.append(ch)
-                self._stack.append(ch)
-                self._expect, self._first = ("key" if ch == "{" else "value"), True
-            elif ch == '"':
-                self._open_string(is_key=False, out=out)
-            elif ch in "-0123456789tfnNI":
-                self._scalar = ch
-            else:
-                raise JSONStreamError(f"unexpected {ch!r} where a value goes")
+            self._value_start(ch, out)
         elif expect == "key" and ch == '"':
             self._open_string(is_key=True, out=out)
         elif expect == "colon" and ch == ":":
@@ -97,6 +80,29 @@ class CanonicalJSON:
             self._expect = "key" if self._stack[-1] == "{" else "value"
         else:
             raise JSONStreamError(f"unexpected {ch!r} where a {expect} goes")
+
+    def _close(self, ch: str, out: list[str]) -> None:
+        if not self._stack or self._stack[-1] != ("{" if ch == "}" else "["):
+            raise JSONStreamError(f"unexpected {ch!r}")
+        self._stack.pop()
+        if not self._stack:
+            self.done = True  # the closing brace is the caller's to send
+            return
+        out.append(ch)
+        self._first = False
+        self._after_value()
+
+    def _value_start(self, ch: str, out: list[str]) -> None:
+        if ch in "{[":
+            out.append(ch)
+            self._stack.append(ch)
+            self._expect, self._first = ("key" if ch == "{" else "value"), True
+        elif ch == '"':
+            self._open_string(is_key=False, out=out)
+        elif ch in "-0123456789tfnNI":
+            self._scalar = ch
+        else:
+            raise JSONStreamError(f"unexpected {ch!r} where a value goes")
 
     def _open_string(self, *, is_key: bool, out: list[str]) -> None:
         out.append('"')

@@ -491,12 +491,7 @@ class PoolProvider(Provider):
                     break
                 data = json.loads(payload)
                 if isinstance(data, dict) and "error" in data:
-                    err = error_from_body(data["error"], self.name)
-                    if acc.started:
-                        raise StreamBroken(f"{engine} stream error: {err.message}", provider=self.name)
-                    if err.fallback_ok:
-                        raise _NextReplica(f"stream error before the first token: {err.message}")
-                    raise err
+                    raise self._stream_error(data["error"], acc.started)
                 if isinstance(data, dict):
                     self.capture(ext, data)
                 for chunk in acc.feed(wire.read_chunk(data, self.name)):
@@ -507,6 +502,24 @@ class PoolProvider(Provider):
             if isinstance(exc, ProviderBadResponse):
                 raise
             raise ProviderBadResponse(f"{engine} stream event is not JSON: {exc}", provider=self.name) from exc
+        self._check_stream_end(acc)
+        usage = acc.usage or Usage()
+        outcome = self._speculation(ext, pool, ctx, usage)
+        yield acc.final(SpeculationInfo.from_outcome(outcome), self.name).attach_outcome(outcome)
+
+    def _stream_error(self, body: Any, started: bool) -> Exception:
+        """An SSE `error` event: StreamBroken once tokens went out; before, the next replica where
+        the error allows a fallback, else the error itself."""
+        err = error_from_body(body, self.name)
+        if started:
+            return StreamBroken(f"{self.engine} stream error: {err.message}", provider=self.name)
+        if err.fallback_ok:
+            return _NextReplica(f"stream error before the first token: {err.message}")
+        return err
+
+    def _check_stream_end(self, acc: wire.ChunkAccumulator) -> None:
+        """A stream that ended without a finish, or aborted: broken after tokens, else retried or refused."""
+        engine = self.engine
         if acc.finish is None:
             if acc.started:
                 raise StreamBroken(f"{engine} stream ended without a finish_reason", provider=self.name)
@@ -515,9 +528,6 @@ class PoolProvider(Provider):
             if acc.started:
                 raise StreamBroken(f"{engine} aborted the request mid-stream", provider=self.name)
             raise ProviderUnavailable(f"{engine} aborted the request", provider=self.name)
-        usage = acc.usage or Usage()
-        outcome = self._speculation(ext, pool, ctx, usage)
-        yield acc.final(SpeculationInfo.from_outcome(outcome), self.name).attach_outcome(outcome)
 
     async def aclose(self) -> None:
         if self._owns_client:

@@ -72,7 +72,21 @@ Problem = tuple[tuple, str, bool]  # (path under the launch mapping, message, at
 def launch_problems(launch: SGLangLaunch) -> list[Problem]:
     """What is wrong with one pool's launch settings on their own."""
     problems: list[Problem] = []
-    at = lambda field, message, key=False: problems.append(((field,) if field else (), message, key))  # noqa: E731
+
+    def at(field: str | None, message: str, key: bool = False) -> None:
+        problems.append(((field,) if field else (), message, key))
+
+    _applicability_problems(launch, at)
+    _adaptive_problems(launch, at)
+    _draft_shape_problems(launch, at)
+    ng = launch.ngram
+    if ng and ng.min_bfs_breadth and ng.max_bfs_breadth and ng.min_bfs_breadth > ng.max_bfs_breadth:
+        problems.append((("ngram", "max_bfs_breadth"), "max_bfs_breadth < min_bfs_breadth", False))
+    return problems
+
+
+def _applicability_problems(launch: SGLangLaunch, at) -> None:
+    """Settings given to a pool whose algorithm does not use them, or missing where it needs them."""
     eagle = launch.eagle
     if eagle and not launch.draft_model_path:
         at(None, f"{launch.algorithm} pool needs draft_model_path (the EAGLE head)")
@@ -86,6 +100,10 @@ def launch_problems(launch: SGLangLaunch) -> list[Problem]:
                 at(f, f"{f} does not apply to a pool without speculation", True)
     if launch.ngram is not None and launch.algorithm != "NGRAM":
         at("ngram", "ngram options only apply to an NGRAM pool", True)
+
+
+def _adaptive_problems(launch: SGLangLaunch, at) -> None:
+    """SGLang's adaptive speculation: what it needs and what it refuses."""
     if launch.adaptive and launch.max_running_requests is None:
         at(
             None,
@@ -93,7 +111,7 @@ def launch_problems(launch: SGLangLaunch) -> list[Problem]:
             "(SGLang's own default depends on GPU memory)",
         )
     if launch.adaptive:
-        if not eagle:
+        if not launch.eagle:
             at("adaptive", "SGLang's adaptive speculation supports EAGLE/EAGLE3 only")
         elif launch.eagle_topk not in (None, 1):
             at("eagle_topk", "SGLang's adaptive speculation needs eagle_topk 1")
@@ -101,13 +119,12 @@ def launch_problems(launch: SGLangLaunch) -> list[Problem]:
             at("num_draft_tokens", "with adaptive, SGLang sets num_draft_tokens to num_steps + 1", True)
     elif launch.adaptive_config_path is not None:
         at("adaptive_config_path", "adaptive_config_path needs adaptive: true", True)
-    topk = launch.eagle_topk or 1
-    steps = launch.num_steps
+
+
+def _draft_shape_problems(launch: SGLangLaunch, at) -> None:
+    """An EAGLE chain's or tree's size against its steps, as SGLang derives them."""
+    eagle, topk, steps = launch.eagle, launch.eagle_topk or 1, launch.num_steps
     if eagle and topk == 1 and steps is not None and launch.num_draft_tokens not in (None, steps + 1):
         at("num_draft_tokens", f"with eagle_topk 1 SGLang uses num_draft_tokens = num_steps + 1 = {steps + 1}")
     if eagle and topk > 1 and launch.num_draft_tokens is None:
         at(None, "eagle_topk > 1 builds a draft tree: set num_draft_tokens (its size)")
-    ng = launch.ngram
-    if ng and ng.min_bfs_breadth and ng.max_bfs_breadth and ng.min_bfs_breadth > ng.max_bfs_breadth:
-        problems.append((("ngram", "max_bfs_breadth"), "max_bfs_breadth < min_bfs_breadth", False))
-    return problems
