@@ -52,7 +52,14 @@ from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.providers.wrappers.admission import AdmissionLimits
 from openalice_runner.redaction import register_secret
 from openalice_runner.speculation import SpecMethod, SpeculationOutcome
-from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, SpeculationInfo, Usage
+from openalice_runner.types import (
+    AllowedToolChoice,
+    ChatChunk,
+    ChatRequest,
+    ChatResult,
+    SpeculationInfo,
+    Usage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +280,13 @@ class PoolProvider(Provider):
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
+        choice = request.tool_choice
+        if isinstance(choice, AllowedToolChoice):
+            # neither SGLang 0.5.23's nor vLLM 0.32's ChatCompletionRequest has the allowed_tools
+            # form: the same calls, as only the allowed tools under the plain mode
+            allowed = set(choice.allowed_tools.names)
+            body["tools"] = [t for t in body["tools"] if t["function"]["name"] in allowed]
+            body["tool_choice"] = choice.allowed_tools.mode
         return body
 
     def capture(self, ext: dict[str, Any], data: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ from openalice_runner.providers.pools.pool import (
 )
 from openalice_runner.providers.pools.sglang_launch import SGLangLaunch
 from openalice_runner.speculation import SpecMethod
-from openalice_runner.types import AllowedToolChoice, ChatRequest, Usage
+from openalice_runner.types import ChatRequest, Usage
 
 __all__ = ["Replica", "SGLangConfig", "SGLangPool", "SGLangProvider", "parse_prometheus_sum"]
 
@@ -124,13 +124,6 @@ class SGLangProvider(PoolProvider):
 
     def body(self, request: ChatRequest, stream: bool) -> dict[str, Any]:
         body = super().body(request, stream)
-        choice = request.tool_choice
-        if isinstance(choice, AllowedToolChoice):
-            # SGLang 0.5.23's ChatCompletionRequest knows no allowed_tools form (tool_choice is a mode
-            # or a named function): the same calls, as only the allowed tools under the plain mode
-            allowed = set(choice.allowed_tools.names)
-            body["tools"] = [t for t in body["tools"] if t["function"]["name"] in allowed]
-            body["tool_choice"] = choice.allowed_tools.mode
         # SGLang 0.5.23 returns the per-request speculation counters as `sglext.spec_tokens_details`
         # (protocol.py SpecTokensDetails), on the response or, streaming, on a chunk of their own
         # after the finish chunk (serving_chat.py `_generate_chat_stream`). Nothing when off.

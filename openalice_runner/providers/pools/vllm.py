@@ -39,7 +39,7 @@ from openalice_runner.providers.pools.pool import (
 )
 from openalice_runner.providers.pools.vllm_launch import VLLMLaunch
 from openalice_runner.speculation import SpecMethod
-from openalice_runner.types import AllowedToolChoice, ChatRequest, Usage
+from openalice_runner.types import Usage
 
 # ---------------------------------------------------------------- config
 
@@ -125,17 +125,6 @@ class VLLMProvider(PoolProvider):
 
     def load_readers(self) -> dict[str, LoadReader]:
         return _LOAD_READERS
-
-    def body(self, request: ChatRequest, stream: bool) -> dict[str, Any]:
-        body = super().body(request, stream)
-        choice = request.tool_choice
-        if isinstance(choice, AllowedToolChoice):
-            # vLLM 0.32's ChatCompletionRequest has no allowed_tools form: the same calls, as only
-            # the allowed tools under the plain mode
-            allowed = set(choice.allowed_tools.names)
-            body["tools"] = [t for t in body["tools"] if t["function"]["name"] in allowed]
-            body["tool_choice"] = choice.allowed_tools.mode
-        return body
 
     def capture(self, ext: dict[str, Any], data: dict[str, Any]) -> None:
         metrics = data.get("metrics")
