@@ -60,6 +60,16 @@ class Located:
         line, col = self.where(path, key=key)
         return Problem(self.source, line, col, message)
 
+    def data_path(self, err_loc: tuple) -> Path:
+        """pydantic's error loc as far as it names keys and indexes in the file (union branch tags
+        such as 'sglang' dropped)."""
+        path: Path = ()
+        for part in err_loc:
+            candidate = (*path, part)
+            if candidate in self.values or candidate in self.keys:
+                path = candidate
+        return path
+
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2 booleans: only true/false, so `method: off` stays the string "off";

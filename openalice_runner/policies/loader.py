@@ -92,22 +92,12 @@ def _schema_problems(exc: ValidationError, loc: Located) -> list[Problem]:
     # One field of a union type (e.g. gamma: int | "auto") yields one error per branch: merge them.
     grouped: dict[tuple[Path, bool], list[ErrorDetails]] = {}
     for err in exc.errors(include_url=False):
-        path = _data_path(err["loc"], loc)
+        path = loc.data_path(err["loc"])
         grouped.setdefault((path, err["type"] == "extra_forbidden"), []).append(err)
     problems = []
     for (path, is_key), errs in grouped.items():
         problems.append(loc.problem(path, _message(path, errs), key=is_key))
     return problems
-
-
-def _data_path(err_loc: tuple, loc: Located) -> Path:
-    """Keep the parts of pydantic's loc that are real keys/indexes (drop union branch tags)."""
-    path: Path = ()
-    for part in err_loc:
-        candidate = (*path, part)
-        if candidate in loc.values or candidate in loc.keys:
-            path = candidate
-    return path
 
 
 def _dotted(path: Path) -> str:

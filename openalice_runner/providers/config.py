@@ -201,7 +201,7 @@ def _problems(exc: ValidationError, loc: Located) -> list[Problem]:
         if isinstance(ctx_error, _AtPath):
             problems.append(loc.problem(ctx_error.path, ctx_error.message))
             continue
-        path = _data_path(err["loc"], loc)
+        path = loc.data_path(err["loc"])
         where = _label(err["loc"])
         if err["type"] == "extra_forbidden":
             problems.append(loc.problem(path, f"unknown key {err['loc'][-1]!r} at {where}", key=True))
@@ -222,12 +222,3 @@ def _label(err_loc: tuple) -> str:
     ]
     return ".".join(parts) or "(top level)"
 
-
-def _data_path(err_loc: tuple, loc: Located) -> tuple:
-    """pydantic's loc without union branch tags (e.g. 'sglang'), as far as it exists in the file."""
-    path: tuple = ()
-    for part in err_loc:
-        candidate = (*path, part)
-        if candidate in loc.values or candidate in loc.keys:
-            path = candidate
-    return path
