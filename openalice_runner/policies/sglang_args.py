@@ -56,7 +56,9 @@ class LaunchSettings(Protocol):
 
 
 @dataclass(frozen=True)
-class SGLangLaunch:
+class SGLangLaunchLine:
+    """One pool's compiled server flags (and adaptive config), as vllm_args.VLLMLaunchLine."""
+
     pool: str
     args: list[str]
     adaptive_config: dict | None  # JSON content for --speculative-adaptive-config, when adaptive
@@ -111,7 +113,7 @@ def compile_pool(
     policy: Policy | None,
     adaptive_config_path: str | None = None,
     model: str | None = None,
-) -> SGLangLaunch:
+) -> SGLangLaunchLine:
     """Launch flags for one pool, from its launch settings (routing file) and the rules of `policy`
     that name it (None: no rules). `model` leads the line as --model-path. Raises ValueError where
     neither the settings nor the rules set γ, or where the settings contradict the rules."""
@@ -148,7 +150,7 @@ def compile_pool(
         if value is not None:
             args += [flag, str(value)]
     args += list(pool.extra_args)
-    return SGLangLaunch(pool_name, args, adaptive_cfg, cfg_path)
+    return SGLangLaunchLine(pool_name, args, adaptive_cfg, cfg_path)
 
 
 def _adaptive_steps(

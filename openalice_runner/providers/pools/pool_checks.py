@@ -27,7 +27,7 @@ from openalice_runner.config_files import ConfigError, Located, Problem, load_lo
 from openalice_runner.policies.errors import PolicyError
 from openalice_runner.policies.loader import parse_policy
 from openalice_runner.policies.schema import Policy
-from openalice_runner.policies.sglang_args import SGLangLaunch, compile_pool
+from openalice_runner.policies.sglang_args import SGLangLaunchLine, compile_pool
 from openalice_runner.policies.vllm_args import VLLMLaunchLine, compile_vllm_pool
 from openalice_runner.providers.config import RoutingConfig, RoutingConfigError, load_routing_text
 from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangPool
@@ -84,7 +84,7 @@ def find_pool(
 
 def pool_launch(
     deployed: DeployedPool, policy: Policy | None, adaptive_config_path: str | None = None
-) -> SGLangLaunch:
+) -> SGLangLaunchLine:
     """The one flag generator's output for a deployed SGLang pool (ValueError where it cannot be made)."""
     return compile_pool(deployed.pool.launch, deployed.name, policy, adaptive_config_path, deployed.model)  # type: ignore[arg-type]
 
