@@ -15,7 +15,7 @@ from typing import Any
 from openalice_runner.policies.adaptive import AdaptiveGamma
 from openalice_runner.policies.batch_table import batch_segments
 from openalice_runner.policies.schema import DecisionSpec, Policy
-from openalice_runner.speculation import GammaTable, SpeculationPlan
+from openalice_runner.speculation import GammaTable, SpecMethod, SpeculationPlan
 
 _INF = float("inf")
 
@@ -39,7 +39,7 @@ class CompiledRule:
     batch_hi: float
     batch_any: bool  # no batch_size condition: matches an unknown batch size too
     batch_unknown: bool  # batch_size.unknown: true
-    method: str
+    method: SpecMethod
     auto: bool
     gamma_lo: int
     gamma_hi: int
@@ -170,7 +170,7 @@ class CompiledPolicy:
         return found
 
     def gamma_table(
-        self, ctx: RequestContext, decided: CompiledRule, method: str, gamma: int, adaptive: AdaptiveGamma
+        self, ctx: RequestContext, decided: CompiledRule, method: SpecMethod, gamma: int, adaptive: AdaptiveGamma
     ) -> GammaTable | None:
         """γ of `method` at every batch size, given the decided rule gave `gamma`; None when it is
         `gamma` throughout.

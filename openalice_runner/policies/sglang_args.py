@@ -41,7 +41,9 @@ class LaunchSettings(Protocol):
     """A pool's launch settings as the routing file holds them (providers/pools/sglang_launch.py's
     SGLangLaunch; named by shape here, as policies/ does not import providers/)."""
 
-    algorithm: str
+    @property
+    def algorithm(self) -> str: ...  # read only, so the launch's Literal of names fits
+
     draft_model_path: str | None
     num_steps: int | None
     eagle_topk: int | None
@@ -129,9 +131,7 @@ def compile_pool(
             cfg_path = adaptive_config_path or pool.adaptive_config_path or f"sglang-adaptive-{pool_name}.json"
             draft_tokens = steps + 1
         else:
-            steps = pool.num_steps if pool.num_steps is not None else (max(positive) if positive else None)
-            if steps is None:
-                raise ValueError(f"pool {pool_name!r}: no rule routes to it with speculation on; set num_steps")
+            steps = _launch_steps(pool, pool_name, max(positive) if positive else None)
             draft_tokens = pool.num_draft_tokens if pool.num_draft_tokens is not None else steps + 1
         args += ["--speculative-algorithm", pool.algorithm]
         args += ["--speculative-draft-model-path", str(pool.draft_model_path)]
@@ -153,6 +153,16 @@ def compile_pool(
     return SGLangLaunchLine(pool_name, args, adaptive_cfg, cfg_path)
 
 
+def _launch_steps(pool: LaunchSettings, pool_name: str, from_rules: int | None) -> int:
+    """An EAGLE pool's --speculative-num-steps: its own num_steps, else `from_rules` (the step
+    count its rules route to it; None: no rule routes to it with speculation on)."""
+    if pool.num_steps is not None:
+        return pool.num_steps
+    if from_rules is None:
+        raise ValueError(f"pool {pool_name!r}: no rule routes to it with speculation on; set num_steps")
+    return from_rules
+
+
 def _adaptive_steps(
     pool: LaunchSettings, pool_name: str, routed: list[tuple[int, float, DecisionSpec]], positive: list[int],
     ema_weight: float,
@@ -163,12 +173,10 @@ def _adaptive_steps(
     slots: dict[int, set[int]] = {
         lo: {s for d in covering for s in _steps_of(d)} for lo, covering in batch_segments(routed) if covering
     }
-    if not positive and pool.num_steps is None:
-        raise ValueError(f"pool {pool_name!r}: no rule routes to it with speculation on; set num_steps")
+    steps = _launch_steps(pool, pool_name, positive[len(positive) // 2] if positive else None)
     if not slots:
-        slots[1] = {pool.num_steps}
+        slots[1] = {steps}
     union = sorted(set().union(*slots.values()))
-    steps = pool.num_steps if pool.num_steps is not None else positive[len(positive) // 2]
     if steps not in union:
         raise ValueError(f"pool {pool_name!r}: num_steps {steps} is not among the rules' candidates {union}")
     adaptive_cfg: dict = {"ema_alpha": ema_weight}

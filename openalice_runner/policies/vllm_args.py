@@ -39,7 +39,10 @@ class VLLMLaunchSettings(Protocol):
     """providers/pools/vllm_launch.py's VLLMLaunch, named by shape (policies/ does not import providers/)."""
 
     model_path: str | None
-    method: str
+
+    @property
+    def method(self) -> str: ...  # read only, so the launch's Literal of methods fits
+
     draft_model: str | None
     num_speculative_tokens: int | None
     prompt_lookup_min: int | None

@@ -165,14 +165,14 @@ def _check_pool_launch(config: RoutingConfig, loc: Located) -> None:
     problems = []
     for name, provider in config.providers.items():
         if isinstance(provider, SGLangConfig):
-            check = launch_problems
+            found = [(pool_name, launch_problems(pool.launch)) for pool_name, pool in provider.pools.items()]
         elif isinstance(provider, VLLMConfig):
-            check = vllm_launch_problems
+            found = [(pool_name, vllm_launch_problems(pool.launch)) for pool_name, pool in provider.pools.items()]
         else:
             continue
-        for pool_name, pool in provider.pools.items():
+        for pool_name, pool_problems in found:
             at = ("providers", name, "pools", pool_name, "launch")
-            for sub, message, key in check(pool.launch):
+            for sub, message, key in pool_problems:
                 problems.append(loc.problem((*at, *sub), f"pool {pool_name!r}: {message}", key=key))
     if problems:
         raise RoutingConfigError(problems)

@@ -66,6 +66,11 @@ def _plain(value: Any) -> Any:
     return value.model_dump(exclude_none=True, by_alias=True) if isinstance(value, BaseModel) else value
 
 
+_OPENAI_FINISH: dict[str, FinishReason] = {  # the reasons OpenAI has, each as itself
+    "stop": "stop", "length": "length", "tool_calls": "tool_calls", "content_filter": "content_filter"
+}
+
+
 def finish_reason(raw: str | None, saw_tool_calls: bool, provider: str | None = None) -> FinishReason:
     """Upstream finish reason -> OpenAI's. A natural stop that produced tool calls is `tool_calls`
     (as SGLang and OpenAI report it); a value outside OpenAI's set reads as `stop`. None (a reply
@@ -74,9 +79,7 @@ def finish_reason(raw: str | None, saw_tool_calls: bool, provider: str | None = 
         raise ProviderBadResponse("malformed response: finish_reason missing", provider=provider)
     if saw_tool_calls and raw in ("stop", "tool_calls", "function_call"):
         return "tool_calls"
-    if raw in ("stop", "length", "tool_calls", "content_filter"):
-        return raw  # type: ignore[return-value]
-    return "stop"
+    return _OPENAI_FINISH.get(raw, "stop")
 
 
 def retry_after(headers: Mapping[str, Any] | None) -> float | None:

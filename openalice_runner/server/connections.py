@@ -246,7 +246,8 @@ class DrainingServer(uvicorn.Server):
             log.info("draining: new requests get 503 while those in flight finish", grace_s=grace)
             while self._busy(drain) and not self.force_exit and loop.time() < deadline:
                 await asyncio.sleep(0.05)
-            self.config.timeout_graceful_shutdown = max(0.0, deadline - loop.time())
+            # uvicorn annotates this int, but only hands it to asyncio.timeout, which takes float seconds
+            self.config.timeout_graceful_shutdown = max(0.0, deadline - loop.time())  # type: ignore[assignment]
         await super().shutdown(sockets)
 
     def _busy(self, drain: Drain) -> bool:

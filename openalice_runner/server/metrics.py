@@ -66,7 +66,7 @@ class OtelBridge(Collector):
         keys = sorted({k for p in points for k in (p.attributes or {})})
         labels = [_label_name(k) for k in keys]
         if isinstance(metric.data, OtelHistogram):
-            fam = HistogramMetricFamily(name, metric.description or metric.name, labels=labels)
+            histogram = HistogramMetricFamily(name, metric.description or metric.name, labels=labels)
             for p in points:
                 assert isinstance(p, HistogramDataPoint)
                 values = [str((p.attributes or {}).get(k, "")) for k in keys]
@@ -75,19 +75,19 @@ class OtelBridge(Collector):
                     cumulative += count
                     buckets.append((_fmt_bound(bound), cumulative))
                 buckets.append(("+Inf", p.count))
-                fam.add_metric(values, buckets, p.sum)
-            yield fam
+                histogram.add_metric(values, buckets, p.sum)
+            yield histogram
         elif isinstance(metric.data, Sum) and metric.data.is_monotonic:
-            fam = CounterMetricFamily(name, metric.description or metric.name, labels=labels)
+            counter = CounterMetricFamily(name, metric.description or metric.name, labels=labels)
             for p in points:
                 assert isinstance(p, NumberDataPoint)
-                fam.add_metric([str((p.attributes or {}).get(k, "")) for k in keys], p.value)
-            yield fam
+                counter.add_metric([str((p.attributes or {}).get(k, "")) for k in keys], p.value)
+            yield counter
         else:
-            fam = GaugeMetricFamily(name, metric.description or metric.name, labels=labels)
+            gauge = GaugeMetricFamily(name, metric.description or metric.name, labels=labels)
             for p in points:
-                fam.add_metric([str((p.attributes or {}).get(k, "")) for k in keys], getattr(p, "value", 0))
-            yield fam
+                gauge.add_metric([str((p.attributes or {}).get(k, "")) for k in keys], getattr(p, "value", 0))
+            yield gauge
 
 
 def _fmt_bound(bound: float) -> str:

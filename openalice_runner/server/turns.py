@@ -88,19 +88,19 @@ class TurnTracker:
         """Place a request in its turn (starting one if needed) and record the tool steps it answers."""
         now_ns = time.time_ns()
         parent_trace = trace.get_current_span(parent).get_span_context() if parent is not None else None
-        turn = self._open.get(conversation_id) if conversation_id else None
-        tracked = conversation_id is not None
+        key = conversation_id  # where the tracker keeps the turn; None: a turn of one request
+        turn = self._open.get(key) if key else None
         if turn is not None and turn.busy:
             # A second request of the conversation while one runs: traced as a turn of its own.
-            turn, tracked = None, False
-        if turn is not None:
+            turn, key = None, None
+        if key and turn is not None:
             answered = _tool_results(messages)
             same_trace = (
                 parent_trace is None or not parent_trace.is_valid or parent_trace.trace_id == turn.trace_id
             )
             continues = same_trace and answered and all(i in turn.pending_tools for i in answered)
             if not continues:
-                self._end(conversation_id, end_reason="superseded")
+                self._end(key, end_reason="superseded")
                 turn = None
             else:
                 for call_id in answered:
@@ -115,20 +115,20 @@ class TurnTracker:
                         parent=turn.context,
                     )
                 turn.pending_tools.clear()
-                self._open.move_to_end(conversation_id)
+                self._open.move_to_end(key)
         if turn is None:
             span = self.telemetry.start_turn(
                 agent, conversation_id, turn_type, parent=parent, start_time_ns=now_ns
             )
             turn = OpenTurn(span, conversation_id, turn_type, span.get_span_context().trace_id)
-            if tracked:
-                self._open[conversation_id] = turn
+            if key is not None:
+                self._open[key] = turn
                 self._evict()
         turn.busy = True
         turn.last_active = time.monotonic()
         turn.steps += 1
         number = step if step is not None else turn.steps
-        return Step(turn, number, tracked=tracked)
+        return Step(turn, number, tracked=key is not None)
 
     def finish(
         self,
@@ -146,8 +146,9 @@ class TurnTracker:
             turn.pending_tools = dict(tool_calls)
             turn.pending_since_ns = time.time_ns()
             return
-        if step.tracked and self._open.get(turn.conversation_id) is turn:
-            del self._open[turn.conversation_id]
+        key = turn.conversation_id
+        if step.tracked and key is not None and self._open.get(key) is turn:
+            del self._open[key]
         reason = (
             "error"
             if error is not None

@@ -58,7 +58,7 @@ RULE_NONE = "Answer directly now, without calling a function."
 
 def template_renders_tools(chat_template: str | None) -> bool:
     """Whether a Jinja chat template uses the `tools` variable (then it renders them itself)."""
-    return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
+    return chat_template is not None and re.search(r"\btools\b", chat_template) is not None
 
 
 # ---------------------------------------------------------------- rendering (fallback form)

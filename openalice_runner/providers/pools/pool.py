@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -230,12 +230,12 @@ def rank_replicas(
 
 
 def _least_loaded(replicas: list[Replica]) -> ProviderLoad:
-    known = [r for r in replicas if r.running is not None]
+    known = [(r, r.running) for r in replicas if r.running is not None]
     if not known:
         return ProviderLoad(unknown=True)
-    best = min(known, key=lambda r: r.load)
+    best, running = min(known, key=lambda pair: pair[0].load)
     return ProviderLoad(
-        batch_size=best.running + best.in_flight, queue_depth=best.waiting, max_batch=best.max_running
+        batch_size=running + best.in_flight, queue_depth=best.waiting, max_batch=best.max_running
     )
 
 
@@ -349,7 +349,10 @@ class PoolProvider(Provider):
             for name, cfg in self.config.pools.items():
                 if cfg.method == method:
                     return name
-        return self.config.default_pool  # type: ignore[return-value]
+        default = self.config.default_pool
+        if default is None:  # the config's validator fills it in; a config built around it has none
+            raise ValueError(f"{self.name}: no default_pool")
+        return default
 
     async def ranked_replicas(self, pool: str, conversation_id: str | None = None) -> list[Replica]:
         replicas = self.pools[pool]
@@ -366,7 +369,7 @@ class PoolProvider(Provider):
         self,
         pool: str,
         ctx: CallContext,
-        attempt: Callable[[Replica], AsyncIterator[Any]],
+        attempt: Callable[[Replica], AsyncGenerator[Any, None]],
     ) -> AsyncGenerator[Any, None]:
         """What `attempt(replica)` yields, from the first replica that serves: one loop for plain
         calls (one item) and streams (chunks)."""
@@ -405,7 +408,7 @@ class PoolProvider(Provider):
         pool = self.choose_pool(ctx)
         body = self.body(request, stream=False)
 
-        async def attempt(replica: Replica) -> AsyncIterator[ChatResult]:
+        async def attempt(replica: Replica) -> AsyncGenerator[ChatResult, None]:
             resp = await self._client.post(f"{replica.url}/v1/chat/completions", json=body, timeout=self._timeout())
             if resp.status_code >= 500:
                 raise _NextReplica(f"HTTP {resp.status_code} {error_message(resp)}")
@@ -472,7 +475,7 @@ class PoolProvider(Provider):
         pool = self.choose_pool(ctx)
         body = self.body(request, stream=True)
 
-        async def attempt(replica: Replica) -> AsyncIterator[ChatChunk]:
+        async def attempt(replica: Replica) -> AsyncGenerator[ChatChunk, None]:
             async with self._client.stream(
                 "POST", f"{replica.url}/v1/chat/completions", json=body, timeout=self._timeout()
             ) as resp:
@@ -490,7 +493,9 @@ class PoolProvider(Provider):
             async for chunk in chunks:
                 yield chunk
 
-    async def _chunks(self, resp: httpx.Response, pool: str, ctx: CallContext) -> AsyncIterator[ChatChunk]:
+    async def _chunks(
+        self, resp: httpx.Response, pool: str, ctx: CallContext
+    ) -> AsyncGenerator[ChatChunk, None]:
         """SSE events -> ChatChunks. A failure before the first chunk tries the next replica
         (transport errors reach the attempt loop as they are); after it, StreamBroken."""
         acc = wire.ChunkAccumulator(self.config.model)
@@ -551,13 +556,19 @@ class PoolProvider(Provider):
 # ---------------------------------------------------------------- errors
 
 
+def _error_object(data: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI-style {"error": {...}} inside a JSON error body, else the body itself."""
+    error = data.get("error")
+    return error if isinstance(error, dict) else data
+
+
 def error_message(resp: httpx.Response) -> str:
     try:
         data = resp.json()
     except ValueError:
         return resp.text[:200]
     if isinstance(data, dict):
-        inner = data.get("error") if isinstance(data.get("error"), dict) else data
+        inner = _error_object(data)
         return str(inner.get("message") or inner.get("detail") or data)[:500]
     return str(data)[:200]
 
@@ -568,7 +579,7 @@ def error_param(resp: httpx.Response) -> str | None:
     except ValueError:
         return None
     if isinstance(data, dict):
-        inner = data.get("error") if isinstance(data.get("error"), dict) else data
+        inner = _error_object(data)
         param = inner.get("param")
         return str(param) if param else None
     return None

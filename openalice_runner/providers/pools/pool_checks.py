@@ -30,10 +30,12 @@ from openalice_runner.policies.schema import Policy
 from openalice_runner.policies.sglang_args import SGLangLaunchLine, compile_pool
 from openalice_runner.policies.vllm_args import VLLMLaunchLine, compile_vllm_pool
 from openalice_runner.providers.config import RoutingConfig, RoutingConfigError, load_routing_text
+from openalice_runner.providers.pools.pool import PoolConfigBase
 from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangPool
-from openalice_runner.providers.pools.sglang_launch import SERVES
+from openalice_runner.providers.pools.sglang_launch import SERVES, SGLangLaunch
 from openalice_runner.providers.pools.vllm import VLLMConfig, VLLMPool
 from openalice_runner.providers.pools.vllm_launch import SERVES as VLLM_SERVES
+from openalice_runner.providers.pools.vllm_launch import VLLMLaunch
 
 ENGINE = {"sglang": "SGLang", "vllm": "vLLM"}
 
@@ -86,12 +88,18 @@ def pool_launch(
     deployed: DeployedPool, policy: Policy | None, adaptive_config_path: str | None = None
 ) -> SGLangLaunchLine:
     """The one flag generator's output for a deployed SGLang pool (ValueError where it cannot be made)."""
-    return compile_pool(deployed.pool.launch, deployed.name, policy, adaptive_config_path, deployed.model)  # type: ignore[arg-type]
+    launch = deployed.pool.launch
+    if not isinstance(launch, SGLangLaunch):
+        raise TypeError(f"pool {deployed.name!r} is a {deployed.engine} pool, not an SGLang one")
+    return compile_pool(launch, deployed.name, policy, adaptive_config_path, deployed.model)
 
 
 def vllm_pool_launch(deployed: DeployedPool, policy: Policy | None) -> VLLMLaunchLine:
     """The vLLM server flags for a deployed vLLM pool (ValueError where they cannot be made)."""
-    return compile_vllm_pool(deployed.pool.launch, deployed.name, policy, deployed.model)  # type: ignore[arg-type]
+    launch = deployed.pool.launch
+    if not isinstance(launch, VLLMLaunch):
+        raise TypeError(f"pool {deployed.name!r} is a {deployed.engine} pool, not a vLLM one")
+    return compile_vllm_pool(launch, deployed.name, policy, deployed.model)
 
 
 def _compile(deployed: DeployedPool, policy: Policy) -> None:
@@ -146,8 +154,9 @@ def check_pools(policy: Policy, policy_loc: Located, routing: RoutingConfig, rou
             problems += _routed_problems(d, path, match, target, policy_loc)
     for target in pools:
         launch = target.pool.launch
-        cfg = routing.providers[target.provider]
-        if cfg.default_pool == target.name and not launch.tool_call_parser:  # type: ignore[union-attr]
+        cfg = routing.providers[target.provider]  # a pool provider's: deployed_pools lists no other
+        is_default = isinstance(cfg, PoolConfigBase) and cfg.default_pool == target.name
+        if is_default and not launch.tool_call_parser:
             at = ("providers", target.provider, "default_pool")
             if at not in routing_loc.values:
                 at = target.path
@@ -172,10 +181,10 @@ def _routed_problems(d, path: tuple, match, target: DeployedPool, loc: Located) 
     """What the pool a rule (or the default) names must offer the turns and batch sizes it sends."""
     launch = target.pool.launch
     name = target.name
-    if target.dialect == "vllm":
-        serves, algorithm = VLLM_SERVES[launch.method], f"vLLM {launch.method}"  # type: ignore[union-attr]
+    if isinstance(launch, VLLMLaunch):
+        serves, algorithm = VLLM_SERVES[launch.method], f"vLLM {launch.method}"
     else:
-        serves, algorithm = SERVES[launch.algorithm], launch.algorithm  # type: ignore[union-attr]
+        serves, algorithm = SERVES[launch.algorithm], launch.algorithm
     if d.method not in serves:
         return [loc.problem((*path, "method"), f"method {d.method} cannot be served by pool {name!r} ({algorithm})")]
     problems = []
@@ -189,8 +198,8 @@ def _routed_problems(d, path: tuple, match, target: DeployedPool, loc: Located) 
                 "tool calls as text unless launched with --tool-call-parser",
             )
         )
-    if target.dialect == "vllm":
-        return problems + _vllm_batch_problems(path, match, target, loc)
+    if isinstance(launch, VLLMLaunch):
+        return problems + _vllm_batch_problems(path, match, target.name, launch, loc)
     limit = launch.max_running_requests
     if launch.adaptive and limit is not None and match is not None:
         b = match.batch_size
@@ -209,9 +218,9 @@ def _routed_problems(d, path: tuple, match, target: DeployedPool, loc: Located) 
     return problems
 
 
-def _vllm_batch_problems(path: tuple, match, target: DeployedPool, loc: Located) -> list[Problem]:
+def _vllm_batch_problems(path: tuple, match, name: str, launch: VLLMLaunch, loc: Located) -> list[Problem]:
     """A vLLM pool runs at most max_num_seqs requests: a rule's range past it never fires there."""
-    limit = target.pool.launch.max_num_seqs  # type: ignore[union-attr]
+    limit = launch.max_num_seqs
     b = match.batch_size if match is not None else None
     if limit is None or b is None:
         return []
@@ -223,7 +232,7 @@ def _vllm_batch_problems(path: tuple, match, target: DeployedPool, loc: Located)
             return [
                 loc.problem(
                     at,
-                    f"batch_size {field} {value} is past vLLM pool {target.name!r}'s max_num_seqs {limit} "
+                    f"batch_size {field} {value} is past vLLM pool {name!r}'s max_num_seqs {limit} "
                     "(its running batch never passes it): bound the range at or below it",
                 )
             ]
