@@ -94,8 +94,8 @@ class _Loader(yaml.SafeLoader):
                 raise yaml.composer.ComposerError(
                     None, None, f"more than {self.limits.max_aliases} aliases", event.start_mark
                 )
-            node = super().compose_node(parent, index)
-            self.alias_uses.append((node, event.start_mark, event.anchor))
+            node = super().compose_node(parent, index)  # raises where the anchor is undefined
+            self.alias_uses.append((self.anchors[event.anchor], event.start_mark, event.anchor))
             return node
         return super().compose_node(parent, index)
 
@@ -113,10 +113,11 @@ class _Loader(yaml.SafeLoader):
             self._open_anchors.discard(anchor)
             self._depth -= 1
 
-    def compose_sequence_node(self, anchor: str | None) -> Any:
+    # types-PyYAML has `anchor` a dict; PyYAML passes the anchor's name (Composer.compose_node)
+    def compose_sequence_node(self, anchor: str | None) -> Any:  # type: ignore[override]
         return self._nested(super().compose_sequence_node, anchor)
 
-    def compose_mapping_node(self, anchor: str | None) -> Any:
+    def compose_mapping_node(self, anchor: str | None) -> Any:  # type: ignore[override]
         return self._nested(super().compose_mapping_node, anchor)
 
 
