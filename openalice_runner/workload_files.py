@@ -14,7 +14,10 @@ def stdlib_context(spec: dict[str, Any]) -> str:
     """Lines FIRST..LAST (1-based, inclusive) of a standard-library module's source."""
     module = importlib.import_module(spec["stdlib"])
     first, last = spec["lines"]
-    lines = Path(inspect.getsourcefile(module)).read_text().splitlines(keepends=True)
+    source = inspect.getsourcefile(module)
+    if source is None:  # an extension module (math, array, ...) has no source to quote
+        raise ValueError(f"stdlib module {spec['stdlib']!r} has no source file")
+    lines = Path(source).read_text().splitlines(keepends=True)
     return "".join(lines[first - 1 : last])
 
 
