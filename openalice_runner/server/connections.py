@@ -95,6 +95,7 @@ class GuardedH11Protocol(H11Protocol):
     body_grace_s: float = 5.0
     min_body_rate: float = 1024.0  # bytes per second, after body_grace_s
 
+    # as uvicorn's own: asyncio.Protocol's stub takes a BaseTransport, an HTTP protocol needs a Transport
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None

@@ -15,6 +15,8 @@ from openalice_runner.types import ChatRequest, ChatResult
 
 
 class WrapperProvider(Provider):
+    # name, kind, ...: Provider's plain attributes, read here from the wrapped provider; mypy holds
+    # a read-only property over a writable attribute against it, hence the ignores below
     def __init__(self, wrapped: Provider) -> None:
         self.wrapped = wrapped
 
