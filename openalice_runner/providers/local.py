@@ -4,8 +4,13 @@ The engine is synchronous and serialises requests; this provider runs it in a wo
 event loop stays free and counts requests in flight (its load). How many may run and queue is the
 admission gate's business (providers/wrappers/admission.py), in front of this provider. Requests the model
 can never serve (a prompt longer than its context, max_tokens past it) are refused before they
-reach the engine. Tool prompts and parsing live in tool_format.py. The policy's SpeculationPlan becomes the
-request's SpecConfig; a method the engine cannot run is downgraded to "off" and the result says so.
+reach the engine. The policy's SpeculationPlan becomes the request's SpecConfig; a method the engine
+cannot run is downgraded to "off" and the result says so.
+
+This is the one module of the provider that touches the engine (its torch-free parts are in
+embedded/): the prompt and its bounds in prompt.py, the reply's grammar in grammar.py (compiled
+through `_EngineGrammars`), tool prompts and parsing in tool_format.py, the reply and the stream's
+chunks in results.py, and the one mapping of engine exceptions in errors.py.
 """
 
 from __future__ import annotations
@@ -16,56 +21,31 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 from openalice_runner.engine.errors import InvalidRequest
 from openalice_runner.engine.histories import ConversationHistories, align_prompt
 from openalice_runner.engine.types import EngineOverloaded, SamplingParams, SpecConfig
-from openalice_runner.providers.base import (
-    CallContext,
-    Capabilities,
-    Provider,
-    ProviderBadRequest,
-    ProviderError,
-    ProviderInternalError,
-    ProviderLoad,
-    ProviderRateLimited,
-    StreamBroken,
-)
-from openalice_runner.providers.embedded import tool_format
+from openalice_runner.providers.base import CallContext, Capabilities, Provider, ProviderError, ProviderLoad
+from openalice_runner.providers.embedded import prompt as prompts
+from openalice_runner.providers.embedded import results, tool_format
+from openalice_runner.providers.embedded.errors import EngineErrors
 from openalice_runner.providers.embedded.local_config import LocalConfig
-from openalice_runner.providers.embedded.tool_stream import ToolCallStream
+from openalice_runner.providers.embedded.prompt import ContextBounds, Prompt
 from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.speculation import SPEC_METHODS, SpeculationPlan
-from openalice_runner.types import (
-    AllowedToolChoice,
-    ChatChunk,
-    ChatRequest,
-    ChatResult,
-    ChunkChoice,
-    NamedToolChoice,
-    SamplingSettings,
-    SpeculationInfo,
-    ToolCall,
-    Usage,
-    new_id,
-)
+from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, SamplingSettings
 
 logger = logging.getLogger(__name__)
 
 ENGINE_SPEC_METHODS = frozenset(SPEC_METHODS)
-
-
-@dataclass
-class _Prompt:
-    ids: list[int]
-    prefill: str  # assistant text the prompt already ends with (part of the parsed output)
-    tool_names: set[str] | None  # None: do not parse tool calls
-    grammar: Any = None  # the engine's compiled Grammar the reply must follow (None: free)
+ENGINE_ERRORS = EngineErrors(overloaded=EngineOverloaded, invalid=InvalidRequest)
 
 
 class LocalProvider(Provider):
+    """The provider's face: the engine, loaded on first use, and its load; calls go to `_EngineCalls`."""
+
     kind = "local"
     gen_ai_provider_name = "openalice"
 
@@ -75,17 +55,14 @@ class LocalProvider(Provider):
         self.capabilities = Capabilities(tools=True, streaming=True, spec_methods=ENGINE_SPEC_METHODS)
         self._engine = engine
         self._engine_lock = threading.Lock()
-        self._in_flight = 0
         self._template_tools: bool | None = None
-        self._max_token_chars: int | None = None
-        self._kv_tokens = 0  # KV positions held by running generations (back to 0 when they end)
-        self._kv_lock = threading.Lock()  # worker threads update it
-        self._unusable_heads: set[str | None] = set()  # eagle heads already reported as not loading
-        self._refused_rules: set[str | None] = set()  # policy rules already reported as not runnable
         self._histories = ConversationHistories()  # conversation id -> its last call's token ids
+        # the context is None while the engine is not loaded (nothing to check against yet)
+        self._bounds = ContextBounds(name, lambda: getattr(self._engine, "context_length", None),
+                                     lambda: self.engine.tokenizer)
+        self._runs = _EngineRuns(self, self._histories, self._bounds)
+        self._calls = _EngineCalls(self, self._runs)
         self.warm_up_s: float | None = None  # how long the start-up's warm-up call took (None: not run)
-
-    # ---- engine ----
 
     @property
     def engine(self) -> Any:
@@ -93,21 +70,7 @@ class LocalProvider(Provider):
         if self._engine is None:
             with self._engine_lock:
                 if self._engine is None:
-                    from openalice_runner.engine import Engine
-
-                    cfg = self.config
-                    kv_bytes = None if cfg.kv_cache_mib is None else cfg.kv_cache_mib * 2**20
-                    if cfg.tiny_random:
-                        self._engine = Engine.tiny_random(max_batch=cfg.max_batch, prefix_reuse=cfg.prefix_reuse,
-                                                          kv_cache_bytes=kv_bytes)
-                    else:
-                        engine = Engine.load(
-                            cfg.model, dtype=cfg.dtype, threads=cfg.threads, max_batch=cfg.max_batch,
-                            prefix_reuse=cfg.prefix_reuse, kv_cache_bytes=kv_bytes, prefill=cfg.prefill,
-                        )
-                        engine.time_passes()  # drafts are sized from the first request on
-                        engine.grammars  # noqa: B018 - the tokenizer's grammar tables (~2 s), before the first request
-                        self._engine = engine
+                    self._engine = _load_engine(self.config)
         return self._engine
 
     async def ensure_loaded(self) -> None:
@@ -116,218 +79,174 @@ class LocalProvider(Provider):
             await asyncio.to_thread(self.warm_up)
 
     def warm_up(self) -> float:
-        """One short grammar-constrained call through the whole path (prompt, tool grammar, prefill,
-        constrained decode), so that what the first request of a kind initialises (llguidance's
-        matcher and lexer, the kernels' first passes) is paid at start-up, before `serve` takes
-        traffic. Returns its seconds (also `warm_up_s`); runs once."""
-        if self.warm_up_s is not None:
-            return self.warm_up_s
-        t0 = time.perf_counter()
-        request = ChatRequest.model_validate({
-            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-            "tools": [{"type": "function", "function": {
-                "name": "get_weather", "description": "Current weather for a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-            }}],
-            "max_tokens": 8, "temperature": 0,
-        })  # fmt: skip
-        self._generate(request, CallContext(turn_type="tool_call"), threading.Event())
-        self.warm_up_s = time.perf_counter() - t0
-        logger.info("%s: warmed up in %.2f s (prefill: %s)", self.name, self.warm_up_s,
-                    getattr(self.engine, "prefill", None))
+        """One short grammar-constrained call through the whole path, so that what the first request
+        of a kind initialises (llguidance's matcher and lexer, the kernels' first passes) is paid at
+        start-up, before `serve` takes traffic. Returns its seconds (also `warm_up_s`); runs once."""
+        if self.warm_up_s is None:
+            t0 = time.perf_counter()
+            self._runs.generate(_warm_up_request(), CallContext(turn_type="tool_call"), threading.Event())
+            self.warm_up_s = time.perf_counter() - t0
+            logger.info("%s: warmed up in %.2f s (prefill: %s)", self.name, self.warm_up_s,
+                        getattr(self.engine, "prefill", None))
         return self.warm_up_s
 
     @property
     def model_names(self) -> list[str]:
-        if self._engine is not None:
-            return [self._engine.model_name]
-        return [self.config.model or "SmolLM2-135M-Instruct"]
+        return [self._engine.model_name] if self._engine is not None else [self.config.model or "SmolLM2-135M-Instruct"]
 
     def load(self) -> ProviderLoad:
         scheduler = getattr(self._engine, "scheduler", None)
         if scheduler is not None:  # the batching engine knows its batch and its waiting line
             running, waiting = scheduler.load
             return ProviderLoad(batch_size=running, queue_depth=waiting)
-        return ProviderLoad(batch_size=self._in_flight, queue_depth=max(0, self._in_flight - 1))
+        in_flight = self._calls.in_flight
+        return ProviderLoad(batch_size=in_flight, queue_depth=max(0, in_flight - 1))
 
     @property
     def kv_tokens_in_use(self) -> int:
-        return self._kv_tokens
-
-    # ---- refusing what the model cannot serve ----
-
-    def _context_length(self) -> int | None:
-        engine = self._engine  # not loaded yet: nothing to check against
-        return getattr(engine, "context_length", None) if engine is not None else None
+        return self._runs.kv_tokens
 
     def precheck(self, request: ChatRequest) -> None:
-        """Cheap bounds before queueing: max_tokens against the context, and a prompt whose characters
-        cannot fit in the context even at the longest token the vocabulary has (no tokenizing)."""
-        context = self._context_length()
-        if context is None:
-            return
-        if request.max_tokens is not None and request.max_tokens >= context:
-            raise ProviderBadRequest(
-                f"max_tokens is {request.max_tokens}; the model's context is {context} tokens",
-                provider=self.name, param="max_tokens", code="invalid_value",
-            )  # fmt: skip
-        chars = sum(len(m.text) for m in request.messages)
-        if chars > context * self._longest_token_chars():
-            raise ProviderBadRequest(
-                f"the messages hold {chars} characters, more than the model's context of {context} "
-                "tokens can take", provider=self.name, param="messages", code="context_length_exceeded",
-            )  # fmt: skip
+        self._bounds.precheck(request)
 
-    def _longest_token_chars(self) -> int:
-        if self._max_token_chars is None:
-            tokenizer = self.engine.tokenizer
-            try:
-                longest = max(len(t) for t in tokenizer.get_vocab())
-            except Exception:  # a tokenizer without a vocabulary listing: a generous bound
-                longest = 64
-            self._max_token_chars = max(1, longest)
-        return self._max_token_chars
-
-    def _check_prompt(self, prompt: _Prompt, sampling: Any) -> None:
-        context = self._context_length()
-        if context is not None and len(prompt.ids) >= context:
-            raise ProviderBadRequest(
-                f"the prompt has {len(prompt.ids)} tokens; the model's context is {context} tokens "
-                "and at least one must be left for the reply",
-                provider=self.name, param="messages", code="context_length_exceeded",
-            )  # fmt: skip
-
-    def _check_budget(self, prompt: _Prompt, sampling: Any) -> None:
-        """Refuse a budget below the shortest reply the grammar accepts (engine/closing.py): the
-        reply could not end valid within it."""
-        if prompt.grammar is None:
-            return
-        from openalice_runner.engine.closing import shortest_reply
-
-        context = self._context_length()
-        room = sampling.max_tokens if context is None else min(sampling.max_tokens, context - len(prompt.ids))
-        need = shortest_reply(prompt.grammar, room)
-        if need is not None and need > room:
-            where = "max_tokens" if room == sampling.max_tokens else "the context left after the prompt"
-            raise ProviderBadRequest(
-                f"max_tokens is {sampling.max_tokens}, below the minimum the schema needs: its shortest "
-                f"valid reply takes {need} tokens here ({where} allows {room})",
-                provider=self.name, param="max_tokens", code="invalid_value",
-            )  # fmt: skip
-
-    # ---- prompt ----
-
-    def _renders_tools(self) -> bool:
-        if self._template_tools is None:
-            template = getattr(self.engine.tokenizer, "chat_template", None)
-            self._template_tools = tool_format.template_renders_tools(
-                template if isinstance(template, str) else None
-            )
-        return self._template_tools
-
-    def build_prompt(self, request: ChatRequest) -> _Prompt:
+    def build_prompt(self, request: ChatRequest) -> Prompt:
         engine = self.engine
-        messages = request.message_dicts()
-        choice = request.effective_tool_choice
-        # The tools are rendered whatever tool_choice says, "none" included, and the call's own
-        # rule after the history (tool_format): the prompt's prefix, and with it the cache a
-        # loop's next call reuses, does not depend on tool_choice. The grammar enforces the rule.
-        tools = request.tool_dicts()
-        # allowed_tools alike: every tool is rendered, only the allowed ones are callable (grammar,
-        # prefill, parsing); its mode acts as the plain "auto"/"required"
-        callable_tools = tools
-        if isinstance(choice, AllowedToolChoice):
-            allowed = set(choice.allowed_tools.names)
-            callable_tools = [t for t in tools or () if t["function"]["name"] in allowed]
-            choice = choice.allowed_tools.mode
-        history_has_tools = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
-        if self._renders_tools():
-            shown = tool_format.with_turn_rule(messages, choice) if tools else messages
-            ids = engine.render_chat(tool_format.template_messages(shown), tools)
-        elif tools or history_has_tools:
-            ids = engine.render_chat(tool_format.render_fallback_messages(messages, tools, choice))
-        else:
-            ids = engine.render_chat(messages)
-        grammar = self._grammar(request, callable_tools, choice)
-        # A forced call's opening is pre-filled (the grammar would force it anyway; a weak model
-        # also gets the first argument's key), and the grammar starts after it.
-        prefill = tool_format.assistant_prefill(choice, callable_tools) if tools else ""
-        if prefill and grammar is not None:
-            prefill, grammar = self._prefill_within(grammar, prefill, choice)
-        if prefill:
-            ids = list(ids) + engine.encode(prefill)
-        names = {t["function"]["name"] for t in callable_tools} if tools and choice != "none" else None
-        return _Prompt(ids=list(ids), prefill=prefill, tool_names=names, grammar=grammar)
+        if self._template_tools is None:  # does the chat template render the tools itself (tool_format)
+            template = getattr(engine.tokenizer, "chat_template", None)
+            self._template_tools = tool_format.template_renders_tools(template if isinstance(template, str) else None)
+        return prompts.build_prompt(request, engine, _EngineGrammars(self), renders_tools=self._template_tools,
+                                    provider=self.name)
 
-    def _prefill_within(self, grammar: Any, prefill: str, choice: Any) -> tuple[str, Any]:
-        """The prefill and the grammar after it; where the grammar does not allow the argument
-        opening (it writes the schema's properties in their order), the call's opening alone."""
-        from openalice_runner.engine.grammar import GrammarError
+    async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
+        return await self._calls.chat(request, ctx)
 
-        for text in (prefill, tool_format.assistant_prefill(choice)):
-            try:
-                return text, grammar.after(self.engine.encode(text))
-            except GrammarError:
-                continue
-        return "", grammar
+    def stream(self, request: ChatRequest, ctx: CallContext) -> AbstractAsyncContextManager[ChatStream]:
+        return chat_stream(self._calls.stream(request, ctx))
 
-    def _grammar(self, request: ChatRequest, tools: list[dict[str, Any]] | None, choice: Any):
-        """The grammar for tool_choice and response_format (None: the reply is free text).
 
-        Tool calls take the fallback format (<tool_call> blocks, also what tool-rendering Hermes
-        templates use): "required" one or more calls (one without parallel_tool_calls), a named
-        function that call, "auto" a reply without calls or text followed by calls; the reply
-        without calls is JSON where response_format asks for it; "none" a reply without calls.
-        `tools`: the callable ones (allowed_tools' subset)."""
-        from openalice_runner.engine.grammar import GrammarError, json_grammar, tool_call_grammar
+class _EngineCalls:
+    """Plain and streamed calls on the event loop: checked first (the provider's precheck), one hop to
+    a worker thread for prompt and generation (`_EngineRuns`), cancelled with the call, counted in
+    flight (the provider's load), and every engine exception mapped by the one ENGINE_ERRORS."""
 
-        fmt = request.response_format
-        content_json = fmt is not None and fmt.type != "text"
-        schema = fmt.json_schema.schema_ if fmt is not None and fmt.json_schema is not None else None
-        parallel = request.parallel_tool_calls is not False
-        fmt_param = "response_format.json_schema.schema" if schema is not None else "response_format"
-        if tools and choice == "none":
-            text = json_grammar(schema) if content_json else tool_call_grammar(tools, "none")
-            param = fmt_param if content_json else "tools"
-        elif tools:
-            if isinstance(choice, NamedToolChoice):
-                chosen = [t for t in tools if t["function"]["name"] == choice.function.name]
-                text = tool_call_grammar(chosen, "required", parallel=False)
-            else:
-                text = tool_call_grammar(tools, choice, parallel, content_schema=schema, content_json=content_json)
-            param = "tools"
-        elif content_json:
-            text, param = json_grammar(schema), fmt_param
-        else:
-            return None
+    def __init__(self, provider: LocalProvider, runs: _EngineRuns) -> None:
+        self._provider = provider
+        self._runs = runs
+        self.in_flight = 0
+
+    async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
+        provider = self._provider
+        provider.precheck(request)
+        self.in_flight += 1
+        cancel = threading.Event()
         try:
-            return self.engine.grammars.compile(text)
-        except GrammarError as exc:
-            if param == "tools" and getattr(exc, "code", None) != "grammar_timeout":  # each tool could time out too
-                param = self._refused_tool(tools or [], request) or param
-            raise ProviderBadRequest(f"{param}: the grammar backend refused the schema: {exc}", provider=self.name,
-                                     param=param, code=getattr(exc, "code", None) or "invalid_value") from exc
+            # One hop to the worker thread for prompt and generation: each hop costs ~0.1 ms.
+            prompt, result = await asyncio.to_thread(self._runs.generate, request, ctx, cancel)
+        except asyncio.CancelledError:
+            cancel.set()  # the worker thread stops at its next round
+            raise
+        except ProviderError:
+            raise
+        except Exception as exc:
+            raise ENGINE_ERRORS.provider_error(exc, provider.name, started=False) from exc
+        finally:
+            self.in_flight -= 1
+        return results.reply(result, prompt, ctx, model=provider.engine.model_name, provider=provider.name)
 
-    def _refused_tool(self, tools: list[dict[str, Any]], request: ChatRequest) -> str | None:
-        """The field whose schema the grammar backend refuses (each compiled alone)."""
-        from openalice_runner.engine.grammar import GrammarError, json_grammar
-
-        for i, tool in enumerate(tools):
+    async def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncGenerator[ChatChunk, None]:
+        provider = self._provider
+        provider.precheck(request)
+        self.in_flight += 1
+        try:
+            events, reply = _threaded(self._runs.events, request, ctx), None
             try:
-                self.engine.grammars.compile(json_grammar(tool["function"].get("parameters")))
-            except GrammarError:
-                names = [t.function.name for t in request.tools or ()]
-                index = names.index(tool["function"]["name"]) if tool["function"]["name"] in names else i
-                return f"tools[{index}].function.parameters"
-        if request.response_format is not None and request.response_format.json_schema is not None:
-            return "response_format.json_schema.schema"
-        return None
+                prompt = await anext(events)  # the worker renders the prompt first, then streams
+                reply = results.StreamedReply(prompt, model=provider.engine.model_name, provider=provider.name)
+                async for event in events:
+                    for chunk in reply.feed(event):
+                        yield chunk
+            except ProviderError:
+                raise
+            except Exception as exc:
+                raise ENGINE_ERRORS.provider_error(exc, provider.name, started=bool(reply and reply.started)) from exc
+            finally:
+                await events.aclose()
+        finally:
+            self.in_flight -= 1
+        for chunk in reply.end(ctx):
+            yield chunk
 
-    def _settings(self, request: ChatRequest, ctx: CallContext, prompt: _Prompt):
-        sampling = sampling_params(request.sampling, self.config.max_tokens_default)
+
+class _EngineRuns:
+    """A request's run on the engine, in a worker thread: its prompt, settings and checks, then the
+    engine's events. Counts the KV positions running generations hold (back to 0 when they end) and,
+    with prefix reuse, keeps each conversation's last token ids."""
+
+    def __init__(self, provider: LocalProvider, histories: ConversationHistories, bounds: ContextBounds) -> None:
+        self._provider = provider
+        self._histories = histories
+        self._bounds = bounds
+        self._settings = _RequestSettings(provider)
+        self.kv_tokens = 0  # KV positions held by running generations
+        self._kv_lock = threading.Lock()  # worker threads update it
+
+    def generate(self, request: ChatRequest, ctx: CallContext, cancel: threading.Event) -> tuple[Prompt, Any]:
+        """The prompt and the engine's result."""
+        result = None
+        prompt = None
+        for item in self.events(request, ctx, cancel):
+            if prompt is None:
+                prompt = item
+            elif item.result is not None:
+                result = item.result
+        return prompt, result
+
+    def events(self, request: ChatRequest, ctx: CallContext, cancel: threading.Event) -> Iterator[Any]:
+        """The prompt first (refused here where the model cannot serve it), then the engine's events."""
+        provider = self._provider
+        reuse = provider.config.prefix_reuse
+        prompt = provider.build_prompt(request)
+        history = self._histories.get(ctx.conversation_id) if reuse else None
+        if history:
+            # the history re-rendered may split into other tokens than the engine holds (histories.py)
+            prompt.ids = align_prompt(provider.engine.tokenizer, history, prompt.ids)
+        sampling, spec = self._settings.of(request, ctx, prompt)
+        self._bounds.check_prompt(prompt)
+        self._bounds.check_budget(prompt, sampling.max_tokens, _shortest_reply)
+        yield prompt
+        held = 0
+        try:
+            for event in provider.engine.stream(prompt.ids, sampling, spec, cancel, grammar=prompt.grammar):
+                grown = len(event.token_ids) + (len(prompt.ids) if held == 0 else 0)
+                held += grown
+                self._add_kv(grown)
+                if event.result is not None and reuse:
+                    self._histories.put(ctx.conversation_id, prompt.ids + event.result.token_ids)
+                yield event
+        finally:
+            self._add_kv(-held)  # the engine's generator has closed: its positions are free
+
+    def _add_kv(self, n: int) -> None:
+        with self._kv_lock:
+            self.kv_tokens += n
+
+
+class _RequestSettings:
+    """A request's sampling and speculation settings for the engine, from its own settings and the
+    policy's plan. A plan the engine cannot run is the operator's to fix, not the request's: no
+    speculation, with a warning once per rule (or head), rather than a 400 for a request that did
+    nothing wrong."""
+
+    def __init__(self, provider: LocalProvider) -> None:
+        self._provider = provider
+        self._unusable_heads: set[str | None] = set()  # eagle heads already reported as not loading
+        self._refused_rules: set[str | None] = set()  # policy rules already reported as not runnable
+
+    def of(self, request: ChatRequest, ctx: CallContext, prompt: Prompt) -> tuple[SamplingParams, SpecConfig]:
+        sampling = sampling_params(request.sampling, self._provider.config.max_tokens_default)
         if prompt.prefill and tool_format.TOOL_CALL_CLOSE not in sampling.stop:
             # A forced call is one call: stop at its closing tag instead of rambling on.
-            sampling = _replace_stop(sampling, (*sampling.stop, tool_format.TOOL_CALL_CLOSE))
+            sampling = replace(sampling, stop=(*sampling.stop, tool_format.TOOL_CALL_CLOSE))
         decision = ctx.decision
         spec = SpecConfig()
         if decision is not None:  # every SpecMethod is one the engine runs (ENGINE_SPEC_METHODS)
@@ -337,9 +256,8 @@ class LocalProvider(Provider):
         return sampling, spec
 
     def _planned_spec(self, decision: SpeculationPlan) -> SpecConfig:
-        """The engine's settings for the policy's plan. Options the engine refuses (`policy check`
-        refuses them first) are the operator's to fix, not the request's: no speculation, with a
-        warning once per rule, rather than a 400 for a request that did nothing wrong."""
+        """The engine's settings for the policy's plan (options the engine refuses, which `policy
+        check` refuses first: none)."""
         try:
             spec = SpecConfig.from_plan(decision)
             if spec.method == "draft" and spec.draft_model:
@@ -350,224 +268,86 @@ class LocalProvider(Provider):
             if decision.rule not in self._refused_rules:
                 self._refused_rules.add(decision.rule)
                 logger.warning("%s: rule %r: the engine cannot run its plan (%s); running without speculation",
-                               self.name, decision.rule, exc)
+                               self._provider.name, decision.rule, exc)
             return SpecConfig()
 
     def _usable_head(self, spec: SpecConfig, decision: SpeculationPlan) -> SpecConfig:
-        """`spec` where its EAGLE head loads; otherwise no speculation, with a warning: a policy
-        naming a missing head is the operator's to fix, and must not fail every request."""
+        """`spec` where its EAGLE head loads; otherwise no speculation (a policy naming a missing
+        head must not fail every request)."""
         try:
-            self.engine.eagle_runtime(spec.eagle_head)
+            self._provider.engine.eagle_runtime(spec.eagle_head)
         except (ValueError, OSError) as exc:
             if spec.eagle_head not in self._unusable_heads:  # once per head, not once per request
                 self._unusable_heads.add(spec.eagle_head)
                 logger.warning("%s: rule %r: eagle head not usable (%s); running without speculation",
-                               self.name, decision.rule, exc)
+                               self._provider.name, decision.rule, exc)
             return SpecConfig()
         return spec
 
-    # ---- chat ----
 
-    def _generate(self, request: ChatRequest, ctx: CallContext, cancel: threading.Event):
-        result = None
-        prompt = None
-        for item in self._stream_worker(request, ctx, cancel):
-            if prompt is None:
-                prompt = item
-            elif item.result is not None:
-                result = item.result
-        return prompt, result
+class _EngineGrammars:
+    """embedded/grammar.py's GrammarBackend: the engine's grammar text and compiler (engine/grammar.py
+    imports torch: imported on first use, as the compiler's tables are built then)."""
 
-    def _stream_worker(self, request: ChatRequest, ctx: CallContext, cancel: threading.Event):
-        prompt = self.build_prompt(request)
-        history = self._histories.get(ctx.conversation_id) if self.config.prefix_reuse else None
-        if history:
-            # the history re-rendered may split into other tokens than the engine holds (histories.py)
-            prompt.ids = align_prompt(self.engine.tokenizer, history, prompt.ids)
-        sampling, spec = self._settings(request, ctx, prompt)
-        self._check_prompt(prompt, sampling)
-        self._check_budget(prompt, sampling)
-        yield prompt
-        held = 0
-        try:
-            for event in self.engine.stream(prompt.ids, sampling, spec, cancel, grammar=prompt.grammar):
-                grown = len(event.token_ids) + (len(prompt.ids) if held == 0 else 0)
-                held += grown
-                self._add_kv(grown)
-                if event.result is not None and self.config.prefix_reuse:
-                    self._histories.put(ctx.conversation_id, prompt.ids + event.result.token_ids)
-                yield event
-        finally:
-            self._add_kv(-held)  # the engine's generator has closed: its positions are free
+    def __init__(self, provider: LocalProvider) -> None:
+        self._provider = provider
 
-    def _add_kv(self, n: int) -> None:
-        with self._kv_lock:
-            self._kv_tokens += n
+    @property
+    def error(self) -> type[Exception]:
+        from openalice_runner.engine.grammar import GrammarError
 
-    async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
-        self.precheck(request)
-        self._in_flight += 1
-        cancel = threading.Event()
-        try:
-            try:
-                # One hop to the worker thread for prompt and generation: each hop costs ~0.1 ms.
-                prompt, result = await asyncio.to_thread(self._generate, request, ctx, cancel)
-            except ProviderError:
-                raise
-            except Exception as exc:
-                raise _engine_error(exc, self.name, started=False) from exc
-        except asyncio.CancelledError:
-            cancel.set()  # the worker thread stops at its next round
-            raise
-        finally:
-            self._in_flight -= 1
-        done = _Finished.of(result, prompt, ctx)
-        content, tool_calls = _split(prompt, result.text, cut=_budget_ended(result))
-        out = ChatResult.single(
-            model=self.engine.model_name,
-            content=content,
-            tool_calls=tool_calls,
-            finish_reason=_finish(result, bool(tool_calls)),
-            usage=done.usage,
-            speculation=done.speculation,
-            provider=self.name,
-        )
-        return out.attach_outcome(done.outcome)
+        return GrammarError
 
-    # ---- stream ----
+    def compile(self, text: str) -> Any:
+        return self._provider.engine.grammars.compile(text)
 
-    def stream(self, request: ChatRequest, ctx: CallContext) -> AbstractAsyncContextManager[ChatStream]:
-        return chat_stream(self._stream(request, ctx))
+    def json_grammar(self, schema: dict[str, Any] | None) -> str:
+        from openalice_runner.engine.grammar import json_grammar
 
-    async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncGenerator[ChatChunk, None]:
-        self.precheck(request)
-        self._in_flight += 1
-        try:
-            events = _threaded(self._stream_worker, request, ctx)
-            started = False
-            result = None
-            try:
-                prompt = await anext(events)  # the worker renders the prompt first, then streams
-                chunk_id, model = new_id("chatcmpl"), self.engine.model_name
-                # calls stream as they are written where the grammar guarantees their form
-                calls = ToolCallStream(prompt.prefill, prompt.tool_names, incremental=prompt.grammar is not None)
-                async for event in events:
-                    if event.result is not None:
-                        result = event.result
-                    for piece in calls.feed(event.text) if event.text else ():
-                        yield ChatChunk.piece(chunk_id, model, piece.content, piece.tool_calls, first=not started)
-                        started = True
-            except ProviderError:
-                raise
-            except Exception as exc:
-                raise _engine_error(exc, self.name, started=started) from exc
-            finally:
-                await events.aclose()
-        finally:
-            self._in_flight -= 1
-        assert result is not None, "engine stream ended without a result"
-        done = _Finished.of(result, prompt, ctx)
-        end = calls.finish(budget_ended=_budget_ended(result))
-        for piece in end.pieces:
-            yield ChatChunk.piece(chunk_id, model, piece.content, piece.tool_calls, first=not started)
-            started = True
-        finish = _finish(result, bool(end.calls) and not end.cut)
-        final = ChatChunk(
-            id=chunk_id,
-            model=model,
-            choices=[ChunkChoice(finish_reason=finish)],
-            usage=done.usage,
-            speculation=done.speculation,
-            provider=self.name,
-        )
-        yield final.attach_outcome(done.outcome)
+        return json_grammar(schema)
+
+    def tool_call_grammar(self, tools: list[dict[str, Any]], mode: str, parallel: bool = True,
+                          content_schema: dict[str, Any] | None = None, content_json: bool = False) -> str:
+        from openalice_runner.engine.grammar import tool_call_grammar
+
+        return tool_call_grammar(tools, mode, parallel, content_schema=content_schema, content_json=content_json)
+
+    def encode(self, text: str) -> list[int]:
+        return self._provider.engine.encode(text)
 
 
-# ---------------------------------------------------------------- helpers
+def _shortest_reply(grammar: Any, room: int) -> int | None:
+    """engine/closing.py's: the fewest tokens a reply under `grammar` takes (imported on first use)."""
+    from openalice_runner.engine.closing import shortest_reply
+
+    return shortest_reply(grammar, room)
 
 
-@dataclass(frozen=True)
-class _Finished:
-    """What a plain reply and a stream's last chunk both report of a finished generation."""
+def _load_engine(cfg: LocalConfig) -> Any:
+    from openalice_runner.engine import Engine
 
-    outcome: Any
-    usage: Usage
-    speculation: SpeculationInfo
-
-    @classmethod
-    def of(cls, result: Any, prompt: _Prompt, ctx: CallContext) -> _Finished:
-        stats = result.stats
-        _stamp(stats, ctx)
-        outcome = stats.outcome()
-        usage = Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens, stats.cached_prompt_tokens)
-        return cls(outcome=outcome, usage=usage, speculation=_speculation(outcome, stats))
+    kv_bytes = None if cfg.kv_cache_mib is None else cfg.kv_cache_mib * 2**20
+    if cfg.tiny_random:
+        return Engine.tiny_random(max_batch=cfg.max_batch, prefix_reuse=cfg.prefix_reuse, kv_cache_bytes=kv_bytes)
+    engine = Engine.load(
+        cfg.model, dtype=cfg.dtype, threads=cfg.threads, max_batch=cfg.max_batch,
+        prefix_reuse=cfg.prefix_reuse, kv_cache_bytes=kv_bytes, prefill=cfg.prefill,
+    )  # fmt: skip
+    engine.time_passes()  # drafts are sized from the first request on
+    engine.grammars  # noqa: B018 - the tokenizer's grammar tables (~2 s), before the first request
+    return engine
 
 
-def _engine_error(exc: Exception, provider: str, *, started: bool) -> ProviderError:
-    """The one mapping of an engine exception, for plain and streamed calls alike: overload is 429,
-    the engine's checks of the request are the client's (400), anything else is ours (500); once a
-    stream has sent chunks, both of the latter break it instead."""
-    if isinstance(exc, EngineOverloaded):
-        return ProviderRateLimited(str(exc), provider=provider)
-    if isinstance(exc, InvalidRequest):
-        return StreamBroken(str(exc), provider=provider) if started else _bad_request(exc, provider)
-    if started:
-        logger.error("%s: engine failed mid-stream", provider, exc_info=exc)
-        return StreamBroken(f"engine failed mid-stream ({type(exc).__name__})", provider=provider)
-    return _internal(exc, provider)
-
-
-def _bad_request(exc: InvalidRequest, provider: str) -> ProviderBadRequest:
-    return ProviderBadRequest(str(exc), provider=provider, param=exc.param, code=exc.code)
-
-
-def _internal(exc: BaseException, provider: str) -> ProviderInternalError:
-    """An engine fault: logged here with its traceback (the reply says only that it happened)."""
-    logger.error("%s: engine fault", provider, exc_info=exc)
-    return ProviderInternalError(f"engine fault ({type(exc).__name__}): {exc}", provider=provider, status_code=500)
-
-
-def _split(prompt: _Prompt, text: str, *, cut: bool) -> tuple[str | None, list[ToolCall] | None]:
-    if prompt.tool_names is None:
-        return text, None
-    parsed = tool_format.parse_tool_calls(prompt.prefill + text, prompt.tool_names)
-    if parsed.malformed and cut and prompt.grammar is not None:
-        # under a grammar a call block is well formed; one that is not was cut where closing did
-        # not fit (finish_reason "length"): dropped, never raw markup as content
-        logger.info("reply cut inside %d tool call(s); dropped", len(parsed.malformed))
-        return tool_format.without_blocks(parsed), parsed.tool_calls or None
-    if parsed.malformed:
-        logger.info("model wrote %d malformed tool call(s); returned as content", len(parsed.malformed))
-    return parsed.content, parsed.tool_calls or None
-
-
-def _speculation(outcome: Any, stats: Any) -> SpeculationInfo:
-    info = SpeculationInfo.from_outcome(outcome)
-    info.closing = getattr(stats, "closing", 0) or None
-    return info
-
-
-def _finish(result: Any, calls: bool) -> Literal["stop", "length", "tool_calls"]:
-    """A reply the budget ended (its structure closed to fit, or cut) says "length", its calls
-    returned all the same; else "tool_calls" where it called, else the engine's reason."""
-    if _budget_ended(result):
-        return "length"
-    return "tool_calls" if calls else _finish_reason(result.finish_reason)
-
-
-def _budget_ended(result: Any) -> bool:
-    return result.finish_reason in ("length", "context_length") or bool(getattr(result.stats, "closing", 0))
-
-
-def _finish_reason(engine_finish: str) -> Literal["stop", "length"]:
-    return "length" if engine_finish in ("length", "context_length") else "stop"
-
-
-def _stamp(stats: Any, ctx: CallContext) -> None:
-    decision = ctx.decision
-    if decision is not None:
-        stats.rule = decision.rule
-        stats.policy_version = decision.policy_version
+def _warm_up_request() -> ChatRequest:
+    """warm_up's call: one tool offered (tool_choice "auto"), 8 tokens at temperature 0."""
+    return ChatRequest.model_validate({
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [{"type": "function", "function": {
+            "name": "get_weather", "description": "Current weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        }}],
+        "max_tokens": 8, "temperature": 0,
+    })  # fmt: skip
 
 
 def sampling_params(settings: SamplingSettings, default_max_tokens: int = 256) -> SamplingParams:
@@ -580,12 +360,6 @@ def sampling_params(settings: SamplingSettings, default_max_tokens: int = 256) -
         max_tokens=settings.max_tokens or default_max_tokens,
         stop=tuple(settings.stop or ()),
     )
-
-
-def _replace_stop(sampling: SamplingParams, stop: tuple[str, ...]) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(sampling, stop=stop)
 
 
 _END = object()

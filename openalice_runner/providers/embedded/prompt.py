@@ -1,0 +1,140 @@
+"""A local request's prompt: its token ids, the assistant text it ends with, the tools it may call and
+the grammar its reply follows; and the bounds that refuse what the model's context cannot serve.
+
+The rendering and tokenizing are the engine's, reached through a `ChatRenderer` that providers/local.py
+hands in (the engine itself): only local.py imports the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from openalice_runner.providers.base import ProviderBadRequest
+from openalice_runner.providers.embedded import grammar as reply_grammars
+from openalice_runner.providers.embedded import tool_format
+from openalice_runner.types import AllowedToolChoice, ChatRequest
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    prefill: str  # assistant text the prompt already ends with (part of the parsed output)
+    tool_names: set[str] | None  # None: do not parse tool calls
+    grammar: Any = None  # the engine's compiled Grammar the reply must follow (None: free)
+
+
+class ChatRenderer(Protocol):
+    """What building a prompt needs of the engine: its chat template and its tokenizer."""
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def build_prompt(
+    request: ChatRequest,
+    engine: ChatRenderer,
+    backend: reply_grammars.GrammarBackend,
+    *,
+    renders_tools: bool,
+    provider: str,
+) -> Prompt:
+    """`renders_tools`: the model's chat template renders the tools itself (else tool_format's
+    fallback messages do)."""
+    messages = request.message_dicts()
+    choice = request.effective_tool_choice
+    # The tools are rendered whatever tool_choice says, "none" included, and the call's own
+    # rule after the history (tool_format): the prompt's prefix, and with it the cache a
+    # loop's next call reuses, does not depend on tool_choice. The grammar enforces the rule.
+    tools = request.tool_dicts()
+    # allowed_tools alike: every tool is rendered, only the allowed ones are callable (grammar,
+    # prefill, parsing); its mode acts as the plain "auto"/"required"
+    callable_tools = tools
+    if isinstance(choice, AllowedToolChoice):
+        allowed = set(choice.allowed_tools.names)
+        callable_tools = [t for t in tools or () if t["function"]["name"] in allowed]
+        choice = choice.allowed_tools.mode
+    history_has_tools = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    if renders_tools:
+        shown = tool_format.with_turn_rule(messages, choice) if tools else messages
+        ids = engine.render_chat(tool_format.template_messages(shown), tools)
+    elif tools or history_has_tools:
+        ids = engine.render_chat(tool_format.render_fallback_messages(messages, tools, choice))
+    else:
+        ids = engine.render_chat(messages)
+    grammar = reply_grammars.reply_grammar(request, callable_tools, choice, backend, provider)
+    # A forced call's opening is pre-filled (the grammar would force it anyway; a weak model
+    # also gets the first argument's key), and the grammar starts after it.
+    prefill = tool_format.assistant_prefill(choice, callable_tools) if tools else ""
+    if prefill and grammar is not None:
+        prefill, grammar = reply_grammars.prefill_within(grammar, prefill, choice, backend)
+    if prefill:
+        ids = list(ids) + engine.encode(prefill)
+    names = {t["function"]["name"] for t in callable_tools or ()} if tools and choice != "none" else None
+    return Prompt(ids=list(ids), prefill=prefill, tool_names=names, grammar=grammar)
+
+
+class ContextBounds:
+    """What the model's context refuses: cheap bounds before a request queues (`precheck`), then its
+    prompt's length and its budget once the prompt is built. `context_length`: the model's, None
+    while the engine is not loaded (nothing to check against); `tokenizer`: the engine's."""
+
+    def __init__(self, provider: str, context_length: Callable[[], int | None], tokenizer: Callable[[], Any]) -> None:
+        self.provider = provider
+        self._context_length = context_length
+        self._tokenizer = tokenizer
+        self._longest: int | None = None  # the vocabulary's longest token, in characters
+
+    def precheck(self, request: ChatRequest) -> None:
+        """max_tokens against the context, and a prompt whose characters cannot fit in the context
+        even at the longest token the vocabulary has (no tokenizing)."""
+        context = self._context_length()
+        if context is None:
+            return
+        if request.max_tokens is not None and request.max_tokens >= context:
+            raise ProviderBadRequest(
+                f"max_tokens is {request.max_tokens}; the model's context is {context} tokens",
+                provider=self.provider, param="max_tokens", code="invalid_value",
+            )  # fmt: skip
+        chars = sum(len(m.text) for m in request.messages)
+        if chars > context * self.longest_token_chars():
+            raise ProviderBadRequest(
+                f"the messages hold {chars} characters, more than the model's context of {context} "
+                "tokens can take", provider=self.provider, param="messages", code="context_length_exceeded",
+            )  # fmt: skip
+
+    def longest_token_chars(self) -> int:
+        if self._longest is None:
+            tokenizer = self._tokenizer()
+            try:
+                longest = max(len(t) for t in tokenizer.get_vocab())
+            except Exception:  # a tokenizer without a vocabulary listing: a generous bound
+                longest = 64
+            self._longest = max(1, longest)
+        return self._longest
+
+    def check_prompt(self, prompt: Prompt) -> None:
+        context = self._context_length()
+        if context is not None and len(prompt.ids) >= context:
+            raise ProviderBadRequest(
+                f"the prompt has {len(prompt.ids)} tokens; the model's context is {context} tokens "
+                "and at least one must be left for the reply",
+                provider=self.provider, param="messages", code="context_length_exceeded",
+            )  # fmt: skip
+
+    def check_budget(self, prompt: Prompt, max_tokens: int, shortest_reply: Callable[[Any, int], int | None]) -> None:
+        """Refuse a budget below the shortest reply the grammar accepts (`shortest_reply`,
+        engine/closing.py's): the reply could not end valid within it."""
+        if prompt.grammar is None:
+            return
+        context = self._context_length()
+        room = max_tokens if context is None else min(max_tokens, context - len(prompt.ids))
+        need = shortest_reply(prompt.grammar, room)
+        if need is not None and need > room:
+            where = "max_tokens" if room == max_tokens else "the context left after the prompt"
+            raise ProviderBadRequest(
+                f"max_tokens is {max_tokens}, below the minimum the schema needs: its shortest "
+                f"valid reply takes {need} tokens here ({where} allows {room})",
+                provider=self.provider, param="max_tokens", code="invalid_value",
+            )  # fmt: skip
