@@ -12,6 +12,19 @@ import pytest  # noqa: E402
 WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "workloads", "agentic.jsonl")
 
 
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: on tiny tensors (the exactness tests' chains) the intra-op
+    threads only wait on each other, 14x slower per reply on a loaded 2-core machine; the old
+    setting comes back after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_engine():
     """The process's one tiny random engine (the same object `stand_ins.engines.tiny_engine()` gives)."""

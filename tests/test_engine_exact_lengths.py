@@ -48,14 +48,7 @@ N = 2500
 DETECTABLE_TV = 0.045  # per position, at positions 3+: power 0.9 at N, worst direction (docs/testing.md)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: torch's intra-op threads only wait on each other (14x slower on a loaded
-    2-core machine); the old setting comes back after each test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest.py)
 
 
 # ---- the reference, by hand ----------------------------------------------------------------------

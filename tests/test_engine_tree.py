@@ -108,17 +108,21 @@ def test_greedy_tree_verification_follows_the_argmax():
     assert verify_tree_greedy([5] * 7, TOKENS, PARENTS).emitted(TOKENS) == [5]
 
 
-def _first_two(p, tokens, parents, n, seed, verify=verify_tree_sampled):
+def _first_three(p, tokens, parents, n, seed, verify=verify_tree_sampled):
+    """The first three emitted tokens of n rounds over one tree (the tokens a round did not reach
+    drawn as the next rounds would: a Markov target), and how many tokens each round accepted."""
     gen = torch.Generator().manual_seed(seed)
-    counts: dict[tuple[int, int], int] = {}
+    counts: dict[tuple[int, int, int], int] = {}
+    accepted = [0, 0, 0]
     for _ in range(n):
         verdict = verify(p, tokens, parents, gen)
+        accepted[verdict.accepted] += 1
         out = verdict.emitted(tokens)
-        if len(out) < 2:  # the second token as the next round would draw it (a Markov target)
-            out.append(int(torch.multinomial(P_AFTER[out[0]], 1, generator=gen)))
-        key = (out[0], out[1])
+        while len(out) < 3:
+            out.append(int(torch.multinomial(P_AFTER[out[-1]], 1, generator=gen)))
+        key = (out[0], out[1], out[2])
         counts[key] = counts.get(key, 0) + 1
-    return counts
+    return counts, accepted
 
 
 V = 5
@@ -126,7 +130,7 @@ _gen = torch.Generator().manual_seed(3)
 P_AFTER = torch.rand(V, V, generator=_gen) ** 2 + 0.01  # a Markov target: row = previous token
 P_AFTER = P_AFTER / P_AFTER.sum(-1, keepdim=True)
 ROOT = 0
-# root's children 1, 2, 3 (top-3 style), 1's children 2, 4, 2's child 0
+# root's children 1, 2, 3 (top-3 style), 1's children 2, 4, 2's child 0: depth 2
 SMALL_TOKENS = [1, 2, 3, 2, 4, 0]
 SMALL_PARENTS = [-1, -1, -1, 0, 0, 1]
 
@@ -137,19 +141,24 @@ def _tree_probs() -> torch.Tensor:
 
 
 def _p_value(counts, n) -> float:
-    keys = [(a, b) for a in range(V) for b in range(V)]
-    expected = [float(P_AFTER[ROOT, a] * P_AFTER[a, b]) for a, b in keys]
+    keys = [(a, b, c) for a in range(V) for b in range(V) for c in range(V)]
+    expected = [float(P_AFTER[ROOT, a] * P_AFTER[a, b] * P_AFTER[b, c]) for a, b, c in keys]
     expected = [e * n / sum(expected) for e in expected]
     return float(chisquare([counts.get(k, 0) for k in keys], expected).pvalue)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_sampled_tree_verification_is_exact():
-    """The first two emitted tokens follow the target's joint distribution."""
+    """The first three emitted tokens follow the target's joint distribution: rounds rejected at
+    the root's children, at depth 2 after an acceptance, and whole paths with their bonus token."""
     n = 20000
-    counts = _first_two(_tree_probs(), SMALL_TOKENS, SMALL_PARENTS, n, seed=1)
+    counts, accepted = _first_three(_tree_probs(), SMALL_TOKENS, SMALL_PARENTS, n, seed=1)
+    # every depth of the tree reached: no acceptance, a rejection at depth 2, the whole path + bonus
+    assert min(accepted) > n // 20, accepted
     assert _p_value(counts, n) > 1e-3
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_a_broken_tree_sampler_is_caught():
     """Drawing the recovered token from p, not from the residual, biases the output."""
     def broken(p, tokens, parents, generator):
@@ -158,8 +167,23 @@ def test_a_broken_tree_sampler_is_caught():
             return verdict
         return type(verdict)([], int(torch.multinomial(p[0], 1, generator=generator)))
 
-    n = 20000
-    counts = _first_two(_tree_probs(), SMALL_TOKENS, SMALL_PARENTS, n, seed=2, verify=broken)
+    n = 5000  # p about 1e-202 at this n
+    counts, _ = _first_three(_tree_probs(), SMALL_TOKENS, SMALL_PARENTS, n, seed=2, verify=broken)
+    assert _p_value(counts, n) < 1e-6
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_tree_sampler_that_drops_the_bonus_after_a_whole_path_is_caught():
+    """A fault only after a depth-2 accept: the bonus token replaced by a draw from the root's row."""
+    def no_bonus(p, tokens, parents, generator):
+        verdict = verify_tree_sampled(p, tokens, parents, generator)
+        if verdict.accepted < 2:
+            return verdict
+        return type(verdict)(verdict.path, int(torch.multinomial(p[0], 1, generator=generator)))
+
+    n = 5000  # p below 1e-300 at this n
+    counts, accepted = _first_three(_tree_probs(), SMALL_TOKENS, SMALL_PARENTS, n, seed=4, verify=no_bonus)
+    assert accepted[2] > n // 20, accepted
     assert _p_value(counts, n) < 1e-6
 
 

@@ -53,13 +53,7 @@ ROWS = torch.tensor([[True, True, True, True],
                      [True, False, True, False]])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: torch's intra-op threads only wait on each other on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest.py)
 
 
 @pytest.fixture(autouse=True)
