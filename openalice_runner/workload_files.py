@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 
 def stdlib_context(spec: dict[str, Any]) -> str:
@@ -30,3 +30,23 @@ def json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
             yield n, json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{n}: not JSON: {exc}") from exc
+
+
+class _HasId(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+Item = TypeVar("Item", bound=_HasId)
+
+
+def pick_by_id(items: list[Item], ids: Sequence[str] | None, what: str) -> list[Item]:
+    """The items named by `ids` (all of them without), in the file's order; an unknown id is a
+    ValueError naming it."""
+    if not ids:
+        return items
+    known = {item.id for item in items}
+    missing = [i for i in ids if i not in known]
+    if missing:
+        raise ValueError(f"unknown {what} ids: {', '.join(missing)}")
+    return [item for item in items if item.id in ids]

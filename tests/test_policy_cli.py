@@ -151,3 +151,18 @@ def test_leftover_pools_key_says_where_pools_live_now(capsys, tmp_path):
     old.write_text("pools:\n  e: {algorithm: EAGLE3}\ndefault: {method: off}\n")
     code, out, _ = run(capsys, "check", str(old))
     assert code == 2 and out.startswith(f"{old}:1:1: `pools:` moved to the routing file")
+
+
+def test_sglang_args_names_a_pool_it_cannot_launch_without_a_traceback(capsys, tmp_path):
+    # an EAGLE pool with no num_steps and no rule routing to it with speculation on: no step count
+    routing = tmp_path / "routing.yaml"
+    routing.write_text(Path("providers/gpu-example.yaml").read_text().replace(
+        "      plain:                                 # high batch: speculation off",
+        "      spare:\n        replicas: [http://10.0.0.41:30000]\n"
+        "        launch: {algorithm: EAGLE, draft_model_path: some/eagle-head}\n"
+        "      plain:                                 # high batch: speculation off"))
+    code, out, err = run_top(
+        capsys, "sglang", "args", "--providers", str(routing), "--policy", "policies/gpu-sglang.yaml", "--pool", "spare"
+    )
+    assert code == 2 and out == ""
+    assert err == "error: pool 'spare': no rule routes to it with speculation on; set num_steps\n"

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from openalice_runner.bench.repeats import kept_label, kept_run
-from openalice_runner.bench.workload import json_lines, stdlib_context
+from openalice_runner.workload_files import json_lines, pick_by_id, stdlib_context
 
 KINDS = ("chat", "copy_heavy")
 DEFAULT_CHAT = ("loop-chat-plan",)  # without a `kind` field: chat; every other conversation copy-heavy
@@ -88,13 +88,7 @@ def load_loops(path: str | Path, ids: list[str] | None = None) -> list[Conversat
             conversations.append(_conversation(raw))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: {exc}") from exc
-    if ids:
-        known = {c.id for c in conversations}
-        missing = [i for i in ids if i not in known]
-        if missing:
-            raise ValueError(f"unknown conversation ids: {', '.join(missing)}")
-        conversations = [c for c in conversations if c.id in ids]
-    return conversations
+    return pick_by_id(conversations, ids, "conversation")
 
 
 def _conversation(raw: dict[str, Any]) -> Conversation:

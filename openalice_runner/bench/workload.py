@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openalice_runner.workload_files import json_lines, stdlib_context
+from openalice_runner.workload_files import json_lines, pick_by_id, stdlib_context
 
 COPY_HEAVY = ("code_edit", "rag", "summarize", "tool_call")
 OPEN_ENDED = ("chat", "reasoning")
@@ -34,13 +34,7 @@ def load_workload(path: str | Path, case_ids: list[str] | None = None) -> list[C
             for m in raw["messages"]
         ]
         cases.append(Case(raw["id"], raw["turn_type"], messages, int(raw["max_tokens"]), raw.get("tools")))
-    if case_ids:
-        known = {c.id for c in cases}
-        missing = [c for c in case_ids if c not in known]
-        if missing:
-            raise ValueError(f"unknown case ids: {', '.join(missing)}")
-        cases = [c for c in cases if c.id in case_ids]
-    return cases
+    return pick_by_id(cases, case_ids, "case")
 
 
 def render_case(engine, case: Case) -> list[int]:

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+Launch = TypeVar("Launch")
 
 
 def load_checked(policy_path: str, providers_path: str) -> tuple[Any, Any] | None:
@@ -25,3 +28,22 @@ def load_checked(policy_path: str, providers_path: str) -> tuple[Any, Any] | Non
             print(problem, file=sys.stderr)
         return None
     return policy, routing
+
+
+def pool_launch_or_none(policy_path: str, providers_path: str, dialect: str, pool: str, provider: str | None,
+                        build: Callable[[Any, Any], Launch]) -> Launch | None:
+    """`build(pool, policy)` for the named pool of the checked files, or None after printing what
+    is wrong (the files' problems, an unknown pool, a launch the pool's settings cannot make)."""
+    from openalice_runner.providers.pools.pool_checks import find_pool
+
+    files = load_checked(policy_path, providers_path)
+    if files is None:
+        return None
+    policy, routing = files
+    try:
+        return build(find_pool(routing, pool, provider, dialect=dialect), policy)
+    except KeyError as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+    return None

@@ -46,17 +46,12 @@ def add_args_parser(sub: argparse._SubParsersAction, name: str) -> None:
 
 
 def sglang_args(args: argparse.Namespace) -> int:
-    from openalice_runner.cli.pool_files import load_checked
-    from openalice_runner.providers.pools.pool_checks import find_pool, pool_launch
+    from openalice_runner.cli.pool_files import pool_launch_or_none
+    from openalice_runner.providers.pools.pool_checks import pool_launch
 
-    files = load_checked(args.policy, args.providers)
-    if files is None:
-        return 2
-    policy, routing = files
-    try:
-        launch = pool_launch(find_pool(routing, args.pool, args.provider), policy, args.adaptive_config_out)
-    except KeyError as exc:
-        print(f"error: {exc.args[0]}", file=sys.stderr)
+    launch = pool_launch_or_none(args.policy, args.providers, "sglang", args.pool, args.provider,
+                                 lambda pool, policy: pool_launch(pool, policy, args.adaptive_config_out))
+    if launch is None:
         return 2
     if launch.adaptive_config is not None:
         try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from openalice_runner import defaults
 
@@ -34,20 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def vllm_args(args: argparse.Namespace) -> int:
-    from openalice_runner.cli.pool_files import load_checked
-    from openalice_runner.providers.pools.pool_checks import find_pool, vllm_pool_launch
+    from openalice_runner.cli.pool_files import pool_launch_or_none
+    from openalice_runner.providers.pools.pool_checks import vllm_pool_launch
 
-    files = load_checked(args.policy, args.providers)
-    if files is None:
-        return 2
-    policy, routing = files
-    try:
-        launch = vllm_pool_launch(find_pool(routing, args.pool, args.provider, dialect="vllm"), policy)
-    except KeyError as exc:
-        print(f"error: {exc.args[0]}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    launch = pool_launch_or_none(args.policy, args.providers, "vllm", args.pool, args.provider, vllm_pool_launch)
+    if launch is None:
         return 2
     if args.json:
         out = {

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
+from opentelemetry.metrics import Histogram
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from openalice_runner.redaction import redact
@@ -212,6 +214,11 @@ class ChatCall:
         self.span.end()
 
 
+def _histogram(meter: metrics.Meter, name: str, unit: str, buckets: Sequence[float], description: str) -> Histogram:
+    return meter.create_histogram(name, unit=unit, description=description,
+                                  explicit_bucket_boundaries_advisory=list(buckets))
+
+
 class RunnerTelemetry:
     """Spans and metrics for turns, model calls and tool steps (see module docstring)."""
 
@@ -227,48 +234,24 @@ class RunnerTelemetry:
         version = _version()
         self.tracer = trace.get_tracer(SCOPE, version, tracer_provider=tracer_provider)
         meter = metrics.get_meter(SCOPE, version, meter_provider=meter_provider)
-        self._op_duration = meter.create_histogram(
-            A.METRIC_OPERATION_DURATION,
-            unit="s",
-            description="GenAI operation duration.",
-            explicit_bucket_boundaries_advisory=list(A.DURATION_BUCKETS_S),
-        )
-        self._token_usage = meter.create_histogram(
-            A.METRIC_TOKEN_USAGE,
-            unit="{token}",
-            description="Number of input and output tokens used.",
-            explicit_bucket_boundaries_advisory=list(A.TOKEN_BUCKETS),
-        )
-        self._ttfc = meter.create_histogram(
-            A.METRIC_TIME_TO_FIRST_CHUNK,
-            unit="s",
-            description="Time to receive the first chunk in a streaming operation.",
-            explicit_bucket_boundaries_advisory=list(A.DURATION_BUCKETS_S),
-        )
-        self._agent_duration = meter.create_histogram(
-            A.METRIC_INVOKE_AGENT_DURATION,
-            unit="s",
-            description="Duration of an agent turn.",
-            explicit_bucket_boundaries_advisory=list(A.DURATION_BUCKETS_S),
-        )
-        self._tool_duration = meter.create_histogram(
-            A.METRIC_EXECUTE_TOOL_DURATION,
-            unit="s",
-            description="Duration of a tool execution.",
-            explicit_bucket_boundaries_advisory=list(A.DURATION_BUCKETS_S),
-        )
-        self._accepted_drafts_per_round = meter.create_histogram(
-            A.METRIC_ACCEPTED_DRAFTS_PER_ROUND,
-            unit="{token}",
-            description="Mean draft tokens accepted per verify round, one value per model call.",
-            explicit_bucket_boundaries_advisory=list(A.ACCEPTED_DRAFTS_PER_ROUND_BUCKETS),
-        )
-        self._tokens_per_second = meter.create_histogram(
-            A.METRIC_TOKENS_PER_SECOND,
-            unit="{token}/s",
-            description="Output tokens per second of a model call, prefill included.",
-            explicit_bucket_boundaries_advisory=list(A.TOKENS_PER_SECOND_BUCKETS),
-        )
+        histogram = partial(_histogram, meter)
+        self._op_duration = histogram(
+            A.METRIC_OPERATION_DURATION, "s", A.DURATION_BUCKETS_S, "GenAI operation duration.")
+        self._token_usage = histogram(
+            A.METRIC_TOKEN_USAGE, "{token}", A.TOKEN_BUCKETS, "Number of input and output tokens used.")
+        self._ttfc = histogram(
+            A.METRIC_TIME_TO_FIRST_CHUNK, "s", A.DURATION_BUCKETS_S,
+            "Time to receive the first chunk in a streaming operation.")
+        self._agent_duration = histogram(
+            A.METRIC_INVOKE_AGENT_DURATION, "s", A.DURATION_BUCKETS_S, "Duration of an agent turn.")
+        self._tool_duration = histogram(
+            A.METRIC_EXECUTE_TOOL_DURATION, "s", A.DURATION_BUCKETS_S, "Duration of a tool execution.")
+        self._accepted_drafts_per_round = histogram(
+            A.METRIC_ACCEPTED_DRAFTS_PER_ROUND, "{token}", A.ACCEPTED_DRAFTS_PER_ROUND_BUCKETS,
+            "Mean draft tokens accepted per verify round, one value per model call.")
+        self._tokens_per_second = histogram(
+            A.METRIC_TOKENS_PER_SECOND, "{token}/s", A.TOKENS_PER_SECOND_BUCKETS,
+            "Output tokens per second of a model call, prefill included.")
 
     # ---- turns ---------------------------------------------------------------------------------
     def start_turn(
