@@ -28,7 +28,7 @@ from stand_ins.pair_chain import (
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig, rejection
 from openalice_runner.engine.batching import BatchScheduler
 from openalice_runner.engine.cpu_kernels import cpu_kernels
-from openalice_runner.engine.generator import new_sequence
+from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence
 from openalice_runner.engine.types import EngineOverloaded
 from openalice_runner.speculation import GammaTable
 
@@ -194,8 +194,9 @@ def test_kv_cache_is_sized_by_the_prompt_and_grows_with_the_reply_not_by_max_tok
     try:
         requests = []
         for _ in range(4):
-            seq = new_sequence(prompt, sampling, SpecConfig(method="off"), None, scheduler.cache,
-                               tiny_engine.tokenizer, frozenset(), tiny_engine.context_length, slot=-1)  # fmt: skip
+            seq = new_sequence(SequenceRequest(prompt, sampling, SpecConfig(method="off")),
+                               Target(scheduler.cache, tiny_engine.tokenizer, frozenset(), tiny_engine.context_length),
+                               slot=-1)
             requests.append(scheduler.submit(seq))
         for request in requests:
             next(e for e in scheduler.events(request) if e.token_ids)  # each has started its reply
@@ -209,16 +210,18 @@ def test_kv_cache_is_sized_by_the_prompt_and_grows_with_the_reply_not_by_max_tok
 def test_a_reply_past_the_first_granule_grows_the_cache_and_matches_serial_decoding(tiny_engine, spec):
     prompt = tiny_engine.encode("one two three four " * 200)[:500]
     sampling = SamplingParams(max_tokens=600)
-    serial = new_sequence(prompt, sampling, SpecConfig(method="off"), None, tiny_engine.model.new_cache(1, 1200),
-                          tiny_engine.tokenizer, frozenset(), tiny_engine.context_length)  # fmt: skip
+    serial = new_sequence(SequenceRequest(prompt, sampling, SpecConfig(method="off")),
+                          Target(tiny_engine.model.new_cache(1, 1200), tiny_engine.tokenizer, frozenset(),
+                                 tiny_engine.context_length))
     from openalice_runner.engine.generator import run_sequence
 
     want = [e.result for e in run_sequence(tiny_engine.model, serial) if e.result is not None][0].token_ids
     scheduler = BatchScheduler(tiny_engine.model, max_batch=2)
     try:
         drafter = tiny_engine._make_drafter(spec, 1200, own_cache=True) if spec.method != "off" else None
-        seq = new_sequence(prompt, sampling, spec, drafter, scheduler.cache, tiny_engine.tokenizer, frozenset(),
-                           tiny_engine.context_length, slot=-1)  # fmt: skip
+        seq = new_sequence(SequenceRequest(prompt, sampling, spec, drafter),
+                           Target(scheduler.cache, tiny_engine.tokenizer, frozenset(), tiny_engine.context_length),
+                           slot=-1)
         got = _drain(scheduler, scheduler.submit(seq)).token_ids
         assert scheduler.cache.max_len == 1536  # 500 + 600 tokens and a round, in granules of 512
     finally:

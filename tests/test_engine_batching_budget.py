@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 from openalice_runner.engine.batching import CACHE_GRANULE, BatchScheduler
 from openalice_runner.engine.engine import DEFAULT_KV_CACHE_BYTES
-from openalice_runner.engine.generator import new_sequence
+from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence
 from openalice_runner.engine.types import EngineOverloaded
 from openalice_runner.providers.local import LocalConfig, LocalProvider
 
@@ -30,8 +30,8 @@ WAIT_S = 120  # a shared CPU can be slow; a hang still fails
 def _sequence(engine, scheduler, prompt, max_tokens, spec=OFF):
     # no EOS ids: every reply runs to max_tokens, so reservations are used in full
     drafter = None if spec.method == "off" else engine._make_drafter(spec, 2048, own_cache=True)
-    return new_sequence(prompt, SamplingParams(max_tokens=max_tokens), spec, drafter, scheduler.cache,
-                        engine.tokenizer, frozenset(), engine.context_length, slot=-1)  # fmt: skip
+    return new_sequence(SequenceRequest(prompt, SamplingParams(max_tokens=max_tokens), spec, drafter),
+                        Target(scheduler.cache, engine.tokenizer, frozenset(), engine.context_length), slot=-1)
 
 
 def _submit_together(engine, scheduler, jobs):

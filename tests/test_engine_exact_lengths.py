@@ -438,14 +438,14 @@ def _sample_unseeded(model, make_drafter, sampling: SamplingParams, spec, n: int
     """sample_serial's loop with seed None (the seeds come from the patched source)."""
     from stand_ins.pair_chain import PairCache, SilentTokenizer
 
-    from openalice_runner.engine.generator import new_sequence, run_sequence
+    from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence, run_sequence
 
     run = Run([], Rounds.empty())
     for _ in range(n):
         s = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                            max_tokens=sampling.max_tokens)
-        seq = new_sequence(PROMPT, s, spec, make_drafter(), PairCache(), SilentTokenizer(), frozenset(),
-                           context_length=128)
+        seq = new_sequence(SequenceRequest(PROMPT, s, spec, make_drafter()),
+                           Target(PairCache(), SilentTokenizer(), frozenset(), context_length=128))
         result = None
         for event in run_sequence(model, seq):
             result = event.result or result

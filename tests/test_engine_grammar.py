@@ -247,7 +247,15 @@ def test_a_draft_reaching_a_forced_span_carries_the_span(engines):
     it: here the rest of the tag after '<' and, once the tag is written, the call's opening and
     the only tool's name, verified in the same pass. Accepted, they count as forced tokens, not
     as the drafter's."""
-    from openalice_runner.engine.generator import Round, begin, new_sequence, plan_round, settle_round
+    from openalice_runner.engine.generator import (
+        Round,
+        SequenceRequest,
+        Target,
+        begin,
+        new_sequence,
+        plan_round,
+        settle_round,
+    )
     from openalice_runner.engine.llama import KVCache
 
     engine = engines[0]
@@ -255,9 +263,10 @@ def test_a_draft_reaching_a_forced_span_carries_the_span(engines):
     prompt = engine.encode("weather please")
     opening = engine.encode("<tool_call>")
     rest_of_tag = opening[1:]
-    seq = new_sequence(prompt, SamplingParams(max_tokens=60), SpecConfig(method="draft", gamma=8),
-                       ScriptedDrafter(rest_of_tag), KVCache(engine.model.cfg, 1, 128, torch.float32),
-                       engine.tokenizer, engine.eos_token_ids, 128, constraint=grammar.constraint())
+    seq = new_sequence(SequenceRequest(prompt, SamplingParams(max_tokens=60), SpecConfig(method="draft", gamma=8),
+                                       ScriptedDrafter(rest_of_tag), grammar.constraint()),
+                       Target(KVCache(engine.model.cfg, 1, 128, torch.float32), engine.tokenizer,
+                              engine.eos_token_ids, 128))
     begin(seq)
     seq.tokens.append(opening[0])  # the reply so far: '<' (free text could go on from it)
     seq.constraint.advance(opening[:1])

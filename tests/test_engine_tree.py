@@ -305,7 +305,7 @@ def test_a_tree_is_cut_to_the_room_in_the_cache():
 
     from openalice_runner.engine import SamplingParams, SpecConfig
     from openalice_runner.engine.drafters.base import Drafter, Proposal
-    from openalice_runner.engine.generator import begin, new_sequence, plan_round
+    from openalice_runner.engine.generator import SequenceRequest, Target, begin, new_sequence, plan_round
 
     class Wide(Drafter):
         def propose(self, history, gamma, sampling, generator):
@@ -316,8 +316,9 @@ def test_a_tree_is_cut_to_the_room_in_the_cache():
             return ""
 
     cache = SimpleNamespace(max_len=12, lengths=[0])
-    seq = new_sequence([1, 2, 3, 4, 5], SamplingParams(max_tokens=50), SpecConfig(method="eagle", gamma=4), Wide(),
-                       cache, Quiet(), frozenset(), context_length=64)
+    seq = new_sequence(SequenceRequest([1, 2, 3, 4, 5], SamplingParams(max_tokens=50),
+                                       SpecConfig(method="eagle", gamma=4), Wide()),
+                       Target(cache, Quiet(), frozenset(), context_length=64))
     begin(seq)
     proposal, draft = plan_round(seq, 4)
     assert len(draft) == 12 - 5  # positions 5..11: the root's successors that the cache holds

@@ -15,7 +15,7 @@ from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
 from openalice_runner.engine.drafters.ngram import NgramDrafter
 from openalice_runner.engine.drafters.suffix import RecentResponses, SuffixDrafter
-from openalice_runner.engine.generator import new_sequence, round_rows, run_sequence
+from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence, round_rows, run_sequence
 from openalice_runner.engine.grammar import Grammar, GrammarCompiler
 from openalice_runner.engine.hf_model import HFCausalModel
 from openalice_runner.engine.llama import KVCache, LlamaModel
@@ -199,6 +199,9 @@ class Engine:
         return self._grammars
 
     # ---- decoding -------------------------------------------------------------------------
+    def _target(self, cache: KVCache) -> Target:
+        return Target(cache, self.tokenizer, self.eos_token_ids, self.context_length, self.pass_costs)
+
     def stream(
         self,
         prompt_ids: list[int],
@@ -221,11 +224,9 @@ class Engine:
         if self.scheduler is not None:
             if drafter is None and spec.method != "off":
                 drafter = self._make_drafter(spec, need, own_cache=True)
-            seq = new_sequence(
-                prompt_ids, sampling, spec, drafter, self.scheduler.cache, self.tokenizer,
-                self.eos_token_ids, self.context_length, slot=-1, costs=self.pass_costs,
-                constraint=None if grammar is None else grammar.constraint(),
-            )  # fmt: skip
+            constraint = None if grammar is None else grammar.constraint()
+            seq = new_sequence(SequenceRequest(prompt_ids, sampling, spec, drafter, constraint),
+                               self._target(self.scheduler.cache), slot=-1)
             request = self.scheduler.submit(seq, cancel)
             yield from self.scheduler.events(request)
             return
@@ -233,11 +234,8 @@ class Engine:
             cache = self._target_cache(need)
             if drafter is None and spec.method != "off":
                 drafter = self._make_drafter(spec, cache.max_len)
-            seq = new_sequence(
-                prompt_ids, sampling, spec, drafter, cache, self.tokenizer, self.eos_token_ids,
-                self.context_length, costs=self.pass_costs,
-                constraint=None if grammar is None else grammar.constraint(),
-            )
+            constraint = None if grammar is None else grammar.constraint()
+            seq = new_sequence(SequenceRequest(prompt_ids, sampling, spec, drafter, constraint), self._target(cache))
             reused = 0
             if self.prefix_reuse and not (seq.drafter is not None and seq.drafter.wants_hidden):
                 # a drafter that reads hidden states would miss the reused positions': prefill in full

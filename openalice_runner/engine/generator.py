@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -519,19 +520,33 @@ def finish(seq: Sequence) -> GenerationResult:
     return GenerationResult(text=seq.text.text, token_ids=list(seq.text.token_ids), stats=stats)
 
 
-def new_sequence(
-    prompt: list[int],
-    sampling: SamplingParams,
-    spec: SpecConfig,
-    drafter: Drafter | None,
-    cache: KVCache,
-    tokenizer,
-    eos_ids: frozenset[int],
-    context_length: int,
-    slot: int = 0,
-    costs: PassCostModel | None = None,
-    constraint: GrammarConstraint | None = None,
-) -> Sequence:
+@dataclass(frozen=True)
+class SequenceRequest:
+    """What a caller asks of one sequence: its prompt, how to sample, how to speculate (and the
+    drafter that does, if any) and the grammar the reply must follow."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    spec: SpecConfig
+    drafter: Drafter | None = None
+    constraint: GrammarConstraint | None = None
+
+
+@dataclass(frozen=True)
+class Target:
+    """The target model's side of a sequence: the cache its keys and values go to, the tokenizer
+    its text comes from, the tokens that end it, its context and where pass times are recorded."""
+
+    cache: KVCache
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    context_length: int
+    costs: PassCostModel | None = None
+
+
+def new_sequence(request: SequenceRequest, target: Target, slot: int = 0) -> Sequence:
+    """A sequence ready to `begin`, in cache slot `slot` (a scheduler assigns it at admission)."""
+    prompt, sampling, spec, context_length = request.prompt, request.sampling, request.spec, target.context_length
     if not prompt:
         raise InvalidRequest("prompt is empty", param="messages")
     if len(prompt) >= context_length:
@@ -544,13 +559,13 @@ def new_sequence(
         prompt=list(prompt),
         sampling=sampling,
         spec=spec,
-        drafter=drafter if spec.method != "off" else None,
-        cache=cache,
+        drafter=request.drafter if spec.method != "off" else None,
+        cache=target.cache,
         slot=slot,
-        text=TextStream(tokenizer, sampling.stop),
-        eos_ids=eos_ids,
+        text=TextStream(target.tokenizer, sampling.stop),
+        eos_ids=target.eos_ids,
         context_length=context_length,
         draws=draws,
-        costs=costs,
-        constraint=constraint,
+        costs=target.costs,
+        constraint=request.constraint,
     )

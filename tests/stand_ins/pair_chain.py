@@ -28,7 +28,7 @@ import torch
 from scipy.stats import chi2
 
 from openalice_runner.engine.drafters.base import Drafter, Proposal
-from openalice_runner.engine.generator import new_sequence, run_sequence
+from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence, run_sequence
 from openalice_runner.engine.sampling import processed_probs
 from openalice_runner.engine.types import SamplingParams
 
@@ -363,8 +363,8 @@ def sample_serial(model, make_drafter, sampling: SamplingParams, spec, n: int, s
     for i in range(n):
         s = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                            seed=None if seed is None else seed * 100_000 + i, max_tokens=sampling.max_tokens)
-        seq = new_sequence(prompt, s, spec, make_drafter(), PairCache(), SilentTokenizer(), frozenset(),
-                           context_length=128, constraint=None if constraint is None else constraint())
+        seq = new_sequence(SequenceRequest(prompt, s, spec, make_drafter(), None if constraint is None else constraint()),
+                           Target(PairCache(), SilentTokenizer(), frozenset(), context_length=128))
         result = None
         for event in run_sequence(model, seq):
             result = event.result or result
@@ -391,8 +391,8 @@ def sample_batched(model, jobs, sampling: SamplingParams, n: int, seed: int, max
                 prompt, max_tokens, spec, make = jobs[i % len(jobs)]
                 s = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                    seed=seed * 100_000 + i, max_tokens=max_tokens)
-                seq = new_sequence(prompt, s, spec, make(), scheduler.cache, SilentTokenizer(), frozenset(),
-                                   context_length=128, slot=-1)
+                seq = new_sequence(SequenceRequest(prompt, s, spec, make()),
+                                   Target(scheduler.cache, SilentTokenizer(), frozenset(), context_length=128), slot=-1)
                 requests.append(scheduler.submit(seq))
             for request in requests:
                 result = [e.result for e in scheduler.events(request) if e.result is not None][0]
