@@ -10,6 +10,7 @@ and returning a closed call as tool_calls (plain and streamed, fragments joining
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -208,3 +209,34 @@ async def test_a_call_cut_by_the_budget_comes_back_closed_as_tool_calls(engines,
     assert len(calls) == 1 and json.loads(calls[0]["arguments"]) == arguments  # fragments join into the JSON
     assert not "".join(c.delta_text for c in chunks)
     assert chunks[-1].finish_reason == reply.finish_reason
+
+
+async def test_an_allowed_tools_call_cut_by_the_budget_closes_on_an_allowed_tool(engines):
+    """`allowed_tools` required: both tools offered, only one allowed; from the grammar's shortest
+    reply up, a budget that cuts the call still gives one closed call to the allowed tool; below it,
+    a 400 at admission naming max_tokens."""
+    from openalice_runner.providers.base import CallContext, ProviderBadRequest
+    from openalice_runner.types import ChatRequest
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    choice = {"type": "allowed_tools",
+              "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_stock_price"}}]}}
+    provider = _provider(engines[1])
+
+    def request(budget: int) -> ChatRequest:
+        return ChatRequest(messages=[{"role": "user", "content": "Check MSFT for me"}], tools=[weather, STOCK],
+                           tool_choice=choice, max_tokens=budget)
+
+    with pytest.raises(ProviderBadRequest) as refused:
+        await provider.chat(request(8), CallContext())
+    need = int(re.search(r"takes (\d+) tokens", str(refused.value))[1])  # the grammar's shortest reply here
+    assert refused.value.param == "max_tokens" and need > 8
+    with pytest.raises(ProviderBadRequest):
+        await provider.chat(request(need - 1), CallContext())
+    for budget in (need, need + 8):
+        reply = await provider.chat(request(budget), CallContext())
+        assert reply.content is None and len(reply.tool_calls) == 1, reply
+        assert reply.tool_calls[0].function.name == "get_stock_price"
+        assert isinstance(json.loads(reply.tool_calls[0].function.arguments)["symbol"], str)
+        assert reply.usage.completion_tokens <= budget
