@@ -164,6 +164,19 @@ def test_vllm_args_command(capsys):
     assert "unknown pool 'nope' (vLLM pools in the routing file: cpu.ngram, cpu.plain)" in capsys.readouterr().err
 
 
+def test_vllm_args_serves_the_embedded_model_folder_of_this_install(capsys):
+    """The shipped file's `model_path: embedded`: the folder the engine converts its default model to,
+    whose name carries a key of this install's GGUF (no file could spell it for every machine)."""
+    from openalice_runner.engine.model_loading import converted_folder, default_model_source
+
+    assert find_pool(load_routing_file(ROUTING), "plain", dialect="vllm").pool.launch.model_path == "embedded"
+    code = main(["vllm", "args", "--providers", str(ROUTING), "--policy", str(POLICY), "--pool", "plain", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    folder = converted_folder(default_model_source())
+    assert code == 0 and flag(out["args"], "--model") == str(folder)
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
 needs_venv = pytest.mark.skipif(vllm_servers.venv_problem() is not None, reason=str(vllm_servers.venv_problem()))
 
 

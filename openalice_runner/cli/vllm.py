@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from openalice_runner import defaults
+
+if TYPE_CHECKING:
+    from openalice_runner.providers.pools.pool_checks import DeployedPool
 
 DEFAULT_POLICY = str(defaults.path(defaults.POLICY))
 
@@ -36,7 +41,8 @@ def vllm_args(args: argparse.Namespace) -> int:
     from openalice_runner.cli.pool_files import pool_launch_or_none
     from openalice_runner.providers.pools.pool_checks import vllm_pool_launch
 
-    launch = pool_launch_or_none(args.policy, args.providers, "vllm", args.pool, args.provider, vllm_pool_launch)
+    launch = pool_launch_or_none(args.policy, args.providers, "vllm", args.pool, args.provider,
+                                 lambda pool, policy: vllm_pool_launch(with_model_folder(pool), policy))
     if launch is None:
         return 2
     if args.json:
@@ -50,3 +56,19 @@ def vllm_args(args: argparse.Namespace) -> int:
     else:
         print(launch.line(args.python))
     return 0
+
+
+def with_model_folder(deployed: DeployedPool) -> DeployedPool:
+    """`model_path: embedded` made the folder the embedded engine converts its default model to
+    (converting it here the first time): the folder's name carries a key of the installed GGUF, so
+    no routing file can name it for every machine."""
+    from openalice_runner.providers.pools.vllm_launch import EMBEDDED_MODEL, VLLMLaunch
+
+    launch = deployed.pool.launch
+    if not isinstance(launch, VLLMLaunch) or launch.model_path != EMBEDDED_MODEL:
+        return deployed
+    from openalice_runner.engine.model_loading import converted_folder, default_model_source
+
+    folder = str(converted_folder(default_model_source()))
+    pool = deployed.pool.model_copy(update={"launch": launch.model_copy(update={"model_path": folder})})
+    return replace(deployed, pool=pool)

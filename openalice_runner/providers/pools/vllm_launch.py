@@ -29,12 +29,15 @@ METHOD_OF: dict[str, SpecMethod] = {
 }
 SERVES: dict[str, frozenset[str]] = {m: frozenset({p, "off"}) for m, p in METHOD_OF.items()}
 NEEDS_MODEL = frozenset({"eagle", "eagle3", "draft_model"})
+EMBEDDED_MODEL = "embedded"  # model_path: resolved by `vllm args` (cli/vllm.py)
 
 
 class VLLMLaunch(StrictModel):
     """The flags a pool's vLLM servers are launched with."""
 
-    model_path: str | None = None  # --model (default: the provider's `model`, served under that name)
+    # --model (default: the provider's `model`, served under that name); EMBEDDED_MODEL: the embedded
+    # engine's default model as the HF folder it converts it to (its path differs per install)
+    model_path: str | None = None
     method: VLLMMethod = "none"  # --speculative-config method
     draft_model: str | None = None  # speculative model: the EAGLE head or the draft model
     # num_speculative_tokens; absent: the largest γ of the rules routed to the pool
