@@ -49,6 +49,14 @@ def load_engine(args: argparse.Namespace, **options: Any):
         raise SystemExit(2) from exc
 
 
+def embedded_model_folder() -> Path:
+    """The HF folder the embedded engine converts its default model to (converting it the first
+    time): what a vLLM pool with `model_path: embedded` serves."""
+    from openalice_runner.engine.model_loading import converted_folder, default_model_source
+
+    return converted_folder(default_model_source())
+
+
 def load_cases(args: argparse.Namespace):
     """The workload cases of `--workload` (and `--cases`, comma-separated ids, where the command has it).
     Exits 2 when the file is missing or malformed."""

@@ -67,8 +67,8 @@ def with_model_folder(deployed: DeployedPool) -> DeployedPool:
     launch = deployed.pool.launch
     if not isinstance(launch, VLLMLaunch) or launch.model_path != EMBEDDED_MODEL:
         return deployed
-    from openalice_runner.engine.model_loading import converted_folder, default_model_source
+    from openalice_runner.cli.common import embedded_model_folder
 
-    folder = str(converted_folder(default_model_source()))
+    folder = str(embedded_model_folder())
     pool = deployed.pool.model_copy(update={"launch": launch.model_copy(update={"model_path": folder})})
     return replace(deployed, pool=pool)
