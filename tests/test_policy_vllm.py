@@ -50,6 +50,7 @@ def test_ngram_pool_line_carries_the_rules_per_batch_table():
     assert flag(a, "--per-request-spec-decode-metrics") == "summary"
     assert flag(a, "--served-model-name") == "smollm2" and flag(a, "--max-num-seqs") == "8"
     assert "--enable-prefix-caching" in a and flag(a, "--tool-call-parser") == "hermes"
+    assert "--enable-prompt-tokens-details" in a  # usage reports the prompt's cached tokens
     assert a[a.index("--tool-call-parser") - 1] == "--enable-auto-tool-choice"
     assert flag(a, "--chat-template").endswith("smollm2-hermes-tools.jinja")
     assert launch.line("/v/bin/python").startswith("/v/bin/python -m vllm.entrypoints.openai.api_server --model ")

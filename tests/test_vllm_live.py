@@ -109,6 +109,23 @@ async def test_plain_and_streamed_chat_go_to_the_plain_pool(pools):
         assert final.usage.completion_tokens > 0
 
 
+async def test_a_repeated_prompt_reports_its_cached_tokens_plain_and_streamed(pools):
+    """The pools run with --enable-prompt-tokens-details (`vllm args`): usage says how much of a
+    prompt came from vLLM's prefix cache, and the runner passes it on."""
+    request = ChatRequest(messages=COPY, max_tokens=4)
+    async with pools.runner() as runner:
+        first = await runner.chat(request, CallContext(turn_type="chat"))
+        again = await runner.chat(request, CallContext(turn_type="chat"))
+        final = None
+        async with runner.stream(request, CallContext(turn_type="chat")) as chunks:
+            async for c in chunks:
+                final = c if c.finish_reason else final
+    assert first.usage.prompt_tokens_details is not None  # reported, whatever the cache held before
+    for usage in (again.usage, final.usage):
+        assert usage.prompt_tokens_details is not None
+        assert 0 < usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
 @pytest.mark.parametrize("choice", ["required", "named", "auto"])
 async def test_tool_calls_parse(pools, choice):
     tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else choice

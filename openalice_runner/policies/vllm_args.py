@@ -16,7 +16,9 @@ the one generator of that line (`openalice-runner vllm args`):
   cover it (fixed γ, an auto rule's max_gamma, 0 for off). Left out when one γ holds throughout.
 * `--per-request-spec-decode-metrics summary` with speculation (the per-request figures the
   provider reads), `--max-num-seqs`, `--max-model-len`, `--dtype`, `--enable-prefix-caching`,
-  `--enable-auto-tool-choice --tool-call-parser`, `--reasoning-parser`, `--chat-template`.
+  `--enable-prompt-tokens-details` (usage says how much of each prompt came from the prefix cache:
+  the runner passes it on as `prompt_tokens_details.cached_tokens`), `--enable-auto-tool-choice
+  --tool-call-parser`, `--reasoning-parser`, `--chat-template`.
 Flag names and the JSON are checked with vLLM 0.32's own parser and SpeculativeConfig
 (tests/test_policy_vllm.py).
 """
@@ -153,6 +155,7 @@ def compile_vllm_pool(
         if value is not None:
             args += [flag, str(value)]
     args.append("--enable-prefix-caching" if launch.enable_prefix_caching else "--no-enable-prefix-caching")
+    args.append("--enable-prompt-tokens-details")
     if launch.tool_call_parser:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", launch.tool_call_parser]
     if launch.reasoning_parser:

@@ -122,12 +122,18 @@ class WireMessage(_Wire):
     tool_calls: list[WireToolCall] | None = None
 
 
+class WirePromptDetails(_Wire):
+    cached_tokens: int | None = None  # vLLM sends it with --enable-prompt-tokens-details
+
+
 class WireUsage(_Wire):
     prompt_tokens: int = 0
     completion_tokens: int | None = 0
+    prompt_tokens_details: WirePromptDetails | None = None
 
     def usage(self) -> Usage:
-        return Usage.of(self.prompt_tokens, self.completion_tokens or 0)
+        details = self.prompt_tokens_details
+        return Usage.of(self.prompt_tokens, self.completion_tokens or 0, details.cached_tokens if details else None)
 
 
 class WireSpecDetails(_Wire):
