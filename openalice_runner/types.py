@@ -283,6 +283,9 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+CONVERSATION_HEADER = "x-openalice-conversation-id"  # the loop's conversation id, from client to upstream
+
+
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens")
 
 

@@ -39,12 +39,14 @@ class Replay:
         self.answer, self.status = answer, status
         self.metrics = BODIES["metrics"] if metrics is None else metrics
         self.requests: list[dict] = []
+        self.headers: list[httpx.Headers] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/metrics":
             return httpx.Response(200, text=self.metrics) if self.metrics else httpx.Response(404)
         body = json.loads(request.content)
         self.requests.append(body)
+        self.headers.append(request.headers)
         if self.status != 200:
             recorded = BODIES[self.answer]
             return httpx.Response(recorded["status"], json=recorded["body"])
@@ -95,6 +97,18 @@ async def test_streamed_reply_takes_the_figures_from_the_final_usage_chunk():
     assert final.outcome.proposed == spec["num_draft_tokens"]
     assert final.usage.completion_tokens == last["usage"]["completion_tokens"]
     assert replay.requests[0]["stream_options"] == {"include_usage": True}  # else vLLM sends no figures
+    await p.aclose()
+
+
+async def test_the_conversation_id_goes_upstream_for_a_gateway_to_key_on():
+    """smg's consistent_hashing keys on a header it is told to read: the runner sends the
+    conversation id as X-OpenAlice-Conversation-Id, plain and streamed, and nothing without one."""
+    replay = Replay()
+    p = provider({"ngram": {"replicas": ["http://v1"], "launch": NGRAM}}, replay)
+    await p.chat(REQ, CallContext(decision=decision(), conversation_id="conv-7"))
+    await read_all(p.stream(REQ, CallContext(decision=decision(), conversation_id="conv-7")))
+    await p.chat(REQ, CallContext(decision=decision()))
+    assert [h.get("x-openalice-conversation-id") for h in replay.headers] == ["conv-7", "conv-7", None]
     await p.aclose()
 
 

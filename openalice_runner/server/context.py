@@ -10,8 +10,9 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from openalice_runner.server.errors import APIError
+from openalice_runner.types import CONVERSATION_HEADER
 
-HEADER_CONVERSATION = "x-openalice-conversation-id"
+HEADER_CONVERSATION = CONVERSATION_HEADER
 HEADER_TURN_TYPE = "x-openalice-turn-type"
 HEADER_STEP = "x-openalice-step"
 HEADER_AGENT = "x-openalice-agent"

@@ -53,6 +53,7 @@ from openalice_runner.providers.wrappers.admission import AdmissionLimits
 from openalice_runner.redaction import register_secret
 from openalice_runner.speculation import SpecMethod, SpeculationOutcome
 from openalice_runner.types import (
+    CONVERSATION_HEADER,
     AllowedToolChoice,
     ChatChunk,
     ChatRequest,
@@ -409,7 +410,8 @@ class PoolProvider(Provider):
         body = self.body(request, stream=False)
 
         async def attempt(replica: Replica) -> AsyncGenerator[ChatResult, None]:
-            resp = await self._client.post(f"{replica.url}/v1/chat/completions", json=body, timeout=self._timeout())
+            resp = await self._client.post(f"{replica.url}/v1/chat/completions", json=body, timeout=self._timeout(),
+                                           headers=_upstream_headers(ctx))
             if resp.status_code >= 500:
                 raise _NextReplica(f"HTTP {resp.status_code} {error_message(resp)}")
             if resp.status_code != 200:
@@ -477,7 +479,8 @@ class PoolProvider(Provider):
 
         async def attempt(replica: Replica) -> AsyncGenerator[ChatChunk, None]:
             async with self._client.stream(
-                "POST", f"{replica.url}/v1/chat/completions", json=body, timeout=self._timeout()
+                "POST", f"{replica.url}/v1/chat/completions", json=body, timeout=self._timeout(),
+                headers=_upstream_headers(ctx),
             ) as resp:
                 if resp.status_code >= 500:
                     await resp.aread()
@@ -612,3 +615,10 @@ def error_from_body(err: Any, provider: str) -> ProviderError:
     if code >= 500:
         return ProviderUnavailable(message, provider=provider, status_code=code)
     return ProviderBadRequest(message, provider=provider, status_code=code, param=err.get("param") or None)
+
+
+def _upstream_headers(ctx: CallContext) -> dict[str, str]:
+    """The conversation id, sent on: a gateway in front of a pool's workers (smg `--policy
+    consistent_hashing --routing-key-headers x-openalice-conversation-id`) keys each conversation
+    to the worker that holds its prefix cache."""
+    return {CONVERSATION_HEADER: ctx.conversation_id} if ctx.conversation_id else {}
