@@ -162,6 +162,39 @@ async def test_load_from_vllm_metrics_capped_by_max_num_seqs():
         await q.aclose()
 
 
+async def test_a_gateway_fronted_pool_reads_its_workers_load_and_sends_to_the_gateway():
+    """`load_from`: requests go to the pool's one replica (an smg gateway), the load the policy sees
+    is the workers' own (vLLM's /metrics; smg's are its own), and the gateway's /metrics are never read."""
+    seen: list[tuple[str, str]] = []
+    workers = {"w1": 'vllm:num_requests_running{engine="0",model_name="m"} 5.0\n',
+               "w2": 'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+                     'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'}
+    replay = Replay()
+
+    def route(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.host, request.url.path))
+        if request.url.host in workers:
+            return httpx.Response(200, text=workers[request.url.host])
+        return replay(request)
+
+    cfg = VLLMConfig.model_validate({"type": "vllm", "model": "smollm2", "pools": {"plain": {
+        "replicas": ["http://gw"], "load_from": ["http://w1", "http://w2"], "launch": {"max_num_seqs": 8}}}})
+    p = VLLMProvider("cpu", cfg, client=httpx.AsyncClient(transport=httpx.MockTransport(route)))
+    load = await p.current_load()
+    assert (load.batch_size, load.queue_depth, load.max_batch, load.unknown) == (2, 1, 8, False)  # w2, the least loaded
+    r = await p.chat(REQ, CallContext(decision=decision(pool="plain", method="off", gamma=0)))
+    assert r.content
+    assert ("gw", "/v1/chat/completions") in seen and ("gw", "/metrics") not in seen
+    assert {host for host, path in seen if path == "/metrics"} == {"w1", "w2"}
+    await p.aclose()
+
+
+def test_load_from_urls_are_checked_like_replicas():
+    with pytest.raises(ValueError, match="must be an http"):
+        VLLMConfig.model_validate({"type": "vllm", "model": "m", "pools": {"plain": {
+            "replicas": ["http://gw"], "load_from": ["w1:8000"]}}})
+
+
 async def test_a_replica_failing_before_the_first_token_falls_over_and_a_broken_stream_is_reported():
     calls: list[str] = []
 

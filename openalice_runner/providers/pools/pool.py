@@ -72,10 +72,15 @@ class PoolBase(StrictModel):
     its `launch` settings and how γ follows from them."""
 
     replicas: list[str] = Field(min_length=1)
+    # Where `replicas` is a gateway (smg) in front of the pool's workers: the workers, read for the
+    # pool's load (the gateway's /metrics are its own), while requests go to the gateway.
+    load_from: list[str] | None = Field(None, min_length=1)
 
-    @field_validator("replicas")
+    @field_validator("replicas", "load_from")
     @classmethod
-    def _urls(cls, v: list[str]) -> list[str]:
+    def _urls(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
         for url in v:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"replica {url!r} must be an http(s) URL")
@@ -260,6 +265,11 @@ class PoolProvider(Provider):
         self.pools: dict[str, list[Replica]] = {
             pool_name: [Replica(url) for url in pool.replicas] for pool_name, pool in config.pools.items()
         }
+        # Whose load a pool's requests join: its replicas, or the workers behind its gateway.
+        self.load_sources: dict[str, list[Replica]] = {
+            pool_name: [Replica(url) for url in pool.load_from] if pool.load_from else self.pools[pool_name]
+            for pool_name, pool in config.pools.items()
+        }
         headers = {}
         if config.api_key_env:
             key = os.environ.get(config.api_key_env)
@@ -306,17 +316,17 @@ class PoolProvider(Provider):
     def model_names(self) -> list[str]:
         return [self.config.model]
 
-    def _all_replicas(self) -> list[Replica]:
-        return [r for replicas in self.pools.values() for r in replicas]
+    def _all_load_sources(self) -> list[Replica]:
+        return [r for replicas in self.load_sources.values() for r in replicas]
 
     def load(self) -> ProviderLoad:
         """The least-loaded replica's figures (what a request joining now would see); unknown
         (`ProviderLoad(unknown=True)`) where no replica's load could be read."""
-        return _least_loaded(self._all_replicas())
+        return _least_loaded(self._all_load_sources())
 
     def pool_load(self, pool: str) -> ProviderLoad | None:
         """The load a request joining `pool` would see: its least-loaded replica's."""
-        replicas = self.pools.get(pool)
+        replicas = self.load_sources.get(pool)
         if replicas is None:
             return None
         return _least_loaded(replicas)
@@ -327,7 +337,7 @@ class PoolProvider(Provider):
 
     async def refresh_loads(self, replicas: list[Replica] | None = None) -> None:
         now = time.monotonic()
-        stale = [r for r in (replicas or self._all_replicas()) if now - r.read_at >= self.config.load_cache_s]
+        stale = [r for r in (replicas or self._all_load_sources()) if now - r.read_at >= self.config.load_cache_s]
         if not stale:
             return
         async with self._refresh_lock:  # concurrent requests share one round of reads
@@ -357,7 +367,7 @@ class PoolProvider(Provider):
 
     async def ranked_replicas(self, pool: str, conversation_id: str | None = None) -> list[Replica]:
         replicas = self.pools[pool]
-        await self.refresh_loads(replicas)
+        await self.refresh_loads(self.load_sources[pool])
         return rank_replicas(replicas, conversation_id, time.monotonic(), self.config.affinity_load_factor)
 
     # ---- the attempt loop ----

@@ -118,7 +118,7 @@ class VLLMProvider(PoolProvider):
 
     def __init__(self, name: str, config: VLLMConfig, client: httpx.AsyncClient | None = None) -> None:
         super().__init__(name, config, client)
-        for pool_name, replicas in self.pools.items():
+        for pool_name, replicas in self.load_sources.items():
             cap = config.pools[pool_name].launch.max_num_seqs
             for replica in replicas:
                 replica.max_running = cap  # vLLM's metrics do not carry --max-num-seqs
