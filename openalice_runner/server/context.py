@@ -12,7 +12,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from openalice_runner.server.errors import APIError
 from openalice_runner.types import CONVERSATION_HEADER
 
-HEADER_CONVERSATION = CONVERSATION_HEADER
 HEADER_TURN_TYPE = "x-openalice-turn-type"
 HEADER_STEP = "x-openalice-step"
 HEADER_AGENT = "x-openalice-agent"
@@ -42,7 +41,7 @@ def _text(value: str | None, name: str) -> str | None:
 def turn_context(headers: Mapping[str, str], metadata: Mapping[str, str] | None) -> TurnContext:
     """Headers win over metadata keys conversation_id, turn_type, step, agent."""
     meta = metadata or {}
-    conversation = _text(headers.get(HEADER_CONVERSATION) or meta.get("conversation_id"), "conversation_id")
+    conversation = _text(headers.get(CONVERSATION_HEADER) or meta.get("conversation_id"), "conversation_id")
     turn_type = _text(headers.get(HEADER_TURN_TYPE) or meta.get("turn_type"), "turn_type") or "chat"
     agent = _text(headers.get(HEADER_AGENT) or meta.get("agent"), "agent")
     raw_step = headers.get(HEADER_STEP) or meta.get("step")
