@@ -183,10 +183,15 @@ async def test_copy_heavy_turn_on_the_ngram_pool_counts_match_vllms_counters(poo
 
 
 def _occupy(url: str, n: int, stop: threading.Event) -> list[threading.Thread]:
-    """n long streams held open on a server until `stop` (each reads until the event is set)."""
+    """n long streams held open on a server until `stop` (each reads until the event is set).
+
+    Sampled at temperature 1 so the text does not settle into a loop that n-gram drafting runs
+    through at many tokens a pass: greedy, a fast machine finished all three before the request
+    under test was decided."""
 
     def hold() -> None:
-        body = {"model": "smollm2", "messages": CHAT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        body = {"model": "smollm2", "messages": CHAT, "max_tokens": 1900, "ignore_eos": True, "stream": True,
+                "temperature": 1.0, "seed": 7}  # fmt: skip
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as resp:
             for _ in resp.iter_lines():
                 if stop.is_set():
@@ -208,17 +213,19 @@ async def _until(predicate, what: str, timeout: float = 120.0) -> None:
 async def test_n_concurrent_requests_make_the_policy_see_batch_n_from_vllms_metrics(pools):
     ngram = pools.servers["ngram"]
     stop = threading.Event()
-    threads = _occupy(ngram.url, 3, stop)  # with this request: 4 running, the 3-4 rule
-    try:
-        await _until(lambda: ngram.metric("vllm:num_requests_running") >= 3, "3 running requests")
-        async with pools.runner() as runner:
+    async with pools.runner() as runner:  # built first: its start-up is not spent while the streams run
+        threads = _occupy(ngram.url, 3, stop)  # with this request: 4 running, the 3-4 rule
+        try:
+            await _until(lambda: ngram.metric("vllm:num_requests_running") >= 3, "3 running requests")
             r = await runner.chat(ChatRequest(messages=COPY, max_tokens=16), CallContext(turn_type="code_edit"))
-        # γ 3: what the pool's per-batch table has its servers draft at batch 3-4
-        assert r.speculation.rule == "copy-heavy-mid-batch" and r.speculation.gamma == 3
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
+            # the precondition held through the decision: the three streams are still open
+            assert all(t.is_alive() for t in threads), "a held stream ended before the request was decided"
+            # γ 3: what the pool's per-batch table has its servers draft at batch 3-4
+            assert r.speculation.rule == "copy-heavy-mid-batch" and r.speculation.gamma == 3
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
     await _until(lambda: ngram.metric("vllm:num_requests_running") == 0, "the streams to end")
     async with pools.runner() as runner:
         r = await runner.chat(ChatRequest(messages=COPY, max_tokens=8), CallContext(turn_type="code_edit"))
