@@ -318,7 +318,11 @@ def schedule(conversations: list[Conversation], targets: list[Target], repeat: i
 
 
 def bench_loops(conversations: list[Conversation], targets: list[Target], repeat: int = 1,
-                client=None, progress: Callable[[str], None] | None = None, warmup: int = 1) -> dict[str, Any]:
+                client=None, progress: Callable[[str], None] | None = None, warmup: int = 1,
+                before_run: Callable[[], None] | None = None) -> dict[str, Any]:
+    """`before_run`, when given, is called before every timed conversation: targets that share
+    servers (a runner in front of a pool beside the pool itself) reset the servers' prefix caches
+    there, so no target finds the prompts another one left behind."""
     if warmup < 0:
         raise ValueError(f"warmup must be 0 or more, got {warmup}")
     if not targets:
@@ -339,6 +343,8 @@ def bench_loops(conversations: list[Conversation], targets: list[Target], repeat
             if progress and warmup:
                 progress(f"{target.name}: warm-up calls {warmups[target.name]} s")
         for run, conversation, target in schedule(conversations, targets, repeat):
+            if before_run:
+                before_run()
             done = run_conversation(client, target, conversation, run)
             runs.setdefault((conversation.id, target.name), []).append(done)
             if progress:
@@ -362,6 +368,7 @@ def bench_loops(conversations: list[Conversation], targets: list[Target], repeat
     report = {"kept": kept_label(repeat), "warmup_seconds": warmups, "conversations": rows,
               "summary": summarize(rows, [t.name for t in targets])}
     report["summary"]["outputs"] = compare_outputs(runs, [t.name for t in targets])
+    report["summary"]["paired_calls"] = paired_calls(runs, [t.name for t in targets])
     return report
 
 
@@ -478,6 +485,35 @@ def compare_outputs(runs: dict[tuple[str, str], list[dict]], targets: list[str])
     return out
 
 
+def paired_calls(runs: dict[tuple[str, str], list[dict]], targets: list[str]) -> dict[str, Any]:
+    """Per pair of targets (earlier minus later): the median over calls of the difference in TTFT
+    and in call time, each call paired with the same call (conversation, repeat, index) of the
+    other target, over the calls whose outputs agree (same work on both sides). With a runner in
+    front of a pool and the pool itself as the two targets, this is the runner's cost per call."""
+    out = {}
+    for a, name in enumerate(targets):
+        for other in targets[a + 1:]:
+            ttft, seconds, total = [], [], 0
+            for (conversation, target), done in runs.items():
+                if target != name or (conversation, other) not in runs:
+                    continue
+                theirs = {r["run"]: r for r in runs[conversation, other]}
+                for r in done:
+                    if r["run"] not in theirs:
+                        continue
+                    for mine, ref in zip(r["calls"], theirs[r["run"]]["calls"], strict=False):
+                        total += 1
+                        if mine.output == ref.output:
+                            ttft.append(mine.ttft_s - ref.ttft_s)
+                            seconds.append(mine.seconds - ref.seconds)
+            out[f"{name}-{other}"] = {
+                "calls_paired": f"{len(ttft)}/{total}",
+                "ttft_p50_ms": round(1000 * statistics.median(ttft), 2) if ttft else None,
+                "seconds_p50_ms": round(1000 * statistics.median(seconds), 2) if seconds else None,
+            }
+    return out
+
+
 def _first_difference(a: str, b: str) -> int:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -515,6 +551,11 @@ def format_table(report: dict) -> str:
         lines.append(f"| {pair} | {r['all']} | {r['copy_heavy']} | {r['chat']} |")
     lines += ["", "| speedup per token (wall time per completion token) | all |", "|---|---|"]
     lines += [f"| {pair} | {r} |" for pair, r in summary["speedup_per_token"].items()]
+    if summary.get("paired_calls"):
+        lines += ["", "| per call, paired (same call, same repeat, same output) | calls | TTFT p50 ms | time p50 ms |",
+                  "|---|---|---|---|"]
+        lines += [f"| {pair} | {r['calls_paired']} | {r['ttft_p50_ms']} | {r['seconds_p50_ms']} |"
+                  for pair, r in summary["paired_calls"].items()]
     for name, o in summary.get("outputs", {}).items():
         lines.append(f"\n- {name}: outputs identical to off in {o['identical_to_off']} calls"
                      + ("" if not o["mismatches"] else f"; mismatches: {o['mismatches'][:8]}"))

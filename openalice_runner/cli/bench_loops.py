@@ -19,6 +19,27 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def prefix_cache_reset(urls: str):
+    """A callable that empties the prefix cache of each vLLM server (base URL, without /v1)."""
+    import httpx
+
+    from openalice_runner.bench.loops import LoopError
+
+    bases = [u.strip().rstrip("/").removesuffix("/v1") for u in urls.split(",") if u.strip()]
+
+    def reset() -> None:
+        for base in bases:
+            try:
+                response = httpx.post(f"{base}/reset_prefix_cache", timeout=30)
+            except httpx.HTTPError as exc:
+                raise LoopError(f"--reset-prefix-cache: {base}: {exc}") from exc
+            if response.status_code != 200:
+                raise LoopError(f"--reset-prefix-cache: {base}/reset_prefix_cache answered HTTP "
+                                f"{response.status_code}: {response.text[:200]} (VLLM_SERVER_DEV_MODE=1 not set?)")
+
+    return reset
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench-loops",
@@ -42,6 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=positive_int, default=2, help="threads of the llama.cpp and vLLM peers")
     p.add_argument("--model", default=None, help="model of the llama.cpp (GGUF) and vLLM (its converted folder) peers "
                    "(default: the engine's default model)")
+    p.add_argument("--reset-prefix-cache", default=None, metavar="URL[,URL...]",
+                   help="vLLM servers that several targets share (a runner in front of a pool beside the pool "
+                   "addressed directly): POST URL/reset_prefix_cache before every timed conversation, so no "
+                   "target reuses another's prompts (the servers need VLLM_SERVER_DEV_MODE=1)")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG of per-call latency here")
     p.set_defaults(func=run)
@@ -81,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
             print("error: no target could run", file=sys.stderr)
             return 1
         try:
-            report = bench_loops(conversations, targets, args.repeat, progress=say, warmup=args.warmup)
+            before_run = prefix_cache_reset(args.reset_prefix_cache) if args.reset_prefix_cache else None
+            report = bench_loops(conversations, targets, args.repeat, progress=say, warmup=args.warmup,
+                                 before_run=before_run)
         except LoopError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -97,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         "policy": args.policy,
         "providers": args.providers,
         "peer_threads": args.threads,
+        "reset_prefix_cache": args.reset_prefix_cache,
     }
     print(format_table(report))
     if args.json_out:
