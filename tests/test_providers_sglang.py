@@ -67,7 +67,7 @@ async def test_least_loaded_replica_serves_whatever_load_endpoint_it_has(servers
     assert result.content == "You said: hello there" and result.provider == "gpu"
     # The idle replica gets busier: the next request goes elsewhere once the cache expires.
     idle.running = 10
-    p.config.load_cache_s = 0
+    p.config.load_cache_s = p.config.load_stale_s = 0
     await p.chat(REQ, CallContext())
     assert len(metrics.requests) == 1
     await p.aclose()
@@ -88,6 +88,26 @@ async def test_load_is_cached_briefly(servers):
     assert s.load_reads == 1
     load = await p.current_load()
     assert load.batch_size == 2 and load.queue_depth == 0
+    await p.aclose()
+
+
+async def test_a_stale_reading_is_used_at_once_and_read_again_in_the_background(servers):
+    """Between load_cache_s and load_stale_s a request does not wait for /metrics: it uses the
+    reading it has, and the reading is renewed in the background once the call has ended (not
+    beside it, where the scrape would slow the server's work on it); past load_stale_s it waits."""
+    s = servers(running=2)
+    p = provider({"off": {"replicas": [s.url]}}, load_cache_s=0, load_stale_s=60)
+    await p.chat(REQ, CallContext())  # never read: waited for
+    assert s.load_reads == 1 and p._background_refresh is None
+    s.running = 5
+    assert (await p.current_load()).batch_size == 2  # the reading it had, not a wait for a new one
+    assert s.load_reads == 1  # nor a read beside the call
+    await p.chat(REQ, CallContext())  # its end starts the read
+    await p._background_refresh
+    assert s.load_reads == 2 and p.load().batch_size == 5
+    p.config.load_stale_s = 0  # past the stale window: waited for again
+    s.running = 1
+    assert (await p.current_load()).batch_size == 1
     await p.aclose()
 
 
@@ -485,7 +505,7 @@ def test_prometheus_parsing():
 
 async def test_a_conversation_stays_on_its_replica_while_its_load_is_within_bounds(servers):
     a, b, c = servers(), servers(), servers()
-    p = provider({"off": {"replicas": [a.url, b.url, c.url]}}, load_cache_s=0)
+    p = provider({"off": {"replicas": [a.url, b.url, c.url]}}, load_cache_s=0, load_stale_s=0)
     for _ in range(4):
         await p.chat(REQ, CallContext(conversation_id="conv-1"))
     served = [s for s in (a, b, c) if s.requests]
@@ -504,7 +524,7 @@ async def test_a_conversation_stays_on_its_replica_while_its_load_is_within_boun
 
 async def test_affinity_off_is_least_loaded_alone(servers):
     a, b = servers(running=3), servers(running=0)
-    p = provider({"off": {"replicas": [a.url, b.url]}}, affinity_load_factor=0, load_cache_s=0)
+    p = provider({"off": {"replicas": [a.url, b.url]}}, affinity_load_factor=0, load_cache_s=0, load_stale_s=0)
     for k in range(4):
         await p.chat(REQ, CallContext(conversation_id=f"c{k}"))
     assert len(b.requests) == 4 and not a.requests
@@ -520,6 +540,7 @@ async def test_unknown_load_is_not_batch_one_and_is_logged_once(servers, caplog)
         {"ngram": {"replicas": [blind.url], "launch": {"algorithm": "NGRAM", "num_draft_tokens": 5}},
          "off": {"replicas": [blind.url]}},
         load_cache_s=0,
+        load_stale_s=0,
     )  # fmt: skip
     policy = PolicyStore.from_text(
         "version: 1\nrules:\n"
@@ -558,6 +579,7 @@ async def test_the_policy_sees_the_batch_of_the_pool_its_rule_names(servers):
         {"ngram": {"replicas": [busy.url], "launch": {"algorithm": "NGRAM", "num_draft_tokens": 5}},
          "plain": {"replicas": [idle.url]}},
         load_cache_s=0,
+        load_stale_s=0,
     )  # fmt: skip
     policy = PolicyStore.from_text(
         "version: 1\nrules:\n"

@@ -42,6 +42,7 @@ providers:
     model: stand-in/llama-8b
     default_pool: plain
     load_cache_s: 0
+    load_stale_s: 0
     pools:
       eagle3: {{replicas: [{servers["eagle3"].url}], launch: {{algorithm: EAGLE3, draft_model_path: h, num_steps: 3}}}}
       ngram: {{replicas: [{servers["ngram"].url}], launch: {{algorithm: NGRAM, num_draft_tokens: 8}}}}

@@ -49,7 +49,7 @@ def routing_text(ports: dict[str, int], model: Path, extra: dict | None = None) 
     """providers/vllm-cpu.yaml with this session's ports, the model folder and the template's path."""
     data = yaml.safe_load((ROOT / "providers" / "vllm-cpu.yaml").read_text())
     cpu = data["providers"]["cpu"]
-    cpu["load_cache_s"] = 0  # the tests read the servers' load at every decision
+    cpu["load_cache_s"] = cpu["load_stale_s"] = 0  # the tests read the servers' load at every decision
     for name, pool in cpu["pools"].items():
         pool["replicas"] = [f"http://127.0.0.1:{ports[name]}"]
         pool["launch"]["model_path"] = str(model)
@@ -324,7 +324,7 @@ def test_replica_killed_before_the_first_token_falls_over_and_mid_stream_gets_an
     launch = {"model_path": str(model), "max_num_seqs": 1, "max_model_len": 2048, "dtype": "bfloat16",
               "tool_call_parser": "hermes", "chat_template": str(vllm_servers.TEMPLATE), "extra_args": ["--enforce-eager"]}
     extra = {
-        "providers": {"edge": {"type": "vllm", "model": "smollm2", "load_cache_s": 0, "down_for_s": 30,
+        "providers": {"edge": {"type": "vllm", "model": "smollm2", "load_cache_s": 0, "load_stale_s": 0, "down_for_s": 30,
                                "pools": {"plain": {"replicas": [f"http://127.0.0.1:{port}"], "launch": launch}}}},
         "routes": [{"name": "default", "chain": ["edge", "cpu"]}],
     }  # fmt: skip
