@@ -6,6 +6,12 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The suite runs in two worker processes (pyproject's addopts), one core each: torch's threads
+    # and the kernels' pool (whose workers spin between calls) would otherwise put four busy
+    # threads on two cores, each pass waiting for a thread the other process holds. Set before
+    # torch is imported, which reads it once.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 

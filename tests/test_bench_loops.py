@@ -12,11 +12,13 @@ import pytest
 from openalice_runner.bench.loop_targets import OFF_POLICY, parse_targets
 from openalice_runner.bench.loops import (
     Call,
+    CallRecord,
     Conversation,
     Target,
     bench_loops,
     format_table,
     load_loops,
+    paired_calls,
     schedule,
     stream_call,
     summarize,
@@ -146,6 +148,30 @@ def test_summary_on_scripted_rows():
     # per token: x's calls take 2.0+1.1+3.0+1.2+1.4+2.0 = 10.7 s for 60 tokens, y's 11.9 s for 60
     assert s["targets"]["x"]["ms_per_token"] == pytest.approx(1000 * 10.7 / 60, abs=1e-3)
     assert s["speedup_per_token"]["x/y"] == pytest.approx(11.9 / 10.7, abs=1e-3)
+
+
+def test_paired_calls_are_the_median_difference_of_the_same_calls_with_the_same_output():
+    def record(ttft, seconds, content="same"):
+        return CallRecord("chat", ttft, seconds, 1, 0, 1, None, content)
+
+    runs = {
+        ("a", "front"): [{"run": 0, "calls": [record(0.11, 1.02), record(0.21, 2.0), record(0.5, 3.0, "other")]},
+                         {"run": 1, "calls": [record(0.13, 1.03)]}],
+        ("a", "direct"): [{"run": 0, "calls": [record(0.10, 1.0), record(0.20, 1.99), record(0.1, 0.1)]},
+                          {"run": 1, "calls": [record(0.10, 1.0)]}],
+    }
+    pair = paired_calls(runs, ["front", "direct"])["front-direct"]
+    # three pairs with equal outputs (10, 10, 30 ms TTFT; 20, 10, 30 ms in all); the differing one left out
+    assert pair == {"calls_paired": "3/4", "ttft_p50_ms": 10.0, "seconds_p50_ms": 20.0}
+
+
+def test_before_run_is_called_before_every_timed_conversation(loops_file, sidecars):
+    calls: list[str] = []
+    lines: list[str] = []
+    conversations = load_loops(loops_file)[:1]
+    bench_loops(conversations, sidecars, repeat=1, warmup=0,
+                progress=lambda line: (lines.append(line), calls.append("run")), before_run=lambda: calls.append("reset"))
+    assert calls == ["reset", "run"] * len(sidecars)
 
 
 def test_round_robin_order():
