@@ -167,10 +167,9 @@ def test_paired_calls_are_the_median_difference_of_the_same_calls_with_the_same_
 
 def test_before_run_is_called_before_every_timed_conversation(loops_file, sidecars):
     calls: list[str] = []
-    lines: list[str] = []
     conversations = load_loops(loops_file)[:1]
     bench_loops(conversations, sidecars, repeat=1, warmup=0,
-                progress=lambda line: (lines.append(line), calls.append("run")), before_run=lambda: calls.append("reset"))
+                progress=lambda _line: calls.append("run"), before_run=lambda: calls.append("reset"))
     assert calls == ["reset", "run"] * len(sidecars)
 
 
