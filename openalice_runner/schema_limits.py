@@ -9,6 +9,10 @@ structured-output schema; these limits are well above that.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,3 +55,35 @@ def check_schema_limits(schema: Any, limits: SchemaLimits = LIMITS) -> None:
         if depth > limits.max_depth:
             raise ValueError(f"the schema is nested more than {limits.max_depth} levels deep (the limit)")
         stack.extend((child, depth + 1) for child in children)
+
+
+# ---- schemas already checked: the meta-schema check's result, by the schema's canonical JSON
+
+_VALID: OrderedDict[bytes, None] = OrderedDict()
+_VALID_MAX = 4096
+_VALID_LOCK = threading.Lock()  # requests are parsed in worker threads
+
+
+def known_valid(schema: Any) -> bytes | None:
+    """None where `schema` (its canonical JSON, by SHA-256) passed the meta-schema check before;
+    else the digest to hand to `remember_valid` once it passes. A schema that is not plain JSON
+    gets a digest no check remembers, so it is checked every time."""
+    try:
+        canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError):
+        return b""
+    digest = hashlib.sha256(canonical.encode()).digest()
+    with _VALID_LOCK:
+        if digest in _VALID:
+            _VALID.move_to_end(digest)
+            return None
+    return digest
+
+
+def remember_valid(digest: bytes) -> None:
+    if not digest:
+        return
+    with _VALID_LOCK:
+        _VALID[digest] = None
+        if len(_VALID) > _VALID_MAX:
+            _VALID.popitem(last=False)

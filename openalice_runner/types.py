@@ -127,14 +127,19 @@ def check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     names another); ValueError naming the first problem."""
     import jsonschema
 
-    from openalice_runner.schema_limits import check_schema_limits
+    from openalice_runner.schema_limits import check_schema_limits, known_valid, remember_valid
 
     check_schema_limits(schema)  # before jsonschema's check, which recurses
+    # An agent loop sends the same tools on every call, and the meta-schema check costs ~1 ms a tool.
+    digest = known_valid(schema)
+    if digest is None:
+        return schema
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path)
         raise ValueError(f"not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")) from None
+    remember_valid(digest)
     return schema
 
 

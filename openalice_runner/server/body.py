@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from openalice_runner.server.errors import APIError, utf8_error
-from openalice_runner.server.validation import ServerChatRequest
+from openalice_runner.server.validation import ServerChatRequest, check_request
 
 NOT_AN_OBJECT = "request body must be a JSON object (Content-Type: application/json)"
 
@@ -57,6 +57,14 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ServerChatReques
         raise APIError(400, "request body is nested too deeply to validate", code="invalid_value") from None
 
 
-async def read_chat_request(request: Request) -> ServerChatRequest:
+def _parse_and_check(raw: bytes, content_type: str | None, max_tokens_limit: int) -> ServerChatRequest:
+    body = parse_chat_request(raw, content_type)
+    check_request(body, max_tokens_limit=max_tokens_limit)
+    return body
+
+
+async def read_chat_request(request: Request, *, max_tokens_limit: int) -> ServerChatRequest:
+    """The body, parsed, validated and checked as a whole (server/validation.py) in one worker thread
+    hop: each hop costs the request path a thread handoff both ways."""
     raw = await request.body()
-    return await anyio.to_thread.run_sync(parse_chat_request, raw, request.headers.get("content-type"))
+    return await anyio.to_thread.run_sync(_parse_and_check, raw, request.headers.get("content-type"), max_tokens_limit)

@@ -12,7 +12,6 @@ import time
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-import anyio
 import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -31,7 +30,7 @@ from openalice_runner.server.runner_protocol import ServedRunner
 from openalice_runner.server.settings import ServerSettings
 from openalice_runner.server.streaming import GuardedStreamingResponse, SSEStream
 from openalice_runner.server.turns import Step, TurnTracker
-from openalice_runner.server.validation import ServerChatRequest, check_request
+from openalice_runner.server.validation import ServerChatRequest
 from openalice_runner.tracing.labels import LabelBounds
 from openalice_runner.types import ChatChunk
 
@@ -57,11 +56,10 @@ class ChatCompletions:
         self.bounds = bounds  # turn types as metric labels
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await read_chat_request(request)  # parsed and validated off the loop (server/body.py)
+        # parsed, validated and checked off the loop (server/body.py)
+        body = await read_chat_request(request, max_tokens_limit=self.settings.max_tokens_limit)
         tc = turn_context(request.headers, body.metadata)
         deadline = request_deadline(request.headers, body.timeout, self.settings.request_timeout_s)
-        limit = self.settings.max_tokens_limit
-        await anyio.to_thread.run_sync(lambda: check_request(body, max_tokens_limit=limit))
         refused = self._refusal(tc.turn_type, body.model)
         if refused is not None:  # every provider of the route is full: 429 before any work
             labels = {"turn_type": self.bounds.turn_type(tc.turn_type), "stream": str(body.stream).lower()}
