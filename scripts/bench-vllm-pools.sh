@@ -9,7 +9,6 @@
 # the runner's own work shares the cores as it would in production), then the targets:
 #   policy        the sidecar routing by policies/vllm-cpu.yaml (copy-heavy turns to the n-gram
 #                 pool, chat to the plain pool)
-#   off           the sidecar with speculation off on every turn: all to the plain pool
 #   by-batch      the sidecar routing by a policy that sends every turn to the n-gram pool at
 #                 batch 1-2 and chat to the plain pool above (written to OUT_DIR/by-batch.yaml)
 #   direct-plain  the plain pool itself
