@@ -4,6 +4,7 @@ replayed over httpx's mock transport; tests/test_vllm_live.py runs the same path
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from openalice_runner.policies.adaptive import request_alpha
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderUnavailable, StreamBroken
 from openalice_runner.providers.config import RoutingConfigError, load_routing_text
 from openalice_runner.providers.embedded.tool_format import render_fallback_messages
+from openalice_runner.providers.pools import pool as pool_module
 from openalice_runner.providers.pools.vllm import VLLMConfig, VLLMProvider
 from openalice_runner.types import ChatRequest
 
@@ -263,3 +265,87 @@ def test_shipped_tool_template_renders_what_the_embedded_engine_renders():
         assert got == want + "<|im_start|>assistant\n"
     plain = template.render(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert plain.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+
+class SocketReplica:
+    """A vLLM replica on a real loopback socket, HTTP/1.1 keep-alive, the recorded stream sent in
+    chunked encoding: `chat_connections` counts the connections that carried a chat request.
+    `hold_open` sends `[DONE]` and then never ends the body, as a misbehaving server might."""
+
+    def __init__(self, *, hold_open: bool = False) -> None:
+        self.hold_open = hold_open
+        self.chat_connections = 0
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        for writer in self.writers:  # a held-open body would keep its handler waiting
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)
+        counted = False
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                lines = head.decode().split("\r\n")
+                headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:] if ": " in line)}
+                await reader.readexactly(int(headers.get("content-length", "0")))
+                if " /metrics " in lines[0]:
+                    text = BODIES["metrics"].encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text))
+                    continue
+                if not counted:
+                    counted, self.chat_connections = True, self.chat_connections + 1
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+                for event in BODIES["stream"]:
+                    data = (event + "\n\n").encode()
+                    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                await writer.drain()
+                if self.hold_open:
+                    await asyncio.Event().wait()
+                writer.write(b"0\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def socket_provider(url: str) -> VLLMProvider:
+    cfg = VLLMConfig.model_validate({"type": "vllm", "model": "smollm2",
+                                     "pools": {"ngram": {"replicas": [url], "launch": NGRAM}}})  # fmt: skip
+    return VLLMProvider("cpu", cfg)
+
+
+async def test_a_streamed_call_hands_its_connection_back_for_the_next_call():
+    """The stream stops reading at `[DONE]`; unless the body is then read to its end, httpx closes
+    the connection and every streamed call pays a new connect (measured: a quarter of a millisecond
+    of the runner's CPU a call, and a TCP handshake). Three calls, one connection."""
+    replica = SocketReplica()
+    async with replica as url:
+        p = socket_provider(url)
+        for _ in range(3):
+            chunks = await read_all(p.stream(REQ, CallContext(decision=decision())))
+            assert chunks[-1].outcome.accepted > 0
+        await p.aclose()
+    assert replica.chat_connections == 1
+
+
+async def test_a_body_held_open_past_done_ends_the_stream_within_the_drain_bound(monkeypatch):
+    """A server that sends `[DONE]` and never ends its body costs the client DRAIN_S, not a hang;
+    that connection is given up and the next call opens another."""
+    monkeypatch.setattr(pool_module, "DRAIN_S", 0.05)
+    replica = SocketReplica(hold_open=True)
+    async with replica as url:
+        p = socket_provider(url)
+        for _ in range(2):
+            async with asyncio.timeout(5):
+                chunks = await read_all(p.stream(REQ, CallContext(decision=decision())))
+            assert chunks[-1].finish_reason
+        await p.aclose()
+    assert replica.chat_connections == 2

@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +64,9 @@ from openalice_runner.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+# How long a stream's body may go on after `[DONE]` before its connection is given up (_drain).
+DRAIN_S = 1.0
 
 # ---------------------------------------------------------------- config
 
@@ -543,8 +546,9 @@ class PoolProvider(Provider):
         acc = wire.ChunkAccumulator(self.config.model)
         ext: dict[str, Any] = {}
         engine = self.engine
+        lines = resp.aiter_lines()
         try:
-            async for line in resp.aiter_lines():
+            async for line in lines:
                 if not line.startswith("data:"):
                     continue  # comments, `event:` lines (SGLang's framed `sglext_ids`), blanks
                 payload = line[5:].strip()
@@ -567,6 +571,7 @@ class PoolProvider(Provider):
         usage = acc.usage or Usage()
         outcome = self._speculation(ext, pool, ctx, usage)
         yield acc.final(SpeculationInfo.from_outcome(outcome), self.name).attach_outcome(outcome)
+        await _drain(lines)
 
     def _stream_error(self, body: Any, started: bool) -> Exception:
         """An SSE `error` event: StreamBroken once tokens went out; before, the next replica where
@@ -658,6 +663,16 @@ def error_from_body(err: Any, provider: str) -> ProviderError:
     if code >= 500:
         return ProviderUnavailable(message, provider=provider, status_code=code)
     return ProviderBadRequest(message, provider=provider, status_code=code, param=err.get("param") or None)
+
+
+async def _drain(lines: AsyncIterator[str]) -> None:
+    """Read what follows `[DONE]` (the chunked body's end): a response read to its end hands its
+    connection back to the pool; one left unread is closed, and the next call pays a new connect.
+    A server that keeps the body open past `[DONE]` gets DRAIN_S, then its connection is closed."""
+    with contextlib.suppress(TimeoutError, httpx.HTTPError):
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in lines:
+                pass
 
 
 def _upstream_headers(ctx: CallContext) -> dict[str, str]:
