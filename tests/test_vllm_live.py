@@ -1,8 +1,11 @@
 """Live tier: `type: vllm` pools on real vLLM 0.32.0 CPU servers (SmolLM2-135M), through Runner and serve.
 
 Two servers start once per session from the lines `vllm args` prints for providers/vllm-cpu.yaml's
-pools with policies/vllm-cpu.yaml (ports and the model folder filled in): an n-gram pool (γ by batch
-size) and a plain pool; a third, one-sequence server is started for the fault tests and killed there.
+pools (ports and the model folder filled in): an n-gram pool (γ by batch size) and a plain pool. The
+runner routes by policies/vllm-cpu-split.yaml (copy-heavy turns to n-gram, chat to plain at every
+batch size: routing by turn type is what is tested; it launches the same pools as the shipped
+policies/vllm-cpu.yaml, whose chat goes to n-gram at batch 1-2). A third, one-sequence server is
+started for the fault tests and killed there.
 Skipped, saying why, only where the side venv (scripts/peer-vllm-cpu.sh) is not usable.
 """
 
@@ -37,9 +40,15 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICY = ROOT / "policies" / "vllm-cpu.yaml"
+POLICY = ROOT / "policies" / "vllm-cpu-split.yaml"
+# strict: vLLM 0.32 pins a call's arguments to the tool's schema only for a strict tool (OpenAI's
+# semantics; its --tool-strict-level auto); a forced call to a loose tool is only the envelope, and
+# SmolLM2 may fill it with any JSON: on an Intel CPU in bf16 it copied the schema itself into the
+# arguments until the 200-token budget cut it (finish length). test_a_loose_forced_call_cut_by_the_budget
+# covers that reply.
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+          "strict": True, "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                         "required": ["city"], "additionalProperties": False}}}]  # fmt: skip
 CODE = "".join(f"def f{i}(a, b):\n    return a * {i} + b\n\n" for i in range(12))
 COPY = [{"role": "user", "content": f"Repeat this code exactly, nothing else:\n\n{CODE}"}]
 CHAT = [{"role": "user", "content": "Tell me about the sea in two sentences."}]
@@ -148,6 +157,26 @@ async def test_tool_calls_parse(pools, choice):
     assert isinstance(json.loads(r.tool_calls[0].function.arguments), dict)
     assert final.finish_reason == "tool_calls" and calls[0].function.name == "get_weather"
     assert isinstance(json.loads("".join(c.function.arguments or "" for c in calls)), dict)
+
+
+async def test_a_loose_forced_call_cut_by_the_budget_ends_in_length_plain_and_streamed(pools):
+    """A forced call to a non-strict tool, cut inside its envelope: vLLM's reply is passed on as it
+    is, finish `length` both ways (plain: its text, the call unparsed; streamed: the call's deltas
+    so far), never a broken stream or an invented call."""
+    loose = [{"type": "function", "function": {k: v for k, v in TOOLS[0]["function"].items() if k != "strict"}}]
+    req = ChatRequest(messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=loose,
+                      tool_choice="required", max_tokens=8, temperature=0)  # fmt: skip
+    async with pools.runner() as runner:
+        r = await runner.chat(req, CallContext(turn_type="tool_call"))
+        calls, final = [], None
+        async with runner.stream(req, CallContext(turn_type="tool_call")) as chunks:
+            async for c in chunks:
+                calls += c.delta.tool_calls or []
+                final = c if c.finish_reason else final
+    assert r.finish_reason == "length" and r.usage.completion_tokens == 8
+    assert all(tc.function.name == "get_weather" for tc in r.tool_calls or [])
+    assert final is not None and final.finish_reason == "length"
+    assert all(d.function.name in (None, "get_weather") for d in calls if d.function)
 
 
 async def test_response_format_json_schema(pools):
