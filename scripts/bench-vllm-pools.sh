@@ -7,10 +7,10 @@
 # Starts the two pools exactly as `openalice-runner vllm args` prints their lines (n-gram pool on
 # port 8111 and core 0, plain pool on 8112 and core 1: one core each, so both can serve while
 # the runner's own work shares the cores as it would in production), then the targets:
-#   policy        the sidecar routing by policies/vllm-cpu.yaml (copy-heavy turns to the n-gram
-#                 pool, chat to the plain pool)
-#   by-batch      the sidecar routing by a policy that sends every turn to the n-gram pool at
-#                 batch 1-2 and chat to the plain pool above (written to OUT_DIR/by-batch.yaml)
+#   policy        the sidecar routing by policies/vllm-cpu.yaml (every turn to the n-gram pool at
+#                 batch 1-2; above, copy-heavy turns to n-gram, chat to plain)
+#   split         the sidecar routing by policies/vllm-cpu-split.yaml (by turn type alone:
+#                 copy-heavy turns to the n-gram pool, chat to the plain pool)
 #   direct-plain  the plain pool itself
 #   direct-ngram  the n-gram pool itself
 # The targets share the servers, so every timed conversation starts from empty prefix caches
@@ -30,26 +30,6 @@ bash scripts/peer-vllm-cpu.sh --check || { echo "no verified vLLM venv at $VENV:
 export HF_HUB_OFFLINE=1
 PROVIDERS="$OUT/providers.yaml"
 sed "s/dtype: bfloat16/dtype: ${DTYPE:-bfloat16}/" providers/vllm-cpu.yaml >"$PROVIDERS"
-cat >"$OUT/by-batch.yaml" <<'YAML'
-version: 1
-name: vllm-cpu-by-batch
-description: every turn to the n-gram pool at batch 1-2 (one pool holds the conversation's prefix); chat to plain above.
-rules:
-  - name: low-batch
-    match: {batch_size: {min: 1, max: 2}}
-    method: ngram
-    gamma: 5
-    options: {ngram_min: 2, ngram_max: 5}
-    pool: ngram
-  - name: copy-heavy
-    match: {turn_type: [tool_call, code_edit, summarize, rag], batch_size: {min: 3, max: 8, unknown: true}}
-    method: ngram
-    gamma: 3
-    pool: ngram
-default:
-  method: "off"
-  pool: plain
-YAML
 
 pids=()
 cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
@@ -86,10 +66,10 @@ start_pool ngram 8111 0
 start_pool plain 8112 1
 wait_ready 8111
 wait_ready 8112
-start_sidecar "$OUT/by-batch.yaml" 8120 by-batch
+start_sidecar policies/vllm-cpu-split.yaml 8120 split
 .venv/bin/openalice-runner bench-loops --workload "$WORKLOAD" \
     --policy policies/vllm-cpu.yaml --providers "$PROVIDERS" \
-    --targets policy,http://127.0.0.1:8120/v1=by-batch,http://127.0.0.1:8112/v1=direct-plain,http://127.0.0.1:8111/v1=direct-ngram \
+    --targets policy,http://127.0.0.1:8120/v1=split,http://127.0.0.1:8112/v1=direct-plain,http://127.0.0.1:8111/v1=direct-ngram \
     --reset-prefix-cache http://127.0.0.1:8111,http://127.0.0.1:8112 \
     --json "$OUT/report.json" "$@" | tee "$OUT/table.md"
 

@@ -14,7 +14,7 @@ import pytest
 import vllm_servers
 
 from openalice_runner.cli import main
-from openalice_runner.policies import PolicyStore
+from openalice_runner.policies import PolicyStore, RequestContext
 from openalice_runner.policies.vllm_args import batch_schedule, compile_vllm_pool
 from openalice_runner.providers.config import load_routing_file
 from openalice_runner.providers.pools.pool_checks import check_pool_files, find_pool, vllm_pool_launch
@@ -23,6 +23,7 @@ from openalice_runner.providers.pools.vllm_launch import VLLMLaunch
 ROOT = Path(__file__).resolve().parents[1]
 ROUTING = ROOT / "providers" / "vllm-cpu.yaml"
 POLICY = ROOT / "policies" / "vllm-cpu.yaml"
+SPLIT = ROOT / "policies" / "vllm-cpu-split.yaml"  # by turn type alone
 CHECKER = Path(__file__).parent / "contract" / "vllm_args_check.py"
 
 
@@ -59,6 +60,28 @@ def test_ngram_pool_line_carries_the_rules_per_batch_table():
 def test_plain_pool_line_has_no_speculation():
     a = example_line("plain").args
     assert "--speculative-config" not in a and "--per-request-spec-decode-metrics" not in a
+
+
+def test_shipped_cpu_policy_speculates_on_every_turn_at_low_batch_and_the_split_launches_the_same_pools():
+    """policies/vllm-cpu.yaml sends every turn to the n-gram pool at batch 1-2 (measured faster on
+    chat too, and one pool keeps a conversation's prefix), chat to plain above; the by-turn-type
+    split the live tests route by compiles to the same launch lines."""
+    store = PolicyStore.from_file(POLICY)
+
+    def decided(turn: str, batch: int | None, policy: PolicyStore = store) -> tuple:
+        d = policy.decide(RequestContext(turn, batch, "cpu"))
+        return d.pool, d.method, d.gamma
+
+    assert decided("chat", 1) == decided("chat", 2) == decided("code_edit", 1) == ("ngram", "ngram", 5)
+    assert decided("chat", 3) == decided("chat", None) == ("plain", "off", 0)
+    assert decided("code_edit", None) == decided("tool_call", 4) == ("ngram", "ngram", 3)
+    assert decided("summarize", 6) == ("ngram", "ngram", 1)
+    split = PolicyStore.from_file(SPLIT)
+    assert decided("chat", 1, split) == ("plain", "off", 0) and decided("rag", 1, split) == ("ngram", "ngram", 5)
+    routing = load_routing_file(ROUTING)
+    for pool in ("ngram", "plain"):
+        deployed = find_pool(routing, pool, dialect="vllm")
+        assert vllm_pool_launch(deployed, split.policy).args == vllm_pool_launch(deployed, store.policy).args
 
 
 def test_schedule_pieces():
