@@ -11,7 +11,7 @@ import json
 
 import httpx
 import pytest
-from stand_ins.streams import read_all
+from stand_ins.streams import joined_tool_calls, read_all
 
 from openalice_runner.providers import openai_wire as wire
 from openalice_runner.providers.base import CallContext, ProviderBadResponse, StreamBroken
@@ -133,3 +133,22 @@ def test_the_accumulator_invents_nothing():
     acc = wire.ChunkAccumulator("m", "p")
     with pytest.raises(ProviderBadResponse, match="no id"):
         acc.feed(wire.read_chunk(json.loads(STREAM_GAPS["tool call id"][0][6:]), "p"))
+
+
+async def test_a_call_the_budget_cut_before_its_arguments_began_ends_in_length_plain_and_streamed():
+    """vLLM 0.32 on a forced call whose envelope the budget ends: the call's id and name, then
+    finish `length` (seen live, SmolLM2 at max_tokens 16). That is a cut reply, not a malformed one:
+    the call with its arguments so far (""), finish `length`; the same gap under `tool_calls` is
+    still a bad response (above)."""
+    cut = [_chunk(_call_piece(id="c", type="function", function={"name": "f"})), _chunk(finish="length")]
+    p = _sglang(_serving(_sse(cut)))
+    chunks = await read_all(p.stream(REQ, CallContext()))
+    assert joined_tool_calls(chunks) == [{"id": "c", "name": "f", "arguments": ""}]
+    assert chunks[-1].finish_reason == "length"
+    body = {"choices": [{"message": {"content": None, "tool_calls": [_without(CALL, "function.arguments")]},
+                         "finish_reason": "length"}]}  # fmt: skip
+    p = _sglang(_serving(lambda: httpx.Response(200, json=body)))
+    r = await p.chat(REQ, CallContext())
+    assert r.finish_reason == "length" and [(c.id, c.function.name, c.function.arguments) for c in r.tool_calls] == [
+        ("call_a", "f", "")]  # fmt: skip
+    await p.aclose()

@@ -161,7 +161,7 @@ class HostedProvider(Provider):
     def _result(self, response: Any) -> ChatResult:
         body = wire.read_response(response, self.name)
         choice = body.choices[0]
-        tool_calls = wire.tool_calls_of(choice.message, self.name)
+        tool_calls = wire.tool_calls_of(choice.message, self.name, choice.finish_reason)
         return ChatResult.single(
             id=body.id,
             model=body.model or self.config.model,

@@ -212,17 +212,20 @@ def _read(model: type[_Wire], data: Any, provider: str, what: str) -> Any:
         ) from None
 
 
-def tool_calls_of(message: WireMessage, provider: str) -> list[ToolCall] | None:
+def tool_calls_of(message: WireMessage, provider: str, finish: str | None = None) -> list[ToolCall] | None:
     """A finished message's tool calls in the runner's shape; a call without its id, function name
-    or arguments is malformed (the runner would have to invent them)."""
+    or arguments is malformed (the runner would have to invent them). Where the budget ended the
+    reply (`finish` "length") a call may stop before its arguments began: its arguments so far, "".
+    """
     out: list[ToolCall] = []
+    cut = finish == "length"
     for i, tc in enumerate(message.tool_calls or ()):
         missing = _missing(tc)
-        if missing:
+        if missing and not (cut and missing == "function.arguments"):
             raise ProviderBadResponse(f"malformed response: tool_calls.{i}.{missing} missing", provider=provider)
         try:
             call = ToolCall(
-                id=tc.id, function=FunctionCall(name=tc.function.name, arguments=tc.function.arguments_text())
+                id=tc.id, function=FunctionCall(name=tc.function.name, arguments=tc.function.arguments_text() or "")
             )
         except ValidationError as exc:
             raise ProviderBadResponse(
@@ -262,8 +265,9 @@ class ChunkAccumulator:
     """Reads a stream's chunks in order: yields runner chunks for content and tool-call deltas and
     remembers what the final chunk needs (id, model, finish reason, usage, SGLang's sglext).
 
-    A tool call's first piece must carry its id and name, and some piece its arguments; a stream
-    that ends without a finish reason, or with a call lacking one of these, is a bad response
+    A tool call's first piece must carry its id and name, and some piece its arguments (unless the
+    budget ended the reply first); a stream that ends without a finish reason, or with a call
+    lacking one of these, is a bad response
     (`ProviderBadResponse` before the first chunk went out, `StreamBroken` after): nothing is invented."""
 
     def __init__(self, model: str, provider: str | None = None) -> None:
@@ -313,7 +317,9 @@ class ChunkAccumulator:
         problem = None
         if self.finish is None:
             problem = "the stream ended without a finish_reason"
-        elif not all(self.calls.values()):
+        elif self.finish != "length" and not all(self.calls.values()):
+            # (a call the budget cut before its arguments began is what it is: vLLM 0.32 sends the
+            # name, then finish "length", for a forced call whose envelope the budget ends)
             problem = f"tool call {min(i for i, seen in self.calls.items() if not seen)} never got its arguments"
         if problem is not None:
             error = StreamBroken if self.started else ProviderBadResponse

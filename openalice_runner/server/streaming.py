@@ -19,6 +19,7 @@ import anyio
 import structlog
 from starlette.responses import StreamingResponse
 
+from openalice_runner.providers.base import ProviderBadResponse, StreamBroken
 from openalice_runner.providers.streams import ChatStream
 from openalice_runner.server.deadline import Deadline, DeadlineExceeded
 from openalice_runner.server.errors import APIError
@@ -95,7 +96,10 @@ class SSEStream:
         except Exception as exc:
             error = exc
             api_error = self.to_api_error(exc)
-            log.warning("stream failed", error_type=type(exc).__name__, status=api_error.status_code)
+            # the cause, where it is ours to say (the shape of upstream's stream, not a message of
+            # upstream's that might quote the request): what an operator needs to find the fault
+            reason = str(exc)[:300] if isinstance(exc, StreamBroken | ProviderBadResponse) else None
+            log.warning("stream failed", error_type=type(exc).__name__, status=api_error.status_code, reason=reason)
             yield sse(api_error.body())
         except BaseException as exc:  # cancelled: the client went away
             error = exc

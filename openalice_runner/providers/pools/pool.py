@@ -478,7 +478,7 @@ class PoolProvider(Provider):
         if finish == "abort":  # the server dropped the request; nothing usable came back
             raise ProviderUnavailable(f"{self.engine} aborted the request", provider=self.name)
         usage = body.usage.usage() if body.usage else Usage()
-        tool_calls = wire.tool_calls_of(choice.message, self.name)
+        tool_calls = wire.tool_calls_of(choice.message, self.name, finish)
         ext: dict[str, Any] = {}
         self.capture(ext, data)
         outcome = self._speculation(ext, pool, ctx, usage)
