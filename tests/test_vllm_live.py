@@ -28,6 +28,7 @@ import yaml
 from stand_ins.processes import free_port, wait_http
 
 from openalice_runner import Runner
+from openalice_runner.bench import gateway_affinity
 from openalice_runner.policies import PolicyStore
 from openalice_runner.providers.base import CallContext
 from openalice_runner.providers.config import load_routing_file
@@ -395,3 +396,43 @@ def test_replica_killed_before_the_first_token_falls_over_and_mid_stream_gets_an
     finally:
         victim.stop()
         assert serve.stop() == 0
+
+
+smg_problem = None if gateway_affinity.smg_binary().exists() else (
+    f"no smg at {gateway_affinity.smg_binary()} (scripts/smg-venv.sh builds it; .ci/run logs its build "
+    f"to {vllm_servers.CACHE / 'venvs' / 'smg.build.log'})")
+
+
+@pytest.mark.skipif(smg_problem is not None, reason=str(smg_problem))
+async def test_a_pool_behind_smg_keeps_each_conversation_on_the_worker_holding_its_prefix(pools, tmp_path):
+    """smg 1.13 in front of the two live servers as one pool's workers (`consistent_hashing` on the
+    conversation id the runner sends), the workers under `load_from`: each conversation's second
+    call is served from the first's cache, and the conversations spread over both workers. Each
+    prompt opens with its conversation's number, so no cache block is shared between two of them
+    (round_robin would send half the second calls to a worker that never saw their first)."""
+    workers = [pools.servers["ngram"].url, pools.servers["plain"].url]
+    before = [s.metric("vllm:request_success_total") for s in pools.servers.values()]
+    with gateway_affinity.gateway("consistent_hashing", workers, tmp_path) as url:
+        launch = {"model_path": str(pools.model), "tool_call_parser": "hermes", "chat_template": str(vllm_servers.TEMPLATE)}
+        routing = tmp_path / "providers-gateway.yaml"
+        routing.write_text(yaml.safe_dump({
+            "providers": {"gw": {"type": "vllm", "model": "smollm2", "load_cache_s": 0, "load_stale_s": 0,
+                                 "pools": {"gw": {"replicas": [url.removesuffix("/v1")], "load_from": workers,
+                                                  "launch": launch}}}},
+            "routes": [{"name": "default", "chain": ["gw"]}]}))  # fmt: skip
+        policy = tmp_path / "policy-gateway.yaml"
+        policy.write_text('version: 1\ndefault: {method: "off", pool: gw}\n')
+        async with Runner.from_config(routing, policy, telemetry=False) as runner:
+            for i in range(12):
+                ctx = CallContext(turn_type="chat", conversation_id=f"conv-{i}")
+                req = ChatRequest(messages=[{"role": "user", "content": f"Conversation {i}. Summarise in a line:\n\n{CODE}"}],
+                                  max_tokens=1, temperature=0)  # fmt: skip
+                first = await runner.chat(req, ctx)
+                second = await runner.chat(req, ctx)
+                assert first.usage.prompt_tokens > 256
+                assert second.usage.prompt_tokens_details.cached_tokens >= 128, (i, second.usage)
+            async with runner.stream(ChatRequest(messages=CHAT, max_tokens=8), CallContext(conversation_id="s")) as chunks:
+                streamed = [c async for c in chunks]
+    assert "".join(c.delta_text or "" for c in streamed) and streamed[-1].finish_reason
+    served = [s.metric("vllm:request_success_total") - b for s, b in zip(pools.servers.values(), before, strict=True)]
+    assert sum(served) == 25 and min(served) >= 2, served  # both workers served conversations (1 in 2,048 fails)

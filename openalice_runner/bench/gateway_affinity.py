@@ -46,6 +46,8 @@ ROUTING_HEADER = "x-openalice-conversation-id"  # what run_conversation sends pe
 def smg_binary() -> Path:
     if os.environ.get("OPENALICE_SMG"):
         return Path(os.environ["OPENALICE_SMG"])
+    if os.environ.get("OPENALICE_SMG_VENV"):  # as scripts/smg-venv.sh reads it
+        return Path(os.environ["OPENALICE_SMG_VENV"]) / "bin" / "smg"
     cache = Path(os.environ.get("OPENALICE_CACHE_DIR") or Path.home() / ".cache" / "openalice-runner")
     return cache / "venvs" / "smg" / "bin" / "smg"
 
