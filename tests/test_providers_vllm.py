@@ -267,7 +267,6 @@ def test_shipped_tool_template_renders_what_the_embedded_engine_renders():
     assert plain.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
 
 
-
 class SocketReplica:
     """A vLLM replica on a real loopback socket, HTTP/1.1 keep-alive, the recorded stream sent in
     chunked encoding: `chat_connections` counts the connections that carried a chat request.

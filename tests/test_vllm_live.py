@@ -45,8 +45,8 @@ POLICY = ROOT / "policies" / "vllm-cpu-split.yaml"
 # strict: vLLM 0.32 pins a call's arguments to the tool's schema only for a strict tool (OpenAI's
 # semantics; its --tool-strict-level auto); a forced call to a loose tool is only the envelope, and
 # SmolLM2 may fill it with any JSON: on an Intel CPU in bf16 it copied the schema itself into the
-# arguments until the 200-token budget cut it (finish length). test_a_loose_forced_call_cut_by_the_budget
-# covers that reply.
+# arguments until the 200-token budget cut it (finish length). A loose forced call cut by the budget
+# has its own test below.
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
           "strict": True, "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                          "required": ["city"], "additionalProperties": False}}}]  # fmt: skip

@@ -318,8 +318,8 @@ class ChunkAccumulator:
         if self.finish is None:
             problem = "the stream ended without a finish_reason"
         elif self.finish != "length" and not all(self.calls.values()):
-            # (a call the budget cut before its arguments began is what it is: vLLM 0.32 sends the
-            # name, then finish "length", for a forced call whose envelope the budget ends)
+            # a call the budget cut before its arguments began is what it is: vLLM 0.32 sends the
+            # name, then finish "length", for a forced call whose envelope the budget ends
             problem = f"tool call {min(i for i, seen in self.calls.items() if not seen)} never got its arguments"
         if problem is not None:
             error = StreamBroken if self.started else ProviderBadResponse
