@@ -315,8 +315,9 @@ class PoolProvider(Provider):
     def capture(self, ext: dict[str, Any], data: dict[str, Any]) -> None:
         """Keep what the dialect's speculation figures need from a response or stream event."""
 
-    def spec_figures(self, ext: dict[str, Any], pool: str, gamma: int, usage: Usage) -> dict[str, Any]:
-        """SpeculationOutcome figures from what `capture` kept ({} when there are none)."""
+    def spec_figures(self, ext: dict[str, Any], pool: str, gamma: int, usage: Usage | None) -> dict[str, Any]:
+        """SpeculationOutcome figures from what `capture` kept ({} when there are none); `usage`
+        None where the server sent none."""
         return {}
 
     def request_error(self, resp: httpx.Response) -> ProviderError:
@@ -477,7 +478,7 @@ class PoolProvider(Provider):
         finish = choice.finish_reason  # required by the reader: a reply without one is a bad_response
         if finish == "abort":  # the server dropped the request; nothing usable came back
             raise ProviderUnavailable(f"{self.engine} aborted the request", provider=self.name)
-        usage = body.usage.usage() if body.usage else Usage()
+        usage = wire.usage_of(body.usage)  # None where the server sent none: unknown, never zeros
         tool_calls = wire.tool_calls_of(choice.message, self.name, finish)
         ext: dict[str, Any] = {}
         self.capture(ext, data)
@@ -495,7 +496,9 @@ class PoolProvider(Provider):
         )
         return result.attach_outcome(outcome)
 
-    def _speculation(self, ext: dict[str, Any], pool: str, ctx: CallContext, usage: Usage) -> SpeculationOutcome:
+    def _speculation(
+        self, ext: dict[str, Any], pool: str, ctx: CallContext, usage: Usage | None
+    ) -> SpeculationOutcome:
         cfg = self.config.pools[pool]
         decision = ctx.decision
         gamma = cfg.gamma_for(decision)
@@ -503,7 +506,7 @@ class PoolProvider(Provider):
         return SpeculationOutcome(
             method=cfg.method,
             gamma=gamma,
-            completion_tokens=usage.completion_tokens,
+            completion_tokens=usage.completion_tokens if usage is not None else 0,  # 0: not counted here
             rule=decision.rule if decision is not None else None,
             policy_version=decision.policy_version if decision is not None else None,
             pool=pool,
@@ -568,7 +571,7 @@ class PoolProvider(Provider):
                 raise
             raise ProviderBadResponse(f"{engine} stream event is not JSON: {exc}", provider=self.name) from exc
         self._check_stream_end(acc)
-        usage = acc.usage or Usage()
+        usage = acc.usage  # None where the server sent none (no usage chunk): unknown
         outcome = self._speculation(ext, pool, ctx, usage)
         yield acc.final(SpeculationInfo.from_outcome(outcome), self.name).attach_outcome(outcome)
         await _drain(lines)
