@@ -83,8 +83,9 @@ class SGLangStandIn:
 
     # ---- lifecycle ----
 
-    def start(self) -> SGLangStandIn:
-        self._server = ServerThread(self.app()).start()
+    def start(self, port: int = 0) -> SGLangStandIn:
+        """Serve on loopback, on `port` where given (a server that comes back where one stalled)."""
+        self._server = ServerThread(self.app(), port=port).start()
         return self
 
     def stop(self) -> None:
