@@ -171,6 +171,11 @@ class Replica:
     unknown_logged: bool = False  # "load unknown" said once until it is read again
     breaker: Breaker = field(default_factory=Breaker)
 
+    def age(self, now: float) -> float:
+        """Seconds since the last load read; never read, infinite (monotonic time may be younger
+        than `load_cache_s` on a fresh machine: 0.0 is no reading)."""
+        return now - self.read_at if self.read_at else float("inf")
+
     @property
     def load(self) -> float:
         if self.running is None:
@@ -371,10 +376,10 @@ class PoolProvider(Provider):
         one round of reads."""
         replicas = replicas or self._all_load_sources()
         now = time.monotonic()
-        stale = [r for r in replicas if now - r.read_at >= self.config.load_cache_s]
+        stale = [r for r in replicas if r.age(now) >= self.config.load_cache_s]
         if not stale:
             return
-        must_wait = [r for r in stale if r.read_at == 0.0 or now - r.read_at >= self.config.load_stale_s]
+        must_wait = [r for r in stale if r.age(now) >= self.config.load_stale_s]
         if not must_wait:
             self._stale.update((id(r), r) for r in stale)
             return
@@ -390,7 +395,7 @@ class PoolProvider(Provider):
     async def _read_loads(self, replicas: list[Replica]) -> None:
         async with self._refresh_lock:
             now = time.monotonic()
-            stale = [r for r in replicas if now - r.read_at >= self.config.load_cache_s]
+            stale = [r for r in replicas if r.age(now) >= self.config.load_cache_s]
             readers = self.load_readers()
             await asyncio.gather(
                 *(read_replica_load(self._client, r, self.config.load_timeout_s, readers) for r in stale)
