@@ -606,7 +606,8 @@ class PoolProvider(Provider):
         return SpeculationOutcome(
             method=cfg.method,
             gamma=gamma,
-            completion_tokens=usage.completion_tokens if usage is not None else 0,  # 0: not counted here
+            # unknown usage: the outcome's count is an int; pools set no total_s, so no rate comes of it
+            completion_tokens=usage.completion_tokens if usage is not None else 0,
             rule=decision.rule if decision is not None else None,
             policy_version=decision.policy_version if decision is not None else None,
             pool=pool,
