@@ -248,3 +248,42 @@ async def test_reported_usage_is_kept_plain_and_streamed():
     chunks = await read_all(p.stream(REQ, CallContext()))
     assert chunks[-1].usage.completion_tokens == 2
     await p.aclose()
+
+
+def test_serve_answers_unknown_usage_as_null_never_zeros(tmp_path):
+    """Through `serve`: an SGLang pool whose server sends no usage; the plain reply says `usage:
+    null`, the stream (include_usage asked) carries no usage figures, and no tokens are counted."""
+    from stand_ins.sglang_server import SGLangStandIn
+
+    from openalice_runner.runner import Runner
+    from openalice_runner.server.app import ServerSettings, create_app
+    from tests.test_server_api import LiveServer
+
+    upstream = SGLangStandIn()
+    upstream.faults.no_usage = True
+    upstream.start()
+    (tmp_path / "providers.yaml").write_text(
+        f"providers:\n  gpu: {{type: sglang, model: stand-in/llama-8b, pools: {{off: {{replicas: ['{upstream.url}'], launch: {{tool_call_parser: qwen25}}}}}}}}\n"
+        "routes:\n  - {name: default, chain: [gpu]}\n")  # fmt: skip
+    (tmp_path / "policy.yaml").write_text("version: 1\ndefault: {method: 'off'}\n")
+    runner = Runner.from_config(providers=str(tmp_path / "providers.yaml"), policy=str(tmp_path / "policy.yaml"),
+                                telemetry=False)  # fmt: skip
+    server = LiveServer(create_app(runner, settings=ServerSettings())).start()
+    try:
+        url = f"{server.url}/v1/chat/completions"
+        r = httpx.post(url, json={"model": "stand-in/llama-8b", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"] is None and r.json()["choices"][0]["message"]["content"]
+        body = {"model": "stand-in/llama-8b", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        with httpx.stream("POST", url, json=body, timeout=30) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert s.status_code == 200 and events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(c.get("usage") is None for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+        counted = [line for line in metrics.splitlines() if line.startswith("openalice_tokens_total{")]
+        assert counted == []  # nothing counted, not zeros counted
+    finally:
+        server.stop()
+        upstream.stop()
