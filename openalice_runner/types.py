@@ -483,7 +483,8 @@ class ChatResult(_Extended):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[Choice]
-    usage: Usage = Field(default_factory=Usage)
+    # None: unknown (a remote server that sent no usage), never zeros; OpenAI's `usage` is Optional too
+    usage: Usage | None = None
     # What speculation did, typed, for the policy's `observe` and tracing (not part of the JSON).
     _outcome: SpeculationOutcome | None = PrivateAttr(default=None)
 
@@ -507,7 +508,7 @@ class ChatResult(_Extended):
         return cls(
             model=model,
             choices=[Choice(message=message, finish_reason=finish_reason)],
-            usage=usage or Usage(),
+            usage=usage,
             speculation=speculation,
             provider=provider,
             **kwargs,
