@@ -92,28 +92,35 @@ def _consistent(scheduler) -> None:
 # ---------------------------------------------------------------- admission
 
 
-def test_a_cache_that_fails_to_grow_answers_the_request_and_leaves_no_phantom_slots(engine, monkeypatch):
+@pytest.mark.parametrize("lasting", [False, True])
+def test_a_cache_that_fails_to_grow_leaves_no_phantom_slots_and_the_request_is_answered(engine, monkeypatch,
+                                                                                      lasting):
+    """A passing fault: the request keeps its place and is admitted on a later try, exact. A lasting one:
+    it is answered with the fault after ADMIT_TRIES tries. Either way the scheduler is as before."""
     scheduler = engine.scheduler
     expected = _alone(engine, [12, 12, 12])
     failed = []
-
-    def grow(batch, max_len):
-        if batch > cache.batch and not failed:  # the first grow by slots: a new request's admission
-            failed.append(batch)
-            raise MemoryError("no memory for a grown KV cache")
-        return real(batch, max_len)
-
     # a fresh scheduler state: admission must grow the cache by slots
     with scheduler._cond:
         scheduler._reset()
     cache = scheduler.cache
     real = cache.grow
+
+    def grow(batch, max_len):
+        if batch > cache.batch and (lasting or not failed):  # a grow by slots: a new request's admission
+            failed.append(batch)
+            raise MemoryError("no memory for a grown KV cache")
+        return real(batch, max_len)
+
     monkeypatch.setattr(cache, "grow", grow)
     result = _answered(lambda: _generate(engine, PROMPTS[0], 12))
-    assert failed, "the fault was injected"
-    assert isinstance(result, MemoryError)
     _consistent(scheduler)
-    assert cache.batch == 0 or scheduler._free_slots == list(range(cache.batch))
+    if lasting:
+        assert isinstance(result, MemoryError) and len(failed) == batching.ADMIT_TRIES
+        assert cache.batch == 0 and scheduler._free_slots == []
+        monkeypatch.setattr(cache, "grow", real)
+    else:
+        assert len(failed) == 1 and result.token_ids == expected[0]
     # the scheduler serves on, exact
     assert _answered(lambda: _alone(engine, [12, 12, 12])) == expected
     _consistent(scheduler)
@@ -126,16 +133,33 @@ def test_a_fault_while_taking_a_slot_fails_that_request_alone(engine, monkeypatc
     hit = []
 
     def take_slot(seq):
-        if seq.sampling.max_tokens == MARK and not hit:
+        if seq.sampling.max_tokens == MARK:  # a lasting fault: every try
             hit.append(seq)
             raise Injected("taking a slot failed")
         return real(seq)
 
     monkeypatch.setattr(scheduler, "_take_slot", take_slot)
     out = _together(engine, [24, MARK, 24])
-    assert hit and isinstance(out[1], Injected)
+    assert len(hit) == batching.ADMIT_TRIES and isinstance(out[1], Injected)
     assert [out[0].token_ids, out[2].token_ids] == [expected[0], expected[2]]
     _consistent(scheduler)
+
+
+def test_injected_admission_faults_are_tried_again_and_nothing_is_lost(monkeypatch):
+    """The chaos knob the load test uses: every other admission fails; every request is served, exact."""
+    monkeypatch.setenv(batching.ADMISSION_FAULTS_ENV, "0.5")
+    engine = Engine.tiny_random(seed=0, max_batch=4)
+    assert engine.scheduler.admission_faults == 0.5
+    expected = _alone(Engine.tiny_random(seed=0, max_batch=4), [24, 24, 24])
+    out = _together(engine, [24, 24, 24])
+    assert [r.token_ids for r in out] == expected
+
+
+def test_the_chaos_knob_refuses_what_is_not_a_share(monkeypatch):
+    for raw in ["x", "1.5", "-0.1"]:
+        monkeypatch.setenv(batching.ADMISSION_FAULTS_ENV, raw)
+        with pytest.raises(ValueError, match=batching.ADMISSION_FAULTS_ENV):
+            Engine.tiny_random(seed=0, max_batch=2)
 
 
 # ---------------------------------------------------------------- one sequence's rows

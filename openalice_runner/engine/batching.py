@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
+import random
 import threading
 import time
 import weakref
@@ -69,6 +71,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
 CACHE_GRANULE = 512  # KV caches grow in steps of this many positions
 IDLE_SHRINK_S = 30.0  # idle this long, the KV cache gives back what the held histories do not need
+ADMIT_TRIES = 3  # a request whose admission fails this many times is answered with the fault
+# Chaos testing (docs/testing.md): this share of admissions fails as a passing fault would (a float, 0..1)
+ADMISSION_FAULTS_ENV = "OPENALICE_INJECT_ADMISSION_FAULTS"
 WATCH_S = 1.0  # a caller waiting on its events checks this often that the scheduler thread still runs
 
 
@@ -78,6 +83,7 @@ class BatchRequest:
     cancel: threading.Event
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     thread: threading.Thread | None = None  # the scheduler thread that owes the answer
+    admit_faults: int = 0  # admissions of it that failed
     prefilled: int = 0  # prompt tokens whose keys and values are in the cache
     reserved: int = 0  # cache positions it may ever need (`_reservation`), set at admission
     prefill_started: float = 0.0
@@ -192,6 +198,8 @@ class BatchScheduler:
         self.idle_shrink_s = idle_shrink_s
         self.kv_cache_bytes = kv_cache_bytes
         self.steps = 0
+        self.admission_faults = _fault_rate(os.environ.get(ADMISSION_FAULTS_ENV))
+        self._faults = random.Random(0)
 
     # ---- the callers' side ----------------------------------------------------------------
     def submit(
@@ -307,15 +315,22 @@ class BatchScheduler:
             self._waiting.popleft()
             try:
                 self._place(request, reserved, slots)
-            except Exception as exc:  # e.g. no memory for the grown cache: this request fails, nothing else
-                logger.error("engine: admitting a request failed; it is answered, the others run on",
-                             exc_info=exc)
+            except Exception as exc:  # e.g. no memory for the grown cache: this request only, nothing else
+                request.admit_faults += 1
+                if request.admit_faults < ADMIT_TRIES:  # a passing fault: it keeps its place, tried next step
+                    logger.warning("engine: admitting a request failed (%r); tried again", exc)
+                    self._waiting.appendleft(request)
+                    return
+                logger.error("engine: admitting a request failed %d times; it is answered, the others run on",
+                             request.admit_faults, exc_info=exc)
                 request.events.put(exc)
 
     def _place(self, request: BatchRequest, reserved: int, slots: int) -> None:
         """Grow the cache to `slots` slots and put `request` in one, or raise leaving the scheduler as
         it was (the cache grows all or nothing; slots join the free list only once they exist)."""
         seq = request.seq
+        if self.admission_faults and self._faults.random() < self.admission_faults:
+            raise InjectedFault("an admission fault injected for a test (OPENALICE_INJECT_ADMISSION_FAULTS)")
         # positions for the prompt and a round; the reply's grow as it is written (`_reserve`): sizing
         # every slot for max_tokens up front held GBs for replies that stop after a few tokens
         need = _granules(_positions_for(seq, len(seq.prompt)))
@@ -613,6 +628,22 @@ class BatchScheduler:
         self._fail_running(exc)
         while self._waiting:
             self._waiting.popleft().events.put(exc)
+
+
+class InjectedFault(RuntimeError):
+    """A fault injected on purpose (ADMISSION_FAULTS_ENV), to test that nothing is lost."""
+
+
+def _fault_rate(raw: str | None) -> float:
+    if not raw:
+        return 0.0
+    try:
+        rate = float(raw)
+    except ValueError:
+        raise ValueError(f"{ADMISSION_FAULTS_ENV} must be a number in 0..1, got {raw!r}") from None
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"{ADMISSION_FAULTS_ENV} must be in 0..1, got {rate}")
+    return rate
 
 
 def _check_rows(seq: Sequence, fed: list[int], start: int, vocab: int) -> None:
