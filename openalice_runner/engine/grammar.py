@@ -256,6 +256,7 @@ class GrammarCompiler:
         children = [checker.child() for _ in range(workers)]
         for child in children:
             self._children.put(child)
+        self.children = children  # (tests look at them)
         weakref.finalize(self, _stop_children, children)
         self._pool = _WideStackPool(workers, thread_name_prefix="grammar-compile")
         self._queued = 0  # compiles waiting for a worker
@@ -333,15 +334,16 @@ class GrammarCompiler:
             matcher = future.result(timeout=START_TIMEOUT_S + 4 * COMPILE.timeout_s + 60)
         except (GrammarError, concurrent.futures.TimeoutError) as exc:  # it compiled before
             raise GrammarFault(f"a grammar that compiled before failed to compile again: {exc}") from exc
-        fresh = Grammar(grammar.text, matcher, self)
+        if matcher.is_error():
+            raise GrammarFault(f"a grammar found in error is in error again on a fresh compile: "
+                               f"{_short(matcher.get_error())}")
         with self._lock:
             if grammar.text in self._cache:
-                self._cache[grammar.text] = fresh
+                self._cache[grammar.text] = Grammar(grammar.text, matcher, self)
         if grammar.prefix:
             matcher = matcher.deep_copy()
-            matcher.consume_tokens(list(grammar.prefix))
-        if matcher.is_error():
-            raise GrammarFault(f"a grammar that compiled failed again on a fresh compile: {_short(matcher.get_error())}")
+            if not matcher.consume_tokens(list(grammar.prefix)):
+                raise GrammarFault(f"a grammar's prefill failed on a fresh compile: {_short(matcher.get_error())}")
         return matcher
 
     def _remember_failure(self, text: str, message: str, code: str = "invalid_value") -> None:
