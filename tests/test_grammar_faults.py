@@ -124,6 +124,24 @@ def test_time_waiting_for_a_compile_worker_is_not_compile_time(compiler, monkeyp
     assert all(b.done() for b in blockers)
 
 
+def test_compiles_waiting_past_the_queue_bounds_are_refused_as_overload(compiler, monkeypatch):
+    from openalice_runner.engine.types import EngineOverloaded
+
+    release = threading.Event()
+    blockers = [compiler._pool.submit(release.wait) for _ in range(2)]
+    try:
+        monkeypatch.setattr(COMPILE, "queue_timeout_s", 0.1)
+        with pytest.raises(EngineOverloaded, match="no grammar compile worker was free"):  # 429, Retry-After
+            compiler.compile(json_grammar({"type": "object", "properties": {"busy12": {"type": "integer"}}}))
+        monkeypatch.setattr(COMPILE, "max_queued", 0)
+        with pytest.raises(EngineOverloaded, match="already wait"):
+            compiler.compile(json_grammar({"type": "object", "properties": {"busy12b": {"type": "integer"}}}))
+    finally:
+        release.set()
+    assert all(b.result(timeout=60) for b in blockers)
+    assert compiler._queued == 0
+
+
 def test_a_compile_that_timed_out_is_not_remembered(compiler, monkeypatch):
     text = json_grammar(wide(3_000, "again12_"))
     monkeypatch.setattr(COMPILE, "timeout_s", 0.01)
