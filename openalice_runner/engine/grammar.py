@@ -289,7 +289,7 @@ class GrammarCompiler:
                 self._queued -= 1
             raise EngineOverloaded(f"no grammar compile worker was free within {COMPILE.queue_timeout_s:g} s")
         try:
-            compiled = future.result(timeout=START_TIMEOUT_S + 4 * COMPILE.timeout_s + 60)
+            compiled = future.result(timeout=_RESULT_BOUND_S + 4 * COMPILE.timeout_s)
         except concurrent.futures.TimeoutError:  # pragma: no cover - the child is killed at its bound
             raise GrammarFault("a grammar compile did not finish within its bounds") from None
         except GrammarError as exc:
@@ -331,7 +331,7 @@ class GrammarCompiler:
                        _short(grammar._template.get_error()))  # fmt: skip
         future = self._pool.submit(build_matcher, grammar.text, self._tokenizer, self.vocab_size)
         try:
-            matcher = future.result(timeout=START_TIMEOUT_S + 4 * COMPILE.timeout_s + 60)
+            matcher = future.result(timeout=_RESULT_BOUND_S + 4 * COMPILE.timeout_s)
         except (GrammarError, concurrent.futures.TimeoutError) as exc:  # it compiled before
             raise GrammarFault(f"a grammar that compiled before failed to compile again: {exc}") from exc
         if matcher.is_error():
@@ -366,6 +366,8 @@ class _WideStackPool(concurrent.futures.ThreadPoolExecutor):
 
 
 COMPILE_STACK = 4 * CHECK_STACK
+# what a compile may take beside its time bound: two children started (a crash is tried again) and slack
+_RESULT_BOUND_S = 2 * START_TIMEOUT_S + 60
 _STACK_LOCK = threading.Lock()
 
 

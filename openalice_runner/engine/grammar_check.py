@@ -95,12 +95,10 @@ class _Child:
     def ask(self, text: str, timeout_s: float) -> dict[str, Any]:
         if self.proc is None:
             self._start()
+        deadline = time.monotonic() + timeout_s
         try:
-            _send(self.proc.stdin, text.encode())
-        except OSError:  # it died since its last answer
-            raise _Died(self._reap()) from None
-        try:
-            return json.loads(self._receive(time.monotonic() + timeout_s))
+            self._write(text.encode(), deadline)
+            return json.loads(self._receive(deadline))
         except _TimedOut:
             self.stop()  # the compile is cancelled with its process
             raise GrammarError(
@@ -116,16 +114,34 @@ class _Child:
             [sys.executable, "-m", "openalice_runner.engine.grammar_check"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True,
         )  # fmt: skip
+        os.set_blocking(self.proc.stdin.fileno(), False)  # writes wait with a deadline (_write)
         try:
-            _send(self.proc.stdin, self._init)
-            ready = json.loads(self._receive(time.monotonic() + START_TIMEOUT_S))
-        except (OSError, _Died, _TimedOut) as exc:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            self._write(self._init, deadline)
+            ready = json.loads(self._receive(deadline))
+        except (_Died, _TimedOut) as exc:
             how = _how(exc.returncode) if isinstance(exc, _Died) else type(exc).__name__
             self.stop()
             raise GrammarFault(f"the grammar checker process did not start ({how})") from None
         if ready != {"ready": True}:  # pragma: no cover - the child sends nothing else first
             self.stop()
             raise GrammarFault(f"the grammar checker process did not start: {ready}")
+
+    def _write(self, data: bytes, deadline: float) -> None:
+        """One message to the child, within `deadline` (a child that stopped reading is not waited
+        for without bound); _Died where it is gone."""
+        fd = self.proc.stdin.fileno()
+        view = memoryview(_HEADER.pack(len(data)) + data)
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [fd], [], left)[1]:
+                raise _TimedOut()
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                continue
+            except OSError:  # a broken pipe: it died
+                raise _Died(self._reap()) from None
 
     def _receive(self, deadline: float) -> bytes:
         head = self._read(_HEADER.size, deadline)
@@ -168,12 +184,12 @@ def _close_pipes(proc: subprocess.Popen) -> None:
             pipe.close()
 
 
+# ---------------------------------------------------------------- the child
+
+
 def _send(pipe: BinaryIO, data: bytes) -> None:
     pipe.write(_HEADER.pack(len(data)) + data)
     pipe.flush()
-
-
-# ---------------------------------------------------------------- the child
 
 
 def _read_message(pipe: BinaryIO) -> bytes | None:
@@ -196,6 +212,7 @@ def _serve(requests: BinaryIO, replies: BinaryIO, tokenizer: Any, vocab_size: in
 
 
 def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's Ctrl-C is the server's: it exits on EOF
     requests = sys.stdin.buffer
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the replies
