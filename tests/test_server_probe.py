@@ -7,13 +7,12 @@ tiny random model, or a scripted provider where the test needs a stream that nev
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
-import resource
 import socket
 import stat
 import threading
-import time
 
 import httpx
 import pytest
@@ -26,9 +25,9 @@ from stand_ins.engines import tiny_engine
 from stand_ins.scripted import ScriptedProvider, scripted_runner
 
 from openalice_runner.providers.config import load_routing_text
-from openalice_runner.providers.streams import chat_stream
 from openalice_runner.runner import Runner
 from openalice_runner.server.app import ServerSettings, create_app
+from openalice_runner.server.connections import guarded_h11
 from openalice_runner.server.metrics import ServerMetrics
 from openalice_runner.tracing import RunnerTelemetry
 from openalice_runner.tracing.jsonl import JsonLinesSpanExporter
@@ -47,9 +46,10 @@ routes:
 
 
 class Stack:
-    """The app over the tiny engine, its spans (FastAPI's server span included) kept in memory."""
+    """The app over the tiny engine (or the runner `make_runner` builds with the telemetry), its spans
+    (FastAPI's server span included) kept in memory; `guarded`: under serve's own HTTP protocol."""
 
-    def __init__(self, runner: Runner | None = None, *, record_content: bool = False) -> None:
+    def __init__(self, make_runner=None, *, record_content: bool = False, guarded: bool = False) -> None:
         self.spans = InMemorySpanExporter()
         self.tracer_provider = TracerProvider()
         self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
@@ -57,17 +57,21 @@ class Stack:
         telemetry = RunnerTelemetry(
             self.tracer_provider, MeterProvider(metric_readers=[reader]), record_content=record_content
         )
-        self.runner = runner or Runner.from_config(
-            providers=load_routing_text(PROVIDERS), policy=False, telemetry=telemetry, engine=tiny_engine()
-        )
-        if runner is not None:
-            runner.telemetry = telemetry
+        if make_runner is None:
+            self.runner = Runner.from_config(
+                providers=load_routing_text(PROVIDERS), policy=False, telemetry=telemetry, engine=tiny_engine()
+            )
+        else:
+            self.runner = make_runner(telemetry)
         self.metrics = ServerMetrics(otel_reader=reader)
         app = create_app(
             self.runner, telemetry=telemetry, settings=ServerSettings(api_key=KEY), metrics=self.metrics,
             tracer_provider=self.tracer_provider,
         )  # fmt: skip
-        self.server = LiveServer(app).start()
+        self.server = LiveServer(app)
+        if guarded:
+            self.server.server.config.http = guarded_h11(10.0, None)
+        self.server.start()
         self.url = self.server.url
 
     def post(self, body, headers=None, timeout=60) -> httpx.Response:
@@ -142,3 +146,145 @@ def test_trace_file_is_capped_and_rotated_once_owner_only(tmp_path):
     tracer.start_span("huge", attributes={"big": big}).end()
     assert exporter.oversized == 1 and path.stat().st_size <= 4096
     exporter.shutdown()
+
+
+# ---- 14: watched files that are not regular files: refused at once, the last good config kept
+
+POLICY = "rules:\n  - name: tools\n    match: {turn_type: tool_call}\n    method: ngram\n    gamma: 5\ndefault: {method: off}\n"
+ROUTING = PROVIDERS.replace("name: default", "name: edited")
+
+
+class _RoutingRunner:
+    """What RoutingWatcher needs of a runner: it records what it is given to apply."""
+
+    policy = None
+
+    def __init__(self) -> None:
+        self.applied: list = []
+
+    def apply_routing(self, routing) -> list[str]:
+        self.applied.append(routing)
+        return []
+
+
+def _in_thread(work, timeout: float = 20.0):
+    """`work()`'s result; the test fails (instead of hanging) when it does not return in time."""
+    out: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            out["value"] = work()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert done.wait(timeout), "blocked: a read that should have been refused at once"
+    return out.get("value")
+
+
+def _swap(path, make) -> None:
+    path.unlink()
+    make(path)
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [(os.mkfifo, "a FIFO"), (lambda p: p.symlink_to("/dev/zero"), "a character device")],
+    ids=["fifo", "dev-zero"],
+)
+def test_a_watched_file_swapped_for_a_fifo_or_a_device_is_refused_at_once(tmp_path, make, kind):
+    from openalice_runner.policies import PolicyStore, RequestContext
+    from openalice_runner.server.routing_watch import RoutingWatcher
+
+    providers, policy = tmp_path / "providers.yaml", tmp_path / "policy.yaml"
+    providers.write_text(PROVIDERS)
+    policy.write_text(POLICY)
+    runner = _RoutingRunner()
+    watcher = RoutingWatcher(runner, providers)
+    store = PolicyStore.from_file(policy)
+    _swap(providers, make)
+    _swap(policy, make)
+    assert _in_thread(watcher.check) is False
+    assert f"not a regular file ({kind})" in watcher.last_error and watcher.last_error.startswith(f"{providers}:1:1:")
+    assert _in_thread(store.reload_if_changed) is False
+    assert f"not a regular file ({kind})" in str(store.last_error)
+    assert store.decide(RequestContext("tool_call", 1, "local")).gamma == 5  # the last good policy
+    providers.unlink()
+    providers.write_text(ROUTING)  # a valid edit still applies
+    assert watcher.check() is True and watcher.last_error is None and len(runner.applied) == 1
+
+
+def test_a_watched_file_past_the_limit_is_not_read_whole(tmp_path):
+    from openalice_runner.config_files.reading import read_operator_file
+    from openalice_runner.config_files.yaml_nodes import LIMITS
+
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * (LIMITS.max_bytes + 1))
+    with pytest.raises(OSError, match="larger than the limit"):
+        read_operator_file(big)
+    big.write_bytes(b"#" * LIMITS.max_bytes)
+    assert len(read_operator_file(big)) == LIMITS.max_bytes
+
+
+# ---- 16a: history arguments nested too deep are a 400 naming the field
+
+
+def test_deeply_nested_history_arguments_are_a_400_naming_the_field(stack):
+    def body(arguments: str) -> dict:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return {"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "max_tokens": 2}  # fmt: skip
+
+    error = _error(stack.post(body("[" * 5000)), 400)
+    assert error["param"] == "messages[1].tool_calls[0].function.arguments" and "nested" in error["message"]
+    assert stack.post(body("[" * 100 + "]" * 100)).status_code == 200  # deep, but within the bound
+    assert stack.post(body('"' + "[" * 1000 + '"')).status_code == 200  # brackets inside a string
+
+
+# ---- 16c: the stream's deadline holds while a send blocks on a client that does not read
+
+
+class EndlessProvider(ScriptedProvider):
+    """Streams 64 KiB chunks until it is closed; `closed` is set when it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = threading.Event()
+
+    async def _chunks(self, request, ctx):
+        try:
+            chunk_id, piece = new_id("chatcmpl"), "x" * 65536
+            for i in itertools.count():
+                yield ChatChunk.text(chunk_id, self.model, piece, role=i == 0)
+                await asyncio.sleep(0)
+        finally:
+            self.closed.set()
+
+
+def test_stream_deadline_holds_while_a_send_blocks_on_a_client_that_does_not_read():
+    provider = EndlessProvider()
+    stack = Stack(lambda telemetry: scripted_runner(provider, telemetry=telemetry), guarded=True)
+    try:
+        body = json.dumps({"messages": HI, "stream": True}).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: application/json\r\nX-OpenAlice-Timeout: 2\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once; never read below
+        client.connect(("127.0.0.1", stack.server.port))
+        client.sendall(head + body)
+        # Past the 2 s deadline the provider's stream is closed, though every send is still blocked.
+        assert provider.closed.wait(30), "the stream outlived its deadline behind a blocked send"
+        deadline = stack.metrics.cancelled.labels(reason="deadline")._value.get()
+        outcome = stack.metrics.chat_completions.labels(turn_type="chat", stream="true", outcome="deadline")
+        assert deadline == 1 and outcome._value.get() == 1
+        client.settimeout(30)  # and the connection is cut: reading what was buffered ends, it does not wait
+        try:
+            while client.recv(1 << 16):
+                pass
+        except ConnectionResetError:
+            pass
+        client.close()
+    finally:
+        stack.server.stop()
