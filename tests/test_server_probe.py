@@ -7,6 +7,7 @@ tiny random model, or a scripted provider where the test needs a stream that nev
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import os
@@ -288,3 +289,75 @@ def test_stream_deadline_holds_while_a_send_blocks_on_a_client_that_does_not_rea
         client.close()
     finally:
         stack.server.stop()
+
+
+# ---- 10: a client's `model` grows neither /metrics nor memory
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_a_7mb_model_name_is_a_400_and_metrics_and_memory_stay_small(stack):
+    assert stack.post({"messages": HI, "max_tokens": 1, "model": "fine-name"}).status_code == 200
+    before = httpx.get(f"{stack.url}/metrics", headers=AUTH, timeout=60).text
+    gc.collect()
+    rss_before = _rss_mib()
+    for i in range(3):
+        error = _error(stack.post({"messages": HI, "max_tokens": 1, "model": f"{i}" + "m" * 7_000_000}), 400)
+        assert error["param"] == "model" and "256" in error["message"]
+    error = _error(stack.post({"messages": HI, "max_tokens": 1, "model": "m" * 257}), 400)
+    assert error["param"] == "model"
+    assert stack.post({"messages": HI, "max_tokens": 1, "model": "m" * 256}).status_code == 200  # at the bound
+    after = httpx.get(f"{stack.url}/metrics", headers=AUTH, timeout=60).text
+    assert len(after) < len(before) + 64 * 1024  # no series holds the long name
+    assert "m" * 200 not in after  # the 256-character name is a label "other", not itself
+    gc.collect()
+    assert _rss_mib() - rss_before < 150  # the bodies came and went (a kept 7 MB label cost 430 MB)
+
+
+def test_long_label_values_are_other():
+    from openalice_runner.tracing import attributes as A
+    from openalice_runner.tracing.labels import MAX_VALUE_CHARS, LabelBounds
+
+    bounds = LabelBounds()
+    assert bounds.bound({A.GEN_AI_REQUEST_MODEL: "x" * (MAX_VALUE_CHARS + 1)})[A.GEN_AI_REQUEST_MODEL] == "other"
+    assert bounds.bound({A.GEN_AI_REQUEST_MODEL: "x" * MAX_VALUE_CHARS})[A.GEN_AI_REQUEST_MODEL] == "x" * MAX_VALUE_CHARS
+    assert bounds.turn_type("t" * (MAX_VALUE_CHARS + 1)) == "other"
+
+
+def test_policy_tables_and_adaptive_estimates_keyed_by_client_names_are_bounded():
+    from openalice_runner.policies import PolicyStore, RequestContext
+    from openalice_runner.policies.adaptive import MAX_KEYS
+    from openalice_runner.policies.bounded import MAX_ENTRIES
+    from openalice_runner.speculation import SpeculationOutcome
+
+    store = PolicyStore.from_text(
+        "rules:\n  - {name: tools, match: {turn_type: tool_call, model: m-named, batch_size: {max: 4}},"
+        " method: ngram, gamma: 4}\n"
+        "  - {name: chat, match: {batch_size: {max: 4}}, method: ngram, gamma: auto, min_gamma: 1, max_gamma: 6,"
+        " prior_alpha: 0.01}\ndefault: {method: off}\n"
+    )
+    outcome = SpeculationOutcome(method="ngram", gamma=3, proposed=30, accepted=15, target_passes=10,
+                                 completion_tokens=25)  # fmt: skip
+    for i in range(3 * MAX_ENTRIES):  # a client's made-up models and turn types, each once
+        plan = store.decide(RequestContext(f"turn-{i}", None if i % 2 else 2, "local", f"model-{i}"))
+        assert plan.rule == ("default" if i % 2 else "chat")
+        store.observe(f"turn-{i}", "ngram", "local", outcome)
+    compiled = store._compiled
+    assert len(compiled._pieces) <= 3  # made-up names match as "no name" does: one entry for them all
+    assert len(compiled._tables) <= MAX_ENTRIES
+    assert len(store.adaptive._alpha) <= MAX_KEYS and len(store.adaptive._off_counters) <= MAX_KEYS
+    assert store.decide(RequestContext("tool_call", 1, "local", "m-named")).rule == "tools"
+
+
+def test_prompt_log_cuts_a_long_model_name(tmp_path):
+    from openalice_runner.prompt_log import MAX_ENTRY_BYTES, PromptLog
+    from openalice_runner.types import ChatRequest
+
+    log = PromptLog(tmp_path / "prompts.jsonl")
+    request = ChatRequest.model_validate({"messages": HI}).model_copy(update={"model": "m" * 4_000_000})
+    log.record(request, "chat")
+    data = (tmp_path / "prompts.jsonl").read_bytes()
+    assert len(data) <= 1024 < MAX_ENTRY_BYTES and json.loads(data)["model"] == "m" * 256
