@@ -361,3 +361,58 @@ def test_prompt_log_cuts_a_long_model_name(tmp_path):
     log.record(request, "chat")
     data = (tmp_path / "prompts.jsonl").read_bytes()
     assert len(data) <= 1024 < MAX_ENTRY_BYTES and json.loads(data)["model"] == "m" * 256
+
+
+# ---- 11: a body too large for the context is refused before its prompt is rendered
+
+
+class RenderSpy:
+    """The tiny engine, recording how many messages each chat-template render was given."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.rendered: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def render_chat(self, messages, tools=None):
+        self.rendered.append(len(messages))
+        return self.real.render_chat(messages, tools)
+
+
+def test_many_empty_messages_are_refused_before_rendering():
+    spy = RenderSpy(tiny_engine())
+    stack = Stack(lambda telemetry: Runner.from_config(
+        providers=load_routing_text(PROVIDERS), policy=False, telemetry=telemetry, engine=spy))  # fmt: skip
+    try:
+        assert stack.post({"messages": HI, "max_tokens": 1}).status_code == 200
+        spy.rendered.clear()
+        many = [{"role": "user", "content": ""}] * 200_000  # 6.6 MB; no characters to count
+        error = _error(stack.post({"messages": many, "max_tokens": 1}, timeout=120), 400)
+        assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+        assert "200000 messages" in error["message"]
+        assert spy.rendered == []  # refused by the count, not by a render
+        # A request within the context still renders and is served: the count is a lower bound.
+        fits = [{"role": "user" if i % 2 == 0 else "assistant", "content": "ok"} for i in range(101)]
+        assert stack.post({"messages": fits, "max_tokens": 1}).status_code == 200
+        assert spy.rendered and spy.rendered[-1] >= 101
+    finally:
+        stack.server.stop()
+
+
+def test_the_message_count_bound_never_exceeds_the_rendered_prompt():
+    from openalice_runner.providers.embedded.prompt import ContextBounds
+    from openalice_runner.types import ChatRequest
+
+    engine = tiny_engine()
+    bounds = ContextBounds("local", lambda: engine.context_length, lambda: engine.tokenizer, lambda: engine)
+    overhead = bounds.message_overhead()
+    assert set(overhead) == {"system", "user", "assistant"} and min(overhead.values()) >= 1
+    for messages in (
+        [{"role": "system", "content": ""}, *[{"role": "user", "content": ""}] * 30],
+        [{"role": r, "content": c} for r, c in [("user", "a b"), ("assistant", ""), ("user", "\n\n"), ("assistant", "x")]] * 20,
+    ):
+        request = ChatRequest.model_validate({"messages": messages})
+        least = sum(overhead[m.role] for m in request.messages)
+        assert least <= len(engine.render_chat(request.message_dicts()))
