@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import itertools
 import json
 import os
 import socket
@@ -247,16 +246,21 @@ def test_deeply_nested_history_arguments_are_a_400_naming_the_field(stack):
 
 
 class EndlessProvider(ScriptedProvider):
-    """Streams 64 KiB chunks until it is closed; `closed` is set when it is."""
+    """Streams 64 KiB chunks until it is closed (`closed` is set then), or LIMIT of them: a stream
+    whose sends never blocked would run out there, and is told apart by `sent`."""
+
+    LIMIT = 1000  # 64 MB: far past what the socket buffers of a client that does not read take
 
     def __init__(self) -> None:
         super().__init__()
         self.closed = threading.Event()
+        self.sent = 0
 
     async def _chunks(self, request, ctx):
         try:
             chunk_id, piece = new_id("chatcmpl"), "x" * 65536
-            for i in itertools.count():
+            for i in range(self.LIMIT):
+                self.sent = i + 1
                 yield ChatChunk.text(chunk_id, self.model, piece, role=i == 0)
                 await asyncio.sleep(0)
         finally:
@@ -266,17 +270,18 @@ class EndlessProvider(ScriptedProvider):
 def test_stream_deadline_holds_while_a_send_blocks_on_a_client_that_does_not_read():
     provider = EndlessProvider()
     stack = Stack(lambda telemetry: scripted_runner(provider, telemetry=telemetry), guarded=True)
+    client = socket.socket()
     try:
         body = json.dumps({"messages": HI, "stream": True}).encode()
         head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                 f"Content-Type: application/json\r\nX-OpenAlice-Timeout: 2\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
-        client = socket.socket()
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once; never read below
         client.connect(("127.0.0.1", stack.server.port))
         client.sendall(head + body)
         # Past the 2 s deadline the provider's stream is closed, though every send is still blocked.
         assert provider.closed.wait(30), "the stream outlived its deadline behind a blocked send"
+        assert provider.sent < EndlessProvider.LIMIT  # cut, not run out: the sends did block
         deadline = stack.metrics.cancelled.labels(reason="deadline")._value.get()
         outcome = stack.metrics.chat_completions.labels(turn_type="chat", stream="true", outcome="deadline")
         assert deadline == 1 and outcome._value.get() == 1
@@ -286,10 +291,9 @@ def test_stream_deadline_holds_while_a_send_blocks_on_a_client_that_does_not_rea
                 pass
         except ConnectionResetError:
             pass
-        client.close()
     finally:
+        client.close()  # (where the test failed: the server sees the client go, and stops the stream)
         stack.server.stop()
-
 
 # ---- 10: a client's `model` grows neither /metrics nor memory
 
@@ -387,12 +391,13 @@ def test_many_empty_messages_are_refused_before_rendering():
         providers=load_routing_text(PROVIDERS), policy=False, telemetry=telemetry, engine=spy))  # fmt: skip
     try:
         assert stack.post({"messages": HI, "max_tokens": 1}).status_code == 200
-        spy.rendered.clear()
-        many = [{"role": "user", "content": ""}] * 200_000  # 6.6 MB; no characters to count
-        error = _error(stack.post({"messages": many, "max_tokens": 1}, timeout=120), 400)
-        assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
-        assert "200000 messages" in error["message"]
-        assert spy.rendered == []  # refused by the count, not by a render
+        for count in (5_000, 200_000):  # 200,000: 6.6 MB, no characters to count (the probe's 254,000)
+            spy.rendered.clear()
+            many = [{"role": "user", "content": ""}] * count
+            error = _error(stack.post({"messages": many, "max_tokens": 1}, timeout=120), 400)
+            assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+            assert f"{count} messages" in error["message"]
+            assert spy.rendered == []  # refused by the count, not by a render
         # A request within the context still renders and is served: the count is a lower bound.
         fits = [{"role": "user" if i % 2 == 0 else "assistant", "content": "ok"} for i in range(101)]
         assert stack.post({"messages": fits, "max_tokens": 1}).status_code == 200

@@ -15,9 +15,9 @@ connection for as long as they liked); a slow one gets 408 and is closed. Past `
 `reserved_connections` more are let in for /health and /metrics only (a probe or scraper still gets
 an answer when clients hold every ordinary slot); past both, 503 at once.
 
-`DrainingServer`: on SIGTERM (and SIGHUP) the listening socket stays open while requests in flight finish (up
-to the shutdown grace) and every new request gets 503 JSON with Retry-After, instead of a refused
-connection; then uvicorn's own shutdown closes it.
+`DrainingServer`: on SIGTERM (and SIGHUP) the listening socket stays open while requests in flight
+finish (up to the shutdown grace) and every new request gets 503 JSON with Retry-After, instead of a
+refused connection; then uvicorn's own shutdown closes it.
 """
 
 from __future__ import annotations

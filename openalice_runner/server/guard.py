@@ -68,6 +68,8 @@ class RouteNames:
         if isinstance(path, str):
             attributes["url.path"] = self(path)
         return attributes
+
+
 # HTTP methods as metric labels; h11 takes any token as a method, so others are "other" too.
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
