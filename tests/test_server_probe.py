@@ -421,3 +421,15 @@ def test_the_message_count_bound_never_exceeds_the_rendered_prompt():
         request = ChatRequest.model_validate({"messages": messages})
         least = sum(overhead[m.role] for m in request.messages)
         assert least <= len(engine.render_chat(request.message_dicts()))
+
+
+def test_serve_takes_the_trace_file_cap_and_refuses_a_tiny_one():
+    from openalice_runner.cli import build_parser
+    from openalice_runner.cli.serve import _check_limits
+    from openalice_runner.tracing.jsonl import DEFAULT_MAX_BYTES
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).trace_file_max_bytes == DEFAULT_MAX_BYTES
+    assert _check_limits(parser.parse_args(["serve", "--trace-file-max-bytes", "100"])) == (
+        "--trace-file-max-bytes must be at least 4096"
+    )
