@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 MAX_ENTRY_BYTES = 256 * 1024
+MAX_MODEL_CHARS = 256  # an entry's `model`: a name longer than this was never a model's (types.MAX_MODEL_NAME)
 _WHAT = "prompt log"
 
 
@@ -54,8 +55,8 @@ class PromptLog:
         tools = request.tool_dicts()
         if tools:
             line["tools"] = tools
-        if request.model:
-            line["model"] = request.model
+        if request.model:  # bounded by the request's schema; cut here too, whoever built the request
+            line["model"] = request.model[:MAX_MODEL_CHARS]
         data = _capped(line, self.max_entry_bytes)
         with self._lock:
             if self._full:

@@ -289,6 +289,7 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+MAX_MODEL_NAME = 256  # characters of a request's `model`
 CONVERSATION_HEADER = "x-openalice-conversation-id"  # the loop's conversation id, from client to upstream
 
 
@@ -298,7 +299,9 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens
 class ChatRequest(SamplingSettings):
     """A chat completion request, OpenAI's body field for field (unsupported fields refused)."""
 
-    model: str | None = None
+    # Bounded: the name reaches labels, spans, logs and tables keyed by it (a 7 MB name made every
+    # /metrics scrape 535 MB). Real ids are far shorter (an HF repo id is at most 96 + 1 + 96).
+    model: str | None = Field(default=None, max_length=MAX_MODEL_NAME)
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None

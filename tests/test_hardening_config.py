@@ -111,13 +111,13 @@ async def test_providers_watcher_parses_off_the_loop_and_recovers_after_a_bomb(t
     write(path, PROVIDERS)
     runner = Runner.from_config(str(path), policy=False, engine=tiny_engine(), telemetry=False)
     parsed_on: list[threading.Thread] = []
-    real = provider_config.load_routing_file
+    real = provider_config.load_routing_text  # the watcher reads the file once, then parses its text
 
-    def recording(p):
+    def recording(*args, **kwargs):
         parsed_on.append(threading.current_thread())
-        return real(p)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(provider_config, "load_routing_file", recording)
+    monkeypatch.setattr(provider_config, "load_routing_text", recording)
     watcher = RoutingWatcher(runner, path, interval_s=0.05)
     task = asyncio.create_task(watcher.run())
     try:

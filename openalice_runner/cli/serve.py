@@ -34,6 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--trace-file", metavar="F", help="write spans as JSON lines to F (see `trace report`)")
     p.add_argument(
+        "--trace-file-max-bytes", type=int, default=128 * 1024 * 1024, metavar="N",
+        help="past N bytes the trace file moves to F.1 (one kept, owner-only) and a new one starts (128 MiB)",
+    )  # fmt: skip
+    p.add_argument(
         "--trace-exporter",
         choices=("none", "console", "file", "otlp"),
         help="span exporter (default: OTEL_TRACES_EXPORTER, else file with --trace-file, else none; otlp reads "
@@ -137,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     reader = InMemoryMetricReader()  # /metrics renders the GenAI histograms from it
     try:
         providers = configure_telemetry(
-            exporter, args.trace_file, metric_readers=[reader], metrics_exporter=metrics_exporter
+            exporter, args.trace_file, metric_readers=[reader], metrics_exporter=metrics_exporter,
+            trace_file_max_bytes=args.trace_file_max_bytes,
         )
     except PrivateFileError as exc:  # a trace file that is a symlink or someone else's
         print(f"error: {exc}", file=sys.stderr)
@@ -234,6 +239,7 @@ def _exit_without_teardown() -> None:
 # Each server flag's bound, checked in this order: (is out of bound, the message saying the bound).
 _LIMITS: tuple[tuple[Callable[[argparse.Namespace], bool], str], ...] = (
     (lambda a: a.max_body_bytes < 1024, "--max-body-bytes must be at least 1024"),
+    (lambda a: a.trace_file_max_bytes < 4096, "--trace-file-max-bytes must be at least 4096"),
     (lambda a: a.max_in_flight is not None and a.max_in_flight < 1, "--max-in-flight must be at least 1"),
     (lambda a: a.max_queue is not None and a.max_queue < 0, "--max-queue must be at least 0"),
     (lambda a: not 0 < a.request_timeout <= 86_400, "--request-timeout must be between 0 and 86400 seconds"),

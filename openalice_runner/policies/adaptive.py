@@ -32,6 +32,9 @@ from openalice_runner.policies.speedup import best_gamma
 from openalice_runner.speculation import SpeculationOutcome
 
 AlphaKey = tuple[str, str, str | None]  # (turn_type, method, provider)
+# Turn types are the client's (a header): the α estimates and probe counters keep at most this many
+# keys, the least recently observed going first (a flood of made-up turn types cannot grow them).
+MAX_KEYS = 1024
 CostKey = tuple[str, str | None]  # (method, provider)
 
 
@@ -144,7 +147,7 @@ class AdaptiveGamma:
         with self._lock:
             if alpha is not None:
                 key = (turn_type, method, provider)
-                self._alpha = {**self._alpha, key: _ema(self._alpha.get(key), alpha, w)}
+                self._alpha = _bounded_put(self._alpha, key, _ema(self._alpha.get(key), alpha, w))
             if cost is not None:
                 ckey = (method, provider)
                 self._cost = {**self._cost, ckey: _ema(self._cost.get(ckey), cost, w)}
@@ -187,6 +190,10 @@ class AdaptiveGamma:
         key = (turn_type, method, provider)
         counter = self._off_counters.get(key)
         if counter is None:
+            if len(self._off_counters) >= MAX_KEYS:  # turn types are clients': the oldest key goes
+                with self._lock:
+                    for old in list(self._off_counters)[: len(self._off_counters) - MAX_KEYS + 1]:
+                        self._off_counters.pop(old, None)
             counter = self._off_counters.setdefault(key, itertools.count(1))  # setdefault: atomic
         if next(counter) % self.settings.probe_every == 0:
             return Choice(lo, alpha, cost, best_gamma(alpha, cost, lo, lo)[1], measured, probe=True)
@@ -216,6 +223,16 @@ class AdaptiveGamma:
             "alpha": {"/".join(str(p) for p in k): vars(v) for k, v in self._alpha.items()},
             "draft_cost": {"/".join(str(p) for p in k): vars(v) for k, v in self._cost.items()},
         }
+
+
+def _bounded_put(table: dict[AlphaKey, Estimate], key: AlphaKey, value: Estimate) -> dict[AlphaKey, Estimate]:
+    """A copy of `table` with `key` set last; past MAX_KEYS the keys least recently observed go."""
+    out = dict(table)
+    out.pop(key, None)
+    out[key] = value
+    while len(out) > MAX_KEYS:
+        del out[next(iter(out))]
+    return out
 
 
 def _ema(old: Estimate | None, x: float, w: float) -> Estimate:

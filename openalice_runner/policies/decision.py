@@ -14,6 +14,7 @@ from typing import Any
 
 from openalice_runner.policies.adaptive import AdaptiveGamma
 from openalice_runner.policies.batch_table import batch_segments
+from openalice_runner.policies.bounded import BoundedCache
 from openalice_runner.policies.schema import DecisionSpec, Policy
 from openalice_runner.speculation import GammaTable, SpecMethod, SpeculationPlan
 
@@ -87,7 +88,7 @@ def _compile_one(spec: DecisionSpec, name: str, where: str, version: str, match:
 class CompiledPolicy:
     """A validated policy in decision-ready form. Immutable; swapped whole on reload."""
 
-    __slots__ = ("policy", "version", "rules", "default", "_pieces", "_tables")
+    __slots__ = ("policy", "version", "rules", "default", "_pieces", "_tables", "_named")
 
     def __init__(self, policy: Policy, version: str):
         self.policy = policy
@@ -97,11 +98,18 @@ class CompiledPolicy:
             for i, r in enumerate(policy.rules)
         )
         self.default = _compile_one(policy.default, "default", "no rule matched, default", version, None)
+        # The turn types, providers and models some rule names: any other name matches exactly as
+        # None does, so the caches below key it as None (a client's made-up names share one entry).
+        self._named = tuple(
+            frozenset().union(*(getattr(r, field) or () for r in self.rules))
+            for field in ("turn_types", "providers", "models")
+        )
         # (turn type, provider, model) -> batch pieces and their first matching rule; the policy is
-        # immutable, so a racing duplicate write stores the same value
-        self._pieces: dict[tuple, list[tuple[int, CompiledRule]]] = {}
-        # tables as last built, with the estimates they were built from (auto pieces read them)
-        self._tables: dict[tuple, tuple[AdaptiveGamma, int, GammaTable | None]] = {}
+        # immutable, so a racing duplicate write stores the same value. Bounded: the names are clients'.
+        self._pieces: BoundedCache[list[tuple[int, CompiledRule]]] = BoundedCache()
+        # tables as last built, with the estimates they were built from (auto pieces read them); keyed
+        # by the turn type as sent, whose α estimates the auto pieces read
+        self._tables: BoundedCache[tuple[AdaptiveGamma, int, GammaTable | None]] = BoundedCache()
 
     def match(self, ctx: RequestContext) -> CompiledRule:
         turn, batch, provider, model = ctx.turn_type, ctx.batch_size, ctx.provider, ctx.model
@@ -155,7 +163,9 @@ class CompiledPolicy:
     def pieces(self, ctx: RequestContext) -> list[tuple[int, CompiledRule]]:
         """The batch axis cut where the rules matching `ctx` (batch size aside) change, each
         piece with its first matching rule."""
-        key = (ctx.turn_type, ctx.provider, ctx.model)
+        turns, providers, models = self._named
+        t, p, m = ctx.turn_type, ctx.provider, ctx.model
+        key = (t if t in turns else None, p if p in providers else None, m if m in models else None)
         found = self._pieces.get(key)
         if found is None:
             turn, provider, model = key
@@ -166,7 +176,8 @@ class CompiledPolicy:
                 and (r.providers is None or provider in r.providers)
                 and (r.models is None or model in r.models)
             ]
-            found = self._pieces[key] = [(lo, rules[0]) for lo, rules in batch_segments(entries)]
+            found = [(lo, rules[0]) for lo, rules in batch_segments(entries)]
+            self._pieces.put(key, found)
         return found
 
     def gamma_table(
@@ -176,7 +187,8 @@ class CompiledPolicy:
         `gamma` throughout.
         Pieces ruled by another method (or by `off`) draft nothing; an auto rule's γ is what the
         estimates say now (no probe); the decided piece keeps the decision's own γ."""
-        key = (ctx.turn_type, ctx.provider, ctx.model, decided.name, gamma)
+        model = ctx.model if ctx.model in self._named[2] else None  # pieces key it so too
+        key = (ctx.turn_type, ctx.provider, model, decided.name, gamma)
         cached = self._tables.get(key)
         if cached is not None and cached[0] is adaptive and cached[1] == adaptive.version:
             return cached[2]
@@ -194,5 +206,5 @@ class CompiledPolicy:
             if not rows or rows[-1][1] != g:
                 rows.append((lo, g))
         table = None if len(rows) == 1 and rows[0][1] == gamma else GammaTable(tuple(rows))
-        self._tables[key] = (adaptive, version, table)
+        self._tables.put(key, (adaptive, version, table))
         return table

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from openalice_runner.config_files.errors import Problem
+from openalice_runner.config_files.reading import read_operator_file
 from openalice_runner.config_files.yaml_nodes import Located, Path, load_located
 from openalice_runner.policies.analysis import analyse_rules
 from openalice_runner.policies.checks import check_policy
@@ -37,11 +38,9 @@ def content_version(data: bytes) -> str:
 def load_policy_file(path: str | FsPath) -> LoadedPolicy:
     path = FsPath(path)
     try:
-        data = path.read_bytes()
+        data = read_operator_file(path)  # a regular file within the loader's limit (config_files/reading.py)
     except OSError as exc:
-        raise PolicyError(
-            [Problem(str(path), 1, 1, f"cannot read policy file: {exc.strerror or exc}")]
-        ) from None
+        raise PolicyError([Problem(str(path), 1, 1, f"cannot read policy file: {exc}")]) from None
     return load_policy_bytes(data, str(path))
 
 

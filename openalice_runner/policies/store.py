@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import cast
 
 from openalice_runner.config_files.errors import Problem
-from openalice_runner.config_files.yaml_nodes import LIMITS
+from openalice_runner.config_files.reading import read_operator_file
 from openalice_runner.policies.adaptive import AdaptiveGamma
 from openalice_runner.policies.decision import CompiledPolicy, RequestContext
 from openalice_runner.policies.errors import PolicyError
@@ -178,13 +178,10 @@ def _stat(path: Path) -> tuple[int, int] | None:
 
 
 def _read(path: Path) -> tuple[bytes, tuple[int, int] | None]:
-    limit = LIMITS.max_bytes
+    """The file's bytes and stamp; non-blocking, a regular file, at most the loader's limit
+    (config_files/reading.py: a FIFO or a device swapped in must not stall or flood the watcher)."""
     try:
         stat = _stat(path)
-        if stat is not None and stat[1] > limit:  # not read at all: the loader would refuse it anyway
-            raise PolicyError([Problem(str(path), 1, 1, f"file is {stat[1]} bytes; the limit is {limit}")])
-        return path.read_bytes(), stat
+        return read_operator_file(path), stat
     except OSError as exc:
-        raise PolicyError(
-            [Problem(str(path), 1, 1, f"cannot read policy file: {exc.strerror or exc}")]
-        ) from None
+        raise PolicyError([Problem(str(path), 1, 1, f"cannot read policy file: {exc}")]) from None

@@ -31,6 +31,7 @@ from typing import Annotated
 from pydantic import Field, ValidationError, model_validator
 
 from openalice_runner.config_files import ConfigError, Located, Problem, StrictModel, load_located
+from openalice_runner.config_files.reading import read_operator_file
 from openalice_runner.providers.embedded.local_config import LocalConfig
 from openalice_runner.providers.hosted import HostedConfig
 from openalice_runner.providers.pools.sglang import SGLangConfig
@@ -136,9 +137,11 @@ class _AtPath(ValueError):
 def load_routing_file(path: str | Path) -> RoutingConfig:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = read_operator_file(path).decode("utf-8")  # a regular file within the loader's limit
     except OSError as exc:
-        raise RoutingConfigError([Problem(str(path), 1, 1, f"cannot read: {exc.strerror or exc}")]) from None
+        raise RoutingConfigError([Problem(str(path), 1, 1, f"cannot read: {exc}")]) from None
+    except UnicodeDecodeError as exc:
+        raise RoutingConfigError([Problem(str(path), 1, 1, f"not UTF-8 text ({exc.reason} at byte {exc.start})")]) from None
     return load_routing_text(text, str(path))
 
 

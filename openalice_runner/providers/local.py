@@ -59,7 +59,7 @@ class LocalProvider(Provider):
         self._histories = ConversationHistories()  # conversation id -> its last call's token ids
         # the context is None while the engine is not loaded (nothing to check against yet)
         self._bounds = ContextBounds(name, lambda: getattr(self._engine, "context_length", None),
-                                     lambda: self.engine.tokenizer)
+                                     lambda: self.engine.tokenizer, lambda: self.engine)
         self._runs = _EngineRuns(self, self._histories, self._bounds)
         self._calls = _EngineCalls(self, self._runs)
         self.warm_up_s: float | None = None  # how long the start-up's warm-up call took (None: not run)

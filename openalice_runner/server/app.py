@@ -18,7 +18,7 @@ from openalice_runner.server.chat import ChatCompletions
 from openalice_runner.server.chat_schema import CHAT_BODY_DOC, with_chat_schemas
 from openalice_runner.server.connections import Drain
 from openalice_runner.server.errors import install_error_handlers
-from openalice_runner.server.guard import PUBLIC_PATHS, GuardMiddleware
+from openalice_runner.server.guard import PUBLIC_PATHS, GuardMiddleware, RouteNames
 from openalice_runner.server.lifespan import ServingLifespan
 from openalice_runner.server.metrics import ServerMetrics
 from openalice_runner.server.read_only import ReadOnlyEndpoints
@@ -28,6 +28,7 @@ from openalice_runner.server.settings import ServerSettings
 from openalice_runner.server.turn_types import ConfiguredTurnTypes
 from openalice_runner.server.turns import TurnTracker
 from openalice_runner.tracing.labels import LabelBounds
+from openalice_runner.tracing.redacting import RedactingTracerProvider
 from openalice_runner.tracing.telemetry import RunnerTelemetry
 
 __all__ = ["ServerSettings", "create_app"]
@@ -70,6 +71,7 @@ def create_app(
         routing_watch=watch,
         on_shutdown=on_shutdown,
     )
+    routes = RouteNames()  # request paths as bounded names: labels, the access log, the server span
     app = FastAPI(
         title="openalice-runner",
         version=_version(),
@@ -77,7 +79,8 @@ def create_app(
         # FastAPI's built-in OpenTelemetry: keep its HTTP SERVER span per request (it continues a
         # traceparent); drop its per-dependency spans (noise) and its exception logs (we log ourselves).
         telemetry={
-            "tracer_provider": tracer_provider,
+            # its span's url.path and url.query as the client sent them could carry a key: redacted
+            "tracer_provider": RedactingTracerProvider(tracer_provider, routes.redact_span),
             "meter_provider": meter_provider,
             "operation_spans": False,
             "logs": False,
@@ -95,6 +98,7 @@ def create_app(
         max_body_bytes=settings.max_body_bytes,
         metrics=metrics,
         public_paths=PUBLIC_PATHS | {"/metrics"} if settings.metrics_public else PUBLIC_PATHS,
+        routes=routes,
     )
     chat = ChatCompletions(runner, settings=settings, tracker=tracker, metrics=metrics, bounds=bounds)
     app.post("/v1/chat/completions", openapi_extra=CHAT_BODY_DOC)(chat.chat_completions)
@@ -103,6 +107,7 @@ def create_app(
     )
     read_only.add_to(app)
     with_chat_schemas(app)
+    routes.learn(app.routes)
     return app
 
 

@@ -15,20 +15,26 @@ connection for as long as they liked); a slow one gets 408 and is closed. Past `
 `reserved_connections` more are let in for /health and /metrics only (a probe or scraper still gets
 an answer when clients hold every ordinary slot); past both, 503 at once.
 
-`DrainingServer`: on SIGTERM the listening socket stays open while requests in flight finish (up
-to the shutdown grace) and every new request gets 503 JSON with Retry-After, instead of a refused
-connection; then uvicorn's own shutdown closes it.
+`DrainingServer`: on SIGTERM (and SIGHUP) the listening socket stays open while requests in flight
+finish (up to the shutdown grace) and every new request gets 503 JSON with Retry-After, instead of a
+refused connection; then uvicorn's own shutdown closes it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
+import threading
+from collections.abc import Generator
 from typing import Any
 
 import structlog
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from openalice_runner.server.streaming import ABORT_KEY
 
 log = structlog.get_logger("openalice_runner.server")
 
@@ -122,6 +128,9 @@ class GuardedH11Protocol(H11Protocol):
         if self._body_timer is not None:
             self._body_bytes += len(data)
         super().data_received(data)
+        cycle = self.cycle
+        if cycle is not None and ABORT_KEY not in cycle.scope:  # a new request: how to cut its connection
+            cycle.scope[ABORT_KEY] = self.transport.abort
         if self._head_timer is not None and self.cycle is not self._waiting_after:
             self._disarm_head_timer()  # a new request's head is in: its route runs now
         cycle = self.cycle
@@ -235,7 +244,30 @@ class Drain:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, draining first on shutdown: the socket stays open and new requests get
-    503 + Retry-After while those in flight finish, up to the graceful-shutdown timeout."""
+    503 + Retry-After while those in flight finish, up to the graceful-shutdown timeout.
+
+    SIGHUP (the terminal or session going away, or a supervisor's "reload") drains as SIGTERM does;
+    left to its default it killed the process at once: streams cut without an error event, queued
+    requests unanswered, spans not written. It is not re-raised after the drain (uvicorn re-raises
+    the signals it handled), so the process goes on to flush and exit 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        hangup = getattr(signal, "SIGHUP", None)
+        if hangup is None or threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
+                yield
+            return
+        previous = signal.signal(hangup, self._hang_up)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(hangup, previous)
+
+    def _hang_up(self, sig: int, frame: Any) -> None:
+        log.info("SIGHUP: shutting down as on SIGTERM")
+        self.should_exit = True
 
     async def shutdown(self, sockets: Any = None) -> None:
         drain = getattr(getattr(self.config.app, "state", None), "drain", None)

@@ -30,6 +30,46 @@ KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/models", "/v1/policy", "/
 
 
 _MODEL_ROUTE = "/v1/models/{id}"
+
+
+class RouteNames:
+    """A request path as a bounded name (metric label, access log, span attribute): a static route's
+    path as is, a templated one's template, anything else "other". Never the raw path: a client
+    chooses it (`/v1/models/KEY`), and labels and traces keep what they are given. `learn` adds the
+    app's routes once they are all registered, so routes added by other modules are named too."""
+
+    def __init__(self) -> None:
+        self.static: set[str] = set(KNOWN_ROUTES)
+        self.prefixes: list[tuple[str, str]] = [("/v1/models/", _MODEL_ROUTE)]
+
+    def learn(self, routes: Any) -> None:
+        for route in routes:
+            path = getattr(route, "path", None)
+            if not isinstance(path, str):
+                continue
+            if "{" not in path:
+                self.static.add(path)
+            elif not any(path.startswith(prefix) for prefix, _ in self.prefixes):
+                self.prefixes.append((path.split("{", 1)[0], path.split(":", 1)[0].rstrip("}") + "}"))
+
+    def __call__(self, path: str) -> str:
+        if path in self.static:
+            return path
+        for prefix, template in self.prefixes:
+            if path.startswith(prefix) and len(path) > len(prefix):
+                return template
+        return "other"
+
+    def redact_span(self, attributes: dict[str, Any]) -> dict[str, Any]:
+        """Server span attributes without what a client could have put a secret in: the query string
+        goes, the path becomes its route's name."""
+        attributes.pop("url.query", None)
+        path = attributes.get("url.path")
+        if isinstance(path, str):
+            attributes["url.path"] = self(path)
+        return attributes
+
+
 # HTTP methods as metric labels; h11 takes any token as a method, so others are "other" too.
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
@@ -53,8 +93,10 @@ class GuardMiddleware:
         metrics: ServerMetrics,
         public_paths: frozenset[str] = PUBLIC_PATHS,
         drain: Any = None,
+        routes: RouteNames | None = None,
     ) -> None:
         self.app = app
+        self.routes = routes or RouteNames()
         self.drain = drain  # server/connections.py Drain: after SIGTERM, new requests get 503
         self.public_paths = public_paths
         self.api_key = api_key.encode() if api_key else None
@@ -66,7 +108,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        route = path if path in KNOWN_ROUTES else _MODEL_ROUTE if path.startswith("/v1/models/") else "other"
+        route = self.routes(path)
         t0 = time.perf_counter()
         status_holder = {"status": 500}
         response = _ResponseState()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from openalice_runner.config_files.reading import read_operator_file
 from openalice_runner.server.runner_protocol import policy_store
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class RoutingWatcher:
 
     def _hash(self) -> str | None:
         try:
-            return hashlib.sha256(self.path.read_bytes()).hexdigest()
+            return hashlib.sha256(read_operator_file(self.path)).hexdigest()
         except OSError:
             return None
 
@@ -62,28 +63,33 @@ class RoutingWatcher:
         if stamp == self._stamp:
             return self._UNCHANGED
         self._stamp = stamp
-        from openalice_runner.config_files.yaml_nodes import LIMITS
-
-        if stamp is not None and stamp[1] > LIMITS.max_bytes:  # not even read
-            self._digest = None
-            self.last_error = f"{self.path}:1:1: file is {stamp[1]} bytes; the limit is {LIMITS.max_bytes}"
-            log.error("providers file rejected; the last good one stays in force", problems=self.last_error)
-            return None
-        digest = self._hash()
+        try:
+            # Non-blocking, a regular file on the open descriptor, at most the loader's limit: a FIFO,
+            # a device or a huge file swapped in is a problem here, never a stuck or endless read.
+            data = read_operator_file(self.path)
+        except OSError as exc:
+            self._digest = None  # the last good file put back is applied again (and clears the error)
+            return self._reject(f"{self.path}:1:1: cannot read: {exc}")
+        digest = hashlib.sha256(data).hexdigest()
         if digest == self._digest:
             return self._UNCHANGED
         self._digest = digest
-        from openalice_runner.providers.config import load_routing_file
+        from openalice_runner.providers.config import load_routing_text
 
         try:
-            routing = load_routing_file(self.path)
+            routing = load_routing_text(data.decode("utf-8"), str(self.path))
             self._check_pools()
+        except UnicodeDecodeError as exc:
+            return self._reject(f"{self.path}:1:1: not UTF-8 text ({exc.reason} at byte {exc.start})")
         except Exception as exc:  # RoutingConfigError names each problem; anything else is as bad
-            self.last_error = str(exc)
-            log.error("providers file rejected; the last good one stays in force", source=str(self.path),
-                      problems=self.last_error)  # fmt: skip
-            return None
+            return self._reject(str(exc))
         return routing
+
+    def _reject(self, problems: str) -> None:
+        self.last_error = problems
+        log.error("providers file rejected; the last good one stays in force", source=str(self.path),
+                  problems=problems)  # fmt: skip
+        return None
 
     def _apply(self, routing: Any) -> bool:
         if routing is None or routing is self._UNCHANGED:

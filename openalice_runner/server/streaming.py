@@ -177,15 +177,58 @@ class _ClientGone(asyncio.CancelledError):
     """The response ended before its body started: the client left."""
 
 
+# A send that starts once the deadline has passed (the error event that says so, the stream's end)
+# gets this long; a send that blocks past the deadline (a client that stopped reading) is cut.
+SEND_GRACE_S = 5.0
+# Set by the server's HTTP protocol (server/connections.py): closes the connection at once, dropping
+# what is buffered for it. Elsewhere a cut stream just ends, and the server closes the connection.
+ABORT_KEY = "openalice.abort_connection"
+
+
+class _SendStalled(Exception):
+    """A send was still blocked (the client does not read) when the request's deadline passed."""
+
+
 class GuardedStreamingResponse(StreamingResponse):
-    """StreamingResponse that runs `on_close` if the body generator never got to run its own cleanup."""
+    """StreamingResponse that runs `on_close` if the body generator never got to run its own cleanup,
+    and holds the request's deadline while a send blocks: between chunks the stream checks it itself
+    (SSEStream._next), but a client that stops reading leaves a send waiting for the socket to drain,
+    for good, holding the provider's stream (and its slot) open."""
 
     def __init__(self, stream: SSEStream, **kwargs: Any) -> None:
         super().__init__(stream.events(), media_type="text/event-stream", **kwargs)
         self._on_close: Callable[[BaseException | None], Awaitable[None]] = stream.close
+        self._deadline = stream.deadline
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        error: BaseException = _ClientGone()
+        deadline = self._deadline
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if deadline is None else _bounded(send, deadline))
+        except _SendStalled:
+            assert deadline is not None
+            error = DeadlineExceeded(deadline)
+            log.info("stream cut: the client stopped reading and the request's deadline passed",
+                     timeout_s=deadline.seconds)  # fmt: skip
+            abort = scope.get(ABORT_KEY)
+            if abort is not None:
+                abort()
         finally:
-            await self._on_close(_ClientGone())  # a no-op when the stream closed itself
+            await self._on_close(error)  # a no-op when the stream closed itself
+
+
+def _bounded(send: Callable[[Any], Awaitable[None]], deadline: Deadline) -> Callable[[Any], Awaitable[None]]:
+    async def send_by_deadline(message: Any) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        at = deadline.at if now < deadline.at else now + SEND_GRACE_S
+        timeout = asyncio.timeout_at(at)
+        try:
+            async with timeout:
+                await send(message)
+        except TimeoutError:
+            if timeout.expired():
+                raise _SendStalled() from None
+            raise
+
+    return send_by_deadline

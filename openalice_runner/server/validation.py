@@ -8,6 +8,7 @@ no tokenizer takes), max_tokens is not absurd. The body field `timeout` is the s
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import Field
@@ -25,6 +26,7 @@ class ServerChatRequest(ChatRequest):
 def check_request(body: ChatRequest, *, max_tokens_limit: int) -> None:
     _check_max_tokens(body, max_tokens_limit)
     _check_tool_messages(body)
+    _check_history_arguments(body)
     _check_unicode(body)
 
 
@@ -53,6 +55,41 @@ def _check_tool_messages(body: ChatRequest) -> None:
             open_calls.discard(message.tool_call_id)
         else:
             open_calls = set()
+
+
+# Nesting a history call's arguments may have: far above any real call (a tool schema may nest 64
+# levels: schema_limits), far below what a recursive JSON parser survives. "[" x 5,000 crashed the
+# prompt's rendering (RecursionError: a 500 and a traceback per request).
+MAX_ARGUMENT_DEPTH = 128
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _check_history_arguments(body: ChatRequest) -> None:
+    """The arguments of the calls in the history are JSON nested at most MAX_ARGUMENT_DEPTH deep."""
+    for i, message in enumerate(body.messages):
+        for j, call in enumerate(message.tool_calls or ()):
+            if nested_too_deep(call.function.arguments):
+                raise _invalid(
+                    f"messages[{i}].tool_calls[{j}].function.arguments",
+                    f"nested more than {MAX_ARGUMENT_DEPTH} levels deep",
+                )
+
+
+def nested_too_deep(text: str, limit: int = MAX_ARGUMENT_DEPTH) -> bool:
+    """Whether `text`'s brackets (outside JSON strings) nest more than `limit` deep, counted without
+    recursion. Cheap where it matters: most arguments hold fewer brackets than the limit."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    depth = 0
+    for match in _JSON_TOKEN.finditer(text):
+        token = match.group()
+        if token in ("[", "{"):
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in ("]", "}"):
+            depth -= 1
+    return False
 
 
 def _check_unicode(body: ChatRequest) -> None:

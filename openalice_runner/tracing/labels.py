@@ -4,7 +4,7 @@ Every distinct label value is a time series held in memory for the life of the p
 rendered on every scrape, so a value a client picks (a turn type header, a model name, a tool
 name) must not become a label as is: 1,500 requests with made-up turn types once grew /metrics
 from 52 KB to 21.5 MB. Turn types outside the known set are recorded as `other`; so are model and
-tool names past the first MAX_DISTINCT seen. Spans keep the values as sent (they are not held).
+tool names past the first MAX_DISTINCT seen, and any value longer than MAX_VALUE_CHARS. Spans keep the values as sent (they are not held).
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ OTHER = "other"
 # The turn types the project names (policies/default.yaml, the README); a policy or a route adds its own.
 STANDARD_TURN_TYPES = frozenset({"chat", "tool_call", "code_edit", "summarize", "rag", "reasoning", OTHER})
 MAX_DISTINCT = 64  # per label key, for names with no configured set (models, tools)
+# A value longer than this is "other" too: the cap above counts names, not their size, and a label
+# value is rendered on every line of its series at every scrape (a 7 MB model name: 535 MB a scrape).
+MAX_VALUE_CHARS = 128
 
 # Label keys a client's request decides, besides the turn type.
 _CAPPED_KEYS = frozenset({A.GEN_AI_REQUEST_MODEL, A.GEN_AI_TOOL_NAME})
@@ -41,6 +44,8 @@ class LabelBounds:
         value = str(value)
         if value in STANDARD_TURN_TYPES:
             return value
+        if len(value) > MAX_VALUE_CHARS:
+            return OTHER
         if self.turn_types is None:
             return self._capped(A.TURN_TYPE, value)
         return value if value in self.turn_types() else OTHER
@@ -61,6 +66,8 @@ class LabelBounds:
         return out
 
     def _capped(self, key: str, value: str) -> str:
+        if len(value) > MAX_VALUE_CHARS:
+            return OTHER
         with self._lock:
             seen = self._seen.setdefault(key, set())
             if value in seen:

@@ -204,7 +204,7 @@ class TelemetryProviders:
         _bounded("shutdown", stop, bound_s)
 
 
-def _span_exporter(exporter: str, trace_file: str | None) -> SpanExporter | None:
+def _span_exporter(exporter: str, trace_file: str | None, trace_file_max_bytes: int | None = None) -> SpanExporter | None:
     if exporter == "none":
         return None
     if exporter == "console":
@@ -214,9 +214,9 @@ def _span_exporter(exporter: str, trace_file: str | None) -> SpanExporter | None
     if exporter == "file":
         if not trace_file:
             raise ValueError("exporter 'file' needs trace_file")
-        from openalice_runner.tracing.jsonl import JsonLinesSpanExporter
+        from openalice_runner.tracing.jsonl import DEFAULT_MAX_BYTES, JsonLinesSpanExporter
 
-        return JsonLinesSpanExporter(trace_file)
+        return JsonLinesSpanExporter(trace_file, trace_file_max_bytes or DEFAULT_MAX_BYTES)
     if exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -234,10 +234,12 @@ def configure_telemetry(
     schedule_delay_millis: float = 500,
     set_global: bool = True,
     metrics_exporter: str | None = None,
+    trace_file_max_bytes: int | None = None,
 ) -> TelemetryProviders:
     """Build tracer and meter providers for an application. `set_global` installs them as the global
     providers (the server and CLI do; tests usually pass False and hand the providers over explicitly).
-    `metrics_exporter`: one of METRIC_EXPORTERS (None: `otlp` where `exporter` is, else `none`)."""
+    `metrics_exporter`: one of METRIC_EXPORTERS (None: `otlp` where `exporter` is, else `none`).
+    `trace_file_max_bytes`: the trace file's cap before it rotates (None: tracing/jsonl.py's default)."""
     if metrics_exporter is None:
         metrics_exporter = "otlp" if exporter == "otlp" else "none"
     if metrics_exporter not in METRIC_EXPORTERS:
@@ -249,7 +251,7 @@ def configure_telemetry(
     # processor joins its worker while it retries a collector); TelemetryProviders.shutdown is bounded.
     tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     drops = DropCounter()
-    span_exporter = _span_exporter(exporter, trace_file)
+    span_exporter = _span_exporter(exporter, trace_file, trace_file_max_bytes)
     if span_exporter is not None:
         tracer_provider.add_span_processor(
             _CountingBatchSpanProcessor(

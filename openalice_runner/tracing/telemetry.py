@@ -527,9 +527,9 @@ def _request_attributes(request: ChatRequest, record_content: bool) -> dict[str,
     ):
         if value is not None:
             out[key] = value
-    if request.stop:
-        out[A.GEN_AI_REQUEST_STOP_SEQUENCES] = tuple(request.stop)
-    if record_content:
+    if record_content:  # stop strings are the caller's text, as the messages are
+        if request.stop:
+            out[A.GEN_AI_REQUEST_STOP_SEQUENCES] = tuple(request.stop)
         out[A.GEN_AI_INPUT_MESSAGES] = json.dumps(_to_jsonable(list(request.messages)), default=str)
     return out
 

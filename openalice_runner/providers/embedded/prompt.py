@@ -75,20 +75,50 @@ def build_prompt(
     return Prompt(ids=list(ids), prefill=prefill, tool_names=names, grammar=grammar)
 
 
+_FRAMED_ROLES = ("system", "user", "assistant")  # the roles message_overhead measures
+
+
+def _measured_overhead(renderer: Callable[[], ChatRenderer]) -> dict[str, int]:
+    try:
+        engine = renderer()
+        base = [{"role": "user", "content": "x"}]
+        alone = len(engine.render_chat(base))
+    except Exception:  # no template at all: count nothing rather than refuse what might fit
+        return {}
+    out = {}
+    for role in _FRAMED_ROLES:
+        try:  # some templates refuse, e.g., a system message after a user's
+            added = len(engine.render_chat([*base, {"role": role, "content": ""}])) - alone
+        except Exception:  # noqa: S112 - a role the template refuses is not counted
+            continue
+        out[role] = max(0, added - 2)
+    return out
+
+
 class ContextBounds:
     """What the model's context refuses: cheap bounds before a request queues (`precheck`), then its
     prompt's length and its budget once the prompt is built. `context_length`: the model's, None
     while the engine is not loaded (nothing to check against); `tokenizer`: the engine's."""
 
-    def __init__(self, provider: str, context_length: Callable[[], int | None], tokenizer: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        provider: str,
+        context_length: Callable[[], int | None],
+        tokenizer: Callable[[], Any],
+        renderer: Callable[[], ChatRenderer] | None = None,
+    ) -> None:
         self.provider = provider
         self._context_length = context_length
         self._tokenizer = tokenizer
+        self._renderer = renderer  # the chat template, for the tokens each message costs (None: not counted)
         self._longest: int | None = None  # the vocabulary's longest token, in characters
+        self._overhead: dict[str, int] | None = None  # role -> tokens the template adds around one, at least
 
     def precheck(self, request: ChatRequest) -> None:
-        """max_tokens against the context, and a prompt whose characters cannot fit in the context
-        even at the longest token the vocabulary has (no tokenizing)."""
+        """max_tokens against the context, and a prompt that cannot fit in the context by a count
+        that renders and tokenizes nothing: its characters at the longest token the vocabulary has,
+        plus the tokens the chat template adds around each message at least. Counting characters
+        alone let 254,000 empty messages (8 MB) through to a 9 s, 900 MB render before the refusal."""
         context = self._context_length()
         if context is None:
             return
@@ -103,6 +133,24 @@ class ContextBounds:
                 f"the messages hold {chars} characters, more than the model's context of {context} "
                 "tokens can take", provider=self.provider, param="messages", code="context_length_exceeded",
             )  # fmt: skip
+        overhead = self.message_overhead()
+        least = sum(overhead.get(m.role, 0) for m in request.messages) + -(-chars // self.longest_token_chars())
+        if least >= context:
+            raise ProviderBadRequest(
+                f"the {len(request.messages)} messages take at least {least} tokens (the chat template's "
+                f"own around each, and their text), and the model's context is {context} tokens",
+                provider=self.provider, param="messages", code="context_length_exceeded",
+            )  # fmt: skip
+
+    def message_overhead(self) -> dict[str, int]:
+        """Tokens the chat template adds around one message of each role, at least: what one more
+        empty message of the role adds to a rendered conversation, less two (the template's text on
+        either side of a message's content may merge with it into fewer tokens). Measured on first
+        use, for system, user and assistant (tool messages may be folded into others: not counted);
+        none without a renderer, or for a role the template refuses in the probe."""
+        if self._overhead is None:
+            self._overhead = _measured_overhead(self._renderer) if self._renderer is not None else {}
+        return self._overhead
 
     def longest_token_chars(self) -> int:
         if self._longest is None:
