@@ -34,6 +34,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from openalice_runner.server.errors import APIError
+from openalice_runner.types import FieldError
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -257,7 +258,7 @@ class _Common(_Model):
     @model_validator(mode="after")
     def _no_mcp(self) -> _Common:
         if self.mcp_servers:
-            raise ValueError("mcp_servers: this server connects to no MCP server; leave it out")
+            raise FieldError("mcp_servers", "this server connects to no MCP server; leave it out")
         return self
 
 
@@ -280,7 +281,7 @@ class MessagesRequest(_Common):
     @model_validator(mode="after")
     def _thinking_budget(self) -> MessagesRequest:
         if isinstance(self.thinking, ThinkingEnabled) and self.thinking.budget_tokens >= self.max_tokens:
-            raise ValueError("max_tokens must be greater than thinking.budget_tokens")
+            raise FieldError("max_tokens", "max_tokens must be greater than thinking.budget_tokens")
         return self
 
 
@@ -302,6 +303,10 @@ def validation_error(exc: ValidationError) -> APIError:
     first = errors[0]
     param = field_path(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value"))
+    field_error = (first.get("ctx") or {}).get("error")
+    if isinstance(field_error, FieldError):  # a check of several fields that knows which is at fault
+        param = ".".join(p for p in (param, field_error.param) if p)
+        msg = str(field_error)
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     if first.get("type") == "union_tag_invalid" or (first.get("type") == "literal_error" and param.endswith("type")):
