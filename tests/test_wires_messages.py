@@ -40,6 +40,7 @@ WEATHER = {
     },
 }
 HI = [{"role": "user", "content": "hi"}]
+GREEDY = {"temperature": 0}  # the SDK 2.x leaves sampling out of create()'s arguments; the API takes it
 
 
 class WireRunner(Runner):
@@ -124,6 +125,20 @@ def test_plain_reply_is_an_anthropic_message(server, client):
     assert [b.type for b in reply.content] == ["text"] and reply.content[0].text
     assert reply.stop_reason == "max_tokens" and reply.stop_sequence is None  # random text runs to the budget
     assert reply.usage.output_tokens == 6 and reply.usage.input_tokens > 0
+
+
+def test_a_stop_string_is_stop_reason_stop_sequence_naming_it(server, client):
+    free = client.messages.create(model=server.model, max_tokens=6, messages=HI, extra_body=GREEDY)
+    text = free.content[0].text
+    stop = text[len(text) // 2]  # a character the reply writes: the same greedy reply stops at it
+    reply = client.messages.create(model=server.model, max_tokens=6, messages=HI, extra_body=GREEDY,
+                                   stop_sequences=["never-written", stop])  # fmt: skip
+    assert reply.stop_reason == "stop_sequence" and reply.stop_sequence == stop, reply
+    assert reply.content[0].text == text[: text.index(stop)] if reply.content else text.index(stop) == 0
+    with client.messages.stream(model=server.model, max_tokens=6, messages=HI, extra_body=GREEDY,
+                                stop_sequences=[stop]) as stream:  # fmt: skip
+        final = stream.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
 
 
 def test_streamed_reply_is_anthropic_events_in_order(server, client):

@@ -77,14 +77,20 @@ def _message_of(error: APIError) -> str:
     return error.message
 
 
-def stop_reason(finish_reason: str | None, tool_used: bool) -> str:
-    """OpenAI's finish reason as Anthropic's stop_reason. A stop string's stop is `end_turn` with no
-    `stop_sequence`: the providers do not say which string matched (docs/agent-runtimes.md)."""
+def stop_reason(
+    finish_reason: str | None, tool_used: bool, stop: str | None, state: MessageState
+) -> tuple[str, str | None]:
+    """OpenAI's finish reason as Anthropic's (stop_reason, stop_sequence). `stop`: the stop string that
+    ended the reply where the provider says which (the embedded engine does; the pools and hosted APIs
+    do not yet, and a stop there is `end_turn`). A string of the provider's own (the engine ends a
+    forced call with one) is no stop sequence of the caller's."""
     if finish_reason == "length":
-        return "max_tokens"
+        return "max_tokens", None
     if finish_reason == "tool_calls" or tool_used:
-        return "tool_use"
-    return "end_turn"
+        return "tool_use", None
+    if stop is not None and stop in state.stop_sequences:
+        return "stop_sequence", stop
+    return "end_turn", None
 
 
 def usage(u: Usage | None) -> dict[str, Any]:
@@ -131,14 +137,15 @@ def message(result: ChatResult, state: MessageState) -> dict[str, Any]:
                 "input": tool_input(call.function.arguments, cut=cut),
             }
         )
+    reason, sequence = stop_reason(result.finish_reason, bool(result.tool_calls), result.stop_sequence, state)
     out: dict[str, Any] = {
         "id": new_message_id(),
         "type": "message",
         "role": "assistant",
         "model": result.model,
         "content": content,
-        "stop_reason": stop_reason(result.finish_reason, bool(result.tool_calls)),
-        "stop_sequence": None,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
         "usage": usage(result.usage),
     }
     for key in ("speculation", "provider", "fallback_from"):  # the runner's extensions, as on Chat

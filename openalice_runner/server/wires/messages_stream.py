@@ -42,9 +42,11 @@ class MessagesStream:
         yield from self._start(last.model if last is not None else self.state.model)
         yield from self._close()
         finish = last.finish_reason if last is not None else None
+        stop = last.stop_sequence if last is not None else None
+        reason, sequence = stop_reason(finish, self.tool_used, stop, self.state)
         data: dict[str, Any] = {
             "type": "message_delta",
-            "delta": {"stop_reason": stop_reason(finish, self.tool_used), "stop_sequence": None},
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
             "usage": anthropic_usage(usage),
         }
         if last is not None and last.speculation is not None:
