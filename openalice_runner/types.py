@@ -127,13 +127,14 @@ def check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     names another); ValueError naming the first problem."""
     import jsonschema
 
-    from openalice_runner.schema_limits import check_schema_limits, known_valid, remember_valid
+    from openalice_runner.schema_limits import check_refs, check_schema_limits, known_valid, remember_valid
 
     check_schema_limits(schema)  # before jsonschema's check, which recurses
     # An agent loop sends the same tools on every call, and the meta-schema check costs ~1 ms a tool.
     digest = known_valid(schema)
     if digest is None:
         return schema
+    check_refs(schema)  # before the grammar compiler, which follows them recursively in native code
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -494,7 +495,8 @@ class ChatResult(_Extended):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[Choice]
-    usage: Usage = Field(default_factory=Usage)
+    # None: unknown (a remote server that sent no usage), never zeros; OpenAI's `usage` is Optional too
+    usage: Usage | None = None
     # What speculation did, typed, for the policy's `observe` and tracing (not part of the JSON).
     _outcome: SpeculationOutcome | None = PrivateAttr(default=None)
 
@@ -518,7 +520,7 @@ class ChatResult(_Extended):
         return cls(
             model=model,
             choices=[Choice(message=message, finish_reason=finish_reason)],
-            usage=usage or Usage(),
+            usage=usage,
             speculation=speculation,
             provider=provider,
             **kwargs,

@@ -152,3 +152,138 @@ async def test_a_call_the_budget_cut_before_its_arguments_began_ends_in_length_p
     assert r.finish_reason == "length" and [(c.id, c.function.name, c.function.arguments) for c in r.tool_calls] == [
         ("call_a", "f", "")]  # fmt: skip
     await p.aclose()
+
+
+# ---- issue 46 finding 4: what OpenAI's contract has no place for is not read as a clean end
+
+
+@pytest.mark.parametrize("raw", ["error", "repetition", "abort", "end_turn", "function_call"])
+async def test_a_finish_reason_outside_openais_set_is_a_bad_response_naming_it(raw):
+    """vLLM 0.32's `error` (a failed request) and `repetition`, an upstream `abort` read outside a
+    pool, a foreign API's `end_turn`, or `function_call` without any call: never a quiet `stop`."""
+    with pytest.raises(ProviderBadResponse, match=f"finish_reason '{raw}'"):
+        wire.finish_reason(raw, saw_tool_calls=False, provider="p")
+    if raw == "abort":
+        return  # the pools answer `abort` as unavailable (test_providers_sglang.py)
+    body = {"choices": [{"message": {"content": "hello"}, "finish_reason": raw}]}
+    p = _sglang(_serving(lambda: httpx.Response(200, json=body)))
+    with pytest.raises(ProviderBadResponse, match=f"finish_reason '{raw}'") as caught:
+        await p.chat(REQ, CallContext())
+    assert caught.value.code == "bad_response" and caught.value.fallback_ok
+    p = _sglang(_serving(_sse([TEXT, _chunk(finish=raw)])))  # the reason comes after a token went out
+    with pytest.raises(StreamBroken, match=f"finish_reason '{raw}'"):
+        await read_all(p.stream(REQ, CallContext()))
+    p = _sglang(_serving(_sse([_chunk(finish=raw)])))  # nothing went out: another provider may serve
+    with pytest.raises(ProviderBadResponse, match=f"finish_reason '{raw}'"):
+        await read_all(p.stream(REQ, CallContext()))
+    await p.aclose()
+
+
+@pytest.mark.parametrize("arguments", ["", "  "])
+async def test_empty_arguments_on_a_finished_call_are_a_bad_response_naming_the_field(arguments):
+    """OpenAI, vLLM 0.32 and SGLang 0.5.23 send "{}" for a function without parameters: "" on a
+    call the budget did not cut means the arguments were lost (a cut call keeps "", above)."""
+    call = {**CALL, "function": {"name": "f", "arguments": arguments}}
+    body = {"choices": [{"message": {"content": None, "tool_calls": [call]}, "finish_reason": "tool_calls"}]}
+    p = _sglang(_serving(lambda: httpx.Response(200, json=body)))
+    with pytest.raises(ProviderBadResponse, match=r"tool_calls\.0\.function\.arguments"):
+        await p.chat(REQ, CallContext())
+    events = [_chunk(_call_piece(id="c", type="function", function={"name": "f", "arguments": arguments})),
+              _chunk(finish="tool_calls")]  # fmt: skip
+    p = _sglang(_serving(_sse(events)))
+    with pytest.raises(StreamBroken, match=r"tool_calls\.0\.function\.arguments empty"):
+        await read_all(p.stream(REQ, CallContext()))
+    await p.aclose()
+
+
+def test_a_no_parameter_call_keeps_its_empty_object():
+    call = {**CALL, "function": {"name": "f", "arguments": "{}"}}
+    reply = wire.read_response({"choices": [{"message": {"tool_calls": [call]}, "finish_reason": "tool_calls"}]}, "p")
+    (got,) = wire.tool_calls_of(reply.choices[0].message, "p", "tool_calls")
+    assert got.function.arguments == "{}"
+
+
+@pytest.mark.parametrize("usage", ["absent", None, {"prompt_tokens": 3}])
+async def test_missing_usage_is_unknown_all_the_way_to_the_reply_and_the_span(usage):
+    """OpenAI's `usage` is Optional (ChatCompletion and chunk alike): absent, null or without its
+    counts it is unknown, None on the reply, the closing chunk, the JSON and the span, never 0."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from openalice_runner.providers.wrappers.instrumented import InstrumentedProvider
+    from openalice_runner.tracing import RunnerTelemetry
+
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    body = {"id": "x", "choices": [{"message": {"content": "hello"}, "finish_reason": "stop"}]}
+    if usage != "absent":
+        body["usage"] = usage
+    p = InstrumentedProvider(_sglang(_serving(lambda: httpx.Response(200, json=body))),
+                             RunnerTelemetry(tracer_provider))  # fmt: skip
+    r = await p.chat(REQ, CallContext())
+    assert r.content == "hello" and r.usage is None and r.to_openai()["usage"] is None
+    events = [TEXT, _chunk(finish="stop")]
+    if usage != "absent":
+        events.append("data: " + json.dumps({"id": "x", "choices": [], "usage": usage}))
+    p = InstrumentedProvider(_sglang(_serving(_sse(events))), RunnerTelemetry(tracer_provider))
+    chunks = await read_all(p.stream(REQ, CallContext()))
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].usage is None
+    finished = spans.get_finished_spans()
+    assert len(finished) == 2
+    for span in finished:
+        assert not any(key.startswith("gen_ai.usage.") for key in span.attributes), dict(span.attributes)
+    await p.aclose()
+
+
+async def test_reported_usage_is_kept_plain_and_streamed():
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    body = {"choices": [{"message": {"content": "hello"}, "finish_reason": "stop"}], "usage": usage}
+    p = _sglang(_serving(lambda: httpx.Response(200, json=body)))
+    r = await p.chat(REQ, CallContext())
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (3, 2, 5)
+    events = [TEXT, _chunk(finish="stop"), "data: " + json.dumps({"id": "x", "choices": [], "usage": usage})]
+    p = _sglang(_serving(_sse(events)))
+    chunks = await read_all(p.stream(REQ, CallContext()))
+    assert chunks[-1].usage.completion_tokens == 2
+    await p.aclose()
+
+
+def test_serve_answers_unknown_usage_as_null_never_zeros(tmp_path):
+    """Through `serve`: an SGLang pool whose server sends no usage; the plain reply says `usage:
+    null`, the stream (include_usage asked) carries no usage figures, and no tokens are counted."""
+    from stand_ins.sglang_server import SGLangStandIn
+
+    from openalice_runner.runner import Runner
+    from openalice_runner.server.app import ServerSettings, create_app
+    from tests.test_server_api import LiveServer
+
+    upstream = SGLangStandIn()
+    upstream.faults.no_usage = True
+    upstream.start()
+    (tmp_path / "providers.yaml").write_text(
+        f"providers:\n  gpu: {{type: sglang, model: stand-in/llama-8b, pools: {{off: {{replicas: ['{upstream.url}'], launch: {{tool_call_parser: qwen25}}}}}}}}\n"
+        "routes:\n  - {name: default, chain: [gpu]}\n")  # fmt: skip
+    (tmp_path / "policy.yaml").write_text("version: 1\ndefault: {method: 'off'}\n")
+    runner = Runner.from_config(providers=str(tmp_path / "providers.yaml"), policy=str(tmp_path / "policy.yaml"),
+                                telemetry=False)  # fmt: skip
+    server = LiveServer(create_app(runner, settings=ServerSettings())).start()
+    try:
+        url = f"{server.url}/v1/chat/completions"
+        r = httpx.post(url, json={"model": "stand-in/llama-8b", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"] is None and r.json()["choices"][0]["message"]["content"]
+        body = {"model": "stand-in/llama-8b", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        with httpx.stream("POST", url, json=body, timeout=30) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert s.status_code == 200 and events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(c.get("usage") is None for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+        counted = [line for line in metrics.splitlines() if line.startswith("openalice_tokens_total{")]
+        assert counted == []  # nothing counted, not zeros counted
+    finally:
+        server.stop()
+        upstream.stop()

@@ -50,7 +50,8 @@ def test_finish_reason_and_retry_after():
     assert wire.finish_reason("length", saw_tool_calls=True) == "length"
     with pytest.raises(ProviderBadResponse, match="finish_reason missing"):
         wire.finish_reason(None, saw_tool_calls=False)  # never read as a stop
-    assert wire.finish_reason("abort", saw_tool_calls=False) == "stop"
+    with pytest.raises(ProviderBadResponse, match="finish_reason 'abort'"):
+        wire.finish_reason("abort", saw_tool_calls=False)  # outside OpenAI's set: never read as a stop (issue 46)
     assert wire.retry_after({"retry-after": "2"}) == 2.0
     assert wire.retry_after({"Retry-After": "soon"}) is None and wire.retry_after(None) is None
 

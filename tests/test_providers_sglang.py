@@ -91,6 +91,15 @@ async def test_load_is_cached_briefly(servers):
     await p.aclose()
 
 
+async def test_a_replica_never_read_is_read_however_long_readings_are_kept(servers):
+    """A reading kept longer than the machine has been up (monotonic time starts near 0 in a fresh
+    container) still does not stand in for one never taken."""
+    s = servers(running=4)
+    p = provider({"off": {"replicas": [s.url]}}, load_cache_s=1e9, load_stale_s=1e9)
+    assert (await p.current_load()).batch_size == 4 and s.load_reads == 1
+    await p.aclose()
+
+
 async def test_a_stale_reading_is_used_at_once_and_read_again_in_the_background(servers):
     """Between load_cache_s and load_stale_s a request does not wait for /metrics: it uses the
     reading it has, and the reading is renewed in the background once the call has ended (not
@@ -410,10 +419,14 @@ async def test_errors_are_typed(servers):
     s.faults.first_token_delay_s = 1.0
     with pytest.raises(ProviderTimeout):
         await p.chat(REQ, CallContext())
+    await p.aclose()  # its one replica is suspect now (test_providers_pool_breaker.py): a fresh provider each
+    fresh = provider({"off": {"replicas": [s.url]}}, first_token_timeout_s=0.3)
     with pytest.raises(ProviderTimeout):
-        _ = await read_all(p.stream(REQ, CallContext()))
+        _ = await read_all(fresh.stream(REQ, CallContext()))
+    await fresh.aclose()
     s.faults.first_token_delay_s = 0
     s.faults.abort = True
+    p = provider({"off": {"replicas": [s.url]}}, first_token_timeout_s=0.3)
     with pytest.raises(ProviderUnavailable, match="aborted"):
         await p.chat(REQ, CallContext())
     await p.aclose()

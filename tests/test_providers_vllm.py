@@ -191,6 +191,35 @@ async def test_a_gateway_fronted_pool_reads_its_workers_load_and_sends_to_the_ga
     await p.aclose()
 
 
+async def test_a_gateway_pool_counts_the_runners_own_calls_on_top_of_its_workers_load():
+    """Issue 46, finding 5: the workers' readings are the pool's load, so the runner's own calls in
+    flight through the gateway count on them (on the least-loaded worker, where a reading says a
+    request goes), as they do on a replica of a pool without a gateway, until the next reading."""
+    workers = {"w1": 'vllm:num_requests_running{engine="0",model_name="m"} 5.0\n',
+               "w2": 'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'}
+    replay = Replay()
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        if request.url.host in workers:
+            return httpx.Response(200, text=workers[request.url.host])
+        arrived.set()
+        await release.wait()  # the gateway holds the call: it is in flight
+        return replay(request)
+
+    cfg = VLLMConfig.model_validate({"type": "vllm", "model": "smollm2", "load_cache_s": 3600, "load_stale_s": 3600,
+                                     "pools": {"plain": {"replicas": ["http://gw"], "load_from": ["http://w1", "http://w2"]}}})  # fmt: skip
+    p = VLLMProvider("cpu", cfg, client=httpx.AsyncClient(transport=httpx.MockTransport(route)))
+    assert (await p.current_load()).batch_size == 2  # w2, the least loaded
+    call = asyncio.create_task(p.chat(REQ, CallContext(decision=decision(pool="plain", method="off", gamma=0))))
+    await arrived.wait()
+    assert p.pool_load("plain").batch_size == 3 and p.load().batch_size == 3  # w2's 2 and the runner's own call
+    release.set()
+    assert (await call).content
+    assert p.pool_load("plain").batch_size == 2  # done: counted no more
+    await p.aclose()
+
+
 def test_load_from_urls_are_checked_like_replicas():
     with pytest.raises(ValueError, match="must be an http"):
         VLLMConfig.model_validate({"type": "vllm", "model": "m", "pools": {"plain": {

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
+import random
 import threading
 import time
 import weakref
@@ -62,13 +64,17 @@ from openalice_runner.engine.generator import (
 )
 from openalice_runner.engine.llama import LlamaModel
 from openalice_runner.engine.tree import TreeMask, plain_rows, tree_rows
-from openalice_runner.engine.types import EngineOverloaded, StreamEvent
+from openalice_runner.engine.types import EngineOverloaded, SchedulerStopped, StreamEvent
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
 CACHE_GRANULE = 512  # KV caches grow in steps of this many positions
 IDLE_SHRINK_S = 30.0  # idle this long, the KV cache gives back what the held histories do not need
+ADMIT_TRIES = 3  # a request whose admission fails this many times is answered with the fault
+# Chaos testing (docs/testing.md): this share of admissions fails as a passing fault would (a float, 0..1)
+ADMISSION_FAULTS_ENV = "OPENALICE_INJECT_ADMISSION_FAULTS"
+WATCH_S = 1.0  # a caller waiting on its events checks this often that the scheduler thread still runs
 
 
 @dataclass
@@ -76,6 +82,8 @@ class BatchRequest:
     seq: Sequence
     cancel: threading.Event
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    thread: threading.Thread | None = None  # the scheduler thread that owes the answer
+    admit_faults: int = 0  # admissions of it that failed
     prefilled: int = 0  # prompt tokens whose keys and values are in the cache
     reserved: int = 0  # cache positions it may ever need (`_reservation`), set at admission
     prefill_started: float = 0.0
@@ -103,6 +111,7 @@ class _Rows:
     count: int
     start: int  # the cache position of its first row
     logits_at: int  # its first row of the pass's logits (where it has any)
+    choosing: int  # its last rows that choose a token (all of a round's; one or none of a prompt chunk's)
     round: Round | None = None  # None: a prefill chunk
 
 
@@ -110,6 +119,7 @@ class _Rows:
 class _StepRows:
     """The rows of a step's one pass, in order, and the plans they belong to."""
 
+    vocab: int  # token ids a row may hold: below this
     plans: list[_Rows] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
@@ -119,12 +129,21 @@ class _StepRows:
     def add(self, request: BatchRequest, fed: list[int], start: int, choosing: int,
             planned: Round | None = None) -> None:
         """`fed` tokens of `request` at cache positions from `start`; the last `choosing` rows choose."""
+        _check_rows(request.seq, fed, start, self.vocab)
         first, n = len(self.tokens), len(fed)
-        self.plans.append(_Rows(request, first, n, start, len(self.logit_rows), planned))
+        self.plans.append(_Rows(request, first, n, start, len(self.logit_rows), choosing, planned))
         self.logit_rows += range(first + n - choosing, first + n)
         self.tokens += fed
         self.positions += range(start, start + n)
         self.slots += [request.seq.slot] * n
+
+    def subset(self, plans: list[_Rows]) -> _StepRows:
+        """The rows of `plans` alone, as a pass of their own."""
+        rows = _StepRows(self.vocab)
+        for plan in plans:
+            rows.add(plan.request, self.tokens[plan.first : plan.first + plan.count], plan.start, plan.choosing,
+                     plan.round)
+        return rows
 
 
 @dataclass
@@ -179,6 +198,8 @@ class BatchScheduler:
         self.idle_shrink_s = idle_shrink_s
         self.kv_cache_bytes = kv_cache_bytes
         self.steps = 0
+        self.admission_faults = _fault_rate(os.environ.get(ADMISSION_FAULTS_ENV))
+        self._faults = random.Random(0)
 
     # ---- the callers' side ----------------------------------------------------------------
     def submit(
@@ -191,19 +212,28 @@ class BatchScheduler:
                 raise EngineOverloaded(f"{len(self._waiting)} requests already wait for a batch slot")
             begin(seq)
             self._waiting.append(request)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="engine-batch", daemon=True)
+            if self._thread is None or not self._thread.is_alive():
+                if self._thread is None:
+                    atexit.register(_stop_at_exit, weakref.ref(self))
+                self._thread = threading.Thread(target=self._serve, name="engine-batch", daemon=True)
                 self._thread.start()
-                atexit.register(_stop_at_exit, weakref.ref(self))
+            request.thread = self._thread
             self._cond.notify()
         return request
 
     def events(self, request: BatchRequest) -> Iterator[StreamEvent]:
         """The request's stream; leaving it early cancels the request. Once cancelled, text the
-        scheduler decoded ahead of a slow reader is dropped and the final event comes next."""
+        scheduler decoded ahead of a slow reader is dropped and the final event comes next.
+
+        The wait is never unbounded: every `WATCH_S` it checks that the scheduler thread that owes
+        the answer still runs, and raises `SchedulerStopped` where it does not."""
         try:
             while True:
-                item = request.events.get()
+                try:
+                    item = request.events.get(timeout=WATCH_S)
+                except queue.Empty:
+                    self._check_alive(request)
+                    continue
                 if isinstance(item, BaseException):
                     raise item
                 if item.result is None and request.cancel.is_set():
@@ -213,6 +243,12 @@ class BatchScheduler:
                     return
         finally:
             request.cancel.set()
+
+    def _check_alive(self, request: BatchRequest) -> None:
+        """Raise for a request whose answer can no longer come: its scheduler thread is gone."""
+        thread = request.thread
+        if thread is not None and not thread.is_alive() and request.events.empty():
+            raise SchedulerStopped("the engine's scheduler thread stopped before answering this request")
 
     @property
     def load(self) -> tuple[int, int]:
@@ -225,6 +261,22 @@ class BatchScheduler:
             self._cond.notify()
 
     # ---- the scheduler thread -------------------------------------------------------------
+    def _serve(self) -> None:
+        """The thread's life: the loop, and should it ever end by an error that escaped it, every
+        request it held answered and a fresh state for the thread the next `submit` starts."""
+        try:
+            self._loop()
+        except BaseException as exc:
+            logger.critical("engine scheduler thread died; its requests are answered", exc_info=exc)
+            with self._cond:
+                self._fail_all(SchedulerStopped(f"the engine's scheduler stopped: {exc!r}"))
+                self._reset()
+
+    def _reset(self) -> None:
+        """A fresh, empty cache: nothing it held can be trusted after a fault outside the loop's care."""
+        self.cache = self.model.new_cache(0, CACHE_GRANULE)
+        self._free_slots, self._held, self._held_drafters = [], {}, {}
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -251,8 +303,7 @@ class BatchScheduler:
         self._drop_cancelled()
         while self._waiting and len(self._running) < self.max_batch:
             request = self._waiting[0]
-            seq = request.seq
-            reserved = _reservation(seq)
+            reserved = _reservation(request.seq)
             slots = self._slots_for(reserved)
             if slots is None and self._make_room(reserved):
                 slots = self._slots_for(reserved)
@@ -262,19 +313,43 @@ class BatchScheduler:
                 # alone and over the budget on its own: it runs (its context bounds it), in a slot of its own
                 slots = self.cache.batch if self._free_slots else self.cache.batch + 1
             self._waiting.popleft()
-            request.reserved = reserved
-            # positions for the prompt and a round; the reply's grow as it is written (`_reserve`): sizing
-            # every slot for max_tokens up front held GBs for replies that stop after a few tokens
-            need = _granules(_positions_for(seq, len(seq.prompt)))
-            self._free_slots += range(self.cache.batch, slots)
-            self.cache.grow(slots, need)
-            seq.cache = self.cache
+            try:
+                self._place(request, reserved, slots)
+            except Exception as exc:  # e.g. no memory for the grown cache: this request only, nothing else
+                request.admit_faults += 1
+                if request.admit_faults < ADMIT_TRIES:  # a passing fault: it keeps its place, tried next step
+                    logger.warning("engine: admitting a request failed (%r); tried again", exc)
+                    self._waiting.appendleft(request)
+                    return
+                logger.error("engine: admitting a request failed %d times; it is answered, the others run on",
+                             request.admit_faults, exc_info=exc)
+                request.events.put(exc)
+
+    def _place(self, request: BatchRequest, reserved: int, slots: int) -> None:
+        """Grow the cache to `slots` slots and put `request` in one, or raise leaving the scheduler as
+        it was (the cache grows all or nothing; slots join the free list only once they exist)."""
+        seq = request.seq
+        if self.admission_faults and self._faults.random() < self.admission_faults:
+            raise InjectedFault("an admission fault injected for a test (OPENALICE_INJECT_ADMISSION_FAULTS)")
+        # positions for the prompt and a round; the reply's grow as it is written (`_reserve`): sizing
+        # every slot for max_tokens up front held GBs for replies that stop after a few tokens
+        need = _granules(_positions_for(seq, len(seq.prompt)))
+        batch = self.cache.batch
+        self.cache.grow(slots, need)
+        self._free_slots += range(batch, self.cache.batch)
+        seq.cache = self.cache
+        free, held, held_drafters = list(self._free_slots), dict(self._held), dict(self._held_drafters)
+        try:
             seq.slot, reused = self._take_slot(seq)
-            self.cache.lengths[seq.slot] = reused
-            request.prefilled = reused
-            seq.stats.cached_prompt_tokens = reused
-            request.prefill_started = time.perf_counter()
-            self._running.append(request)
+        except BaseException:
+            self._free_slots, self._held, self._held_drafters = free, held, held_drafters
+            raise
+        self.cache.lengths[seq.slot] = reused
+        request.reserved = reserved
+        request.prefilled = reused
+        seq.stats.cached_prompt_tokens = reused
+        request.prefill_started = time.perf_counter()
+        self._running.append(request)
 
     def _drop_cancelled(self) -> None:
         """Answer the waiting requests whose callers left: they need not wait their turn for that."""
@@ -378,22 +453,32 @@ class BatchScheduler:
         """One step: plan every running sequence's rows, run them in one pass, settle each."""
         self._reserve()
         rows = self._plan()
-        if not rows.plans:
-            return
+        if rows.plans:
+            self._run(rows)
+
+    def _run(self, rows: _StepRows) -> None:
+        """Run and settle a pass. Where the shared pass fails, it is split in halves and each run again
+        until the fault is pinned to one sequence, which fails alone: the others settle on rows that
+        are the same tokens at the same positions (a pass only writes its rows' cache entries, so a
+        rerun writes the same ones), to the same replies as without the fault."""
         try:
             out = self._pass(rows)
-        except Exception as exc:  # the shared pass: its sequences fail, the others and the scheduler go on
-            logger.error("engine pass of %d rows failed; its %d sequences fail", len(rows.tokens), len(rows.plans),
-                         exc_info=exc)
-            for plan in rows.plans:
-                self._fail_one(plan.request, exc, logged=True)
+        except Exception as exc:
+            if len(rows.plans) == 1:
+                logger.error("engine pass failed; its sequence fails, the others run on", exc_info=exc)
+                self._fail_one(rows.plans[0].request, exc, logged=True)
+                return
+            logger.warning("engine pass of %d sequences failed (%r); run again in halves", len(rows.plans), exc)
+            half = len(rows.plans) // 2
+            for part in (rows.plans[:half], rows.plans[half:]):
+                self._run(rows.subset(part))
             return
         self._settle(rows.plans, out)
 
     def _plan(self) -> _StepRows:
         """Every running sequence's rows for this step: a prompt chunk within the step's prefill budget,
         or the last token and its drafts; cancelled sequences leave, a fault in one's planning fails it."""
-        rows = _StepRows()
+        rows = _StepRows(self.model.vocab_size)
         batch, waiting = len(self._running), len(self._waiting)
         decoders = sum(not r.prefilling for r in self._running)
         budget = self.prefill_chunk if decoders else PREFILL_CHUNK
@@ -404,7 +489,10 @@ class BatchScheduler:
                 request.seq.finish_reason = "cancelled"
                 self._retire(request)
             elif request.prefilling:
-                budget -= self._plan_prefill(rows, request, budget)
+                try:
+                    budget -= self._plan_prefill(rows, request, budget)
+                except Exception as exc:
+                    self._fail_one(request, exc)
             else:
                 try:  # a fault in one sequence's planning fails that sequence, not the batch
                     self._plan_decode(rows, request, request.gamma_now(batch, waiting), decoders, unplanned)
@@ -540,6 +628,35 @@ class BatchScheduler:
         self._fail_running(exc)
         while self._waiting:
             self._waiting.popleft().events.put(exc)
+
+
+class InjectedFault(RuntimeError):
+    """A fault injected on purpose (ADMISSION_FAULTS_ENV), to test that nothing is lost."""
+
+
+def _fault_rate(raw: str | None) -> float:
+    if not raw:
+        return 0.0
+    try:
+        rate = float(raw)
+    except ValueError:
+        raise ValueError(f"{ADMISSION_FAULTS_ENV} must be a number in 0..1, got {raw!r}") from None
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"{ADMISSION_FAULTS_ENV} must be in 0..1, got {rate}")
+    return rate
+
+
+def _check_rows(seq: Sequence, fed: list[int], start: int, vocab: int) -> None:
+    """A sequence's rows, checked before they join a shared pass: a row the pass cannot take would
+    fail every sequence in it. Raises (failing this sequence alone) where one is out of range."""
+    cache = seq.cache
+    if not 0 <= seq.slot < cache.batch:
+        raise ValueError(f"slot {seq.slot} is not one of the cache's {cache.batch}")
+    if start < 0 or start + len(fed) > cache.max_len:
+        raise ValueError(f"rows at positions {start}..{start + len(fed) - 1} are beyond the cache of {cache.max_len}")
+    bad = [t for t in fed if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"token ids {bad[:4]} are outside the vocabulary of {vocab}")
 
 
 def _positions_for(seq: Sequence, tokens: int) -> int:

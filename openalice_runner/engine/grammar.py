@@ -17,9 +17,11 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
-import re
+import logging
+import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -28,24 +30,27 @@ import numpy as np
 import torch
 
 from openalice_runner.engine.closing import closing_candidates
-from openalice_runner.engine.errors import InvalidRequest
+from openalice_runner.engine.grammar_build import (
+    GrammarError,
+    GrammarFault,
+    _past_limits,
+    _short,
+    build_matcher,
+    llg_tokenizer,
+    llguidance,
+    tokenizer_json,
+)
+from openalice_runner.engine.grammar_check import CHECK_STACK, START_TIMEOUT_S, GrammarChecker
+from openalice_runner.engine.types import EngineOverloaded
 from openalice_runner.schema_limits import COMPILE
 
-try:  # the engine extra installs it; the error says so where it is missing
-    import llguidance
-    import llguidance.hf
-    import llguidance.numpy
-except ImportError:  # pragma: no cover - exercised only without the engine extra
-    llguidance = None
+__all__ = ["Grammar", "GrammarCompiler", "GrammarConstraint", "GrammarError", "GrammarFault", "json_grammar",
+           "masked_logits", "masked_probs", "tool_call_grammar"]
+
+logger = logging.getLogger(__name__)
 
 TOOL_CALL_OPEN = "<tool_call>"  # the fallback tool format's tags (providers/embedded/tool_format.py)
 TOOL_CALL_CLOSE = "</tool_call>"
-
-
-class GrammarError(InvalidRequest):
-    """A grammar (or the JSON Schema it was built from) that cannot be compiled: the request's
-    schema is at fault. A matcher that refuses a token its own mask allowed is a fault of ours
-    (RuntimeError), not this."""
 
 
 # ---------------------------------------------------------------- grammar texts (Lark)
@@ -110,18 +115,44 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
 
 
 def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON of one call in the fallback format: {"name": one tool, "arguments": its schema}."""
+    """The JSON of one call in the fallback format: {"name": one tool, "arguments": its schema}.
+
+    A tool's local `$ref`s (`#`, `#/$defs/...`: pydantic's usual output) name places in its own
+    `parameters`; nested here under `arguments`, they are rewritten to where that is now."""
     options = []
-    for tool in tools:
+    for i, tool in enumerate(tools):
         fn = tool.get("function", tool)
         params = fn.get("parameters") or {"type": "object", "properties": {}}
+        at = "/properties/arguments" if len(tools) == 1 else f"/anyOf/{i}/properties/arguments"
         options.append({
             "type": "object",
-            "properties": {"name": {"const": fn["name"]}, "arguments": params},
+            "properties": {"name": {"const": fn["name"]}, "arguments": rebased_refs(params, at)},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         })
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def rebased_refs(schema: Any, at: str) -> Any:
+    """`schema` placed at JSON pointer `at` of a larger one: its `$ref`s to JSON pointers within
+    itself (`#`, `#/...`) made to point there. The schema as given where it holds none (most
+    tools: the grammar text, and with it the compile cache, stays what it was) or where it names
+    its own `$id` (its refs then resolve against itself wherever it sits)."""
+    if not isinstance(schema, dict) or "$id" in schema or '"$ref"' not in json.dumps(schema):
+        return schema
+    return _rebase(schema, at)
+
+
+def _rebase(value: Any, at: str) -> Any:
+    if isinstance(value, list):
+        return [_rebase(v, at) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: _rebase(v, at) for k, v in value.items()}
+    ref = value.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = "#" + at + ref[1:]
+    return out
 
 
 def tool_call_grammar(
@@ -170,42 +201,65 @@ class Grammar:
     text: str
     _template: Any  # an LLMatcher in its start state, deep-copied per sequence
     _compiler: GrammarCompiler
+    prefix: tuple[int, ...] = ()  # tokens the template has consumed (`after`)
 
     def constraint(self) -> GrammarConstraint:
-        if self._template.is_error():  # llguidance shares a lexer between copies: one failing can poison it
-            self._compiler.forget(self.text, _short(self._template.get_error()))
-            raise GrammarError(f"the grammar failed: {_short(self._template.get_error())}")
-        return GrammarConstraint(self._template.deep_copy(), self._compiler)
+        return GrammarConstraint(self._live_template().deep_copy(), self._compiler)
 
     def after(self, tokens: list[int]) -> Grammar:
         """This grammar with `tokens` already written (a reply the prompt pre-fills); GrammarError
         where the grammar does not allow them."""
-        matcher = self._template.deep_copy()
+        matcher = self._live_template().deep_copy()
         if tokens and not matcher.consume_tokens(tokens):
             raise GrammarError(_short(matcher.get_error()))
-        return Grammar(self.text, matcher, self._compiler)
+        return Grammar(self.text, matcher, self._compiler, self.prefix + tuple(tokens))
+
+    def _live_template(self) -> Any:
+        """The template, or where it is in error a fresh one: llguidance shares a lexer between a
+        matcher and its copies, and one copy failing can poison it. The text compiled, so that is
+        the library's state, not the schema: compiled again, never remembered as a failure."""
+        if not self._template.is_error():
+            return self._template
+        return self._compiler.renew(self)
 
 
 class GrammarCompiler:
     """Compiles grammars for one tokenizer and keeps the last `cache_size` (schemas repeat in an
-    agent loop: every turn sends the same tools)."""
+    agent loop: every turn sends the same tools).
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: frozenset[int], cache_size: int = 64):
+    A text compiles in one of `workers` threads, each with its own grammar checker child
+    (grammar_check.py): a text not known good is compiled there first, with the time bound
+    (schema_limits.COMPILE), counted from when the child has it: time spent waiting for a free
+    worker is not the schema's. Then it is compiled here, in a thread with 4x the stack the child
+    had, so what compiled there compiles here."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: frozenset[int], cache_size: int = 64,
+                 workers: int = 2) -> None:  # fmt: skip
         if llguidance is None:  # the install's fault, not the request's
             raise RuntimeError(
                 "grammar-constrained decoding needs llguidance: pip install 'openalice-runner[engine]'"
             )
         self.vocab_size = vocab_size
         self.eos_ids = tuple(sorted(eos_ids))
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(self.eos_ids))
+        text = tokenizer_json(tokenizer)
+        self._tokenizer = llg_tokenizer(text, vocab_size, self.eos_ids)
         self.closing_candidates = closing_candidates(tokenizer, vocab_size)  # the closing search's (closing.py)
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._cached_chars = 0  # the cached grammars' text: what their matchers hold grows with it
         # texts that failed (by digest: a text can be megabytes), why, and the error's code
         self._failed: OrderedDict[bytes, tuple[str, str]] = OrderedDict()
-        # Compiles run here, two at a time, so a request waits for its own with a time bound.
-        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
+        self._good: OrderedDict[bytes, None] = OrderedDict()  # texts the checker compiled (by digest)
         self._lock = threading.Lock()
+        checker = GrammarChecker(text, vocab_size, self.eos_ids)
+        self._checker = checker
+        self._children: queue.SimpleQueue = queue.SimpleQueue()
+        children = [checker.child() for _ in range(workers)]
+        for child in children:
+            self._children.put(child)
+        self.children = children  # (tests look at them)
+        weakref.finalize(self, _stop_children, children)
+        self._pool = _WideStackPool(workers, thread_name_prefix="grammar-compile")
+        self._queued = 0  # compiles waiting for a worker
         self.cache_size = cache_size
         # A compiled grammar holds ~80 bytes per character of its text (a 10,000-property schema:
         # 300 KB of text, 25 MB compiled), so the cache is bounded by text too: 64 such schemas held
@@ -214,8 +268,9 @@ class GrammarCompiler:
 
     def compile(self, text: str) -> Grammar:
         """The grammar for a Lark text (see json_grammar, tool_call_grammar); GrammarError names
-        what is wrong with it. Compiled in a worker with a time bound (schema_limits.COMPILE);
-        a failure is remembered as a failure (refused again at once), never as a grammar."""
+        what is wrong with it (remembered: refused again at once), or that it took longer than the
+        time bound (not remembered: a busy machine is not the schema's fault). EngineOverloaded
+        where compiles are queued past the bounds of schema_limits.COMPILE."""
         with self._lock:
             hit = self._cache.get(text)
             if hit is not None:
@@ -224,17 +279,22 @@ class GrammarCompiler:
             failed = self._failed.get(_digest(text))
             if failed is not None:
                 raise GrammarError(failed[0], code=failed[1])
-        timeout = COMPILE.timeout_s
-        future = self._pool.submit(self._compile, text)
+            if self._queued >= COMPILE.max_queued:
+                raise EngineOverloaded(f"{self._queued} grammar compiles already wait for a compile worker")
+            self._queued += 1
+        started = threading.Event()
+        future = self._pool.submit(self._job, text, started)
+        if not started.wait(COMPILE.queue_timeout_s) and future.cancel():
+            with self._lock:
+                self._queued -= 1
+            raise EngineOverloaded(f"no grammar compile worker was free within {COMPILE.queue_timeout_s:g} s")
         try:
-            compiled = future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            # The worker finishes on its own (llguidance cannot be interrupted); its result is dropped.
-            message = f"compiling the schema's grammar took longer than {timeout:g} s (the server's --grammar-timeout)"
-            self._remember_failure(text, message, "grammar_timeout")
-            raise GrammarError(message, code="grammar_timeout") from None
+            compiled = future.result(timeout=_RESULT_BOUND_S + 4 * COMPILE.timeout_s)
+        except concurrent.futures.TimeoutError:  # pragma: no cover - the child is killed at its bound
+            raise GrammarFault("a grammar compile did not finish within its bounds") from None
         except GrammarError as exc:
-            self._remember_failure(text, str(exc), exc.code)
+            if exc.code != "grammar_timeout":
+                self._remember_failure(text, str(exc), exc.code)
             raise
         with self._lock:
             if len(text) <= self.cache_chars and text not in self._cache:
@@ -244,19 +304,47 @@ class GrammarCompiler:
                 self._cached_chars -= len(self._cache.popitem(last=False)[0])
         return compiled
 
-    def _compile(self, text: str) -> Grammar:
+    def _job(self, text: str, started: threading.Event) -> Grammar:
+        """In a compile worker: the checker's verdict on a text not known good, then the matcher."""
+        with self._lock:
+            self._queued -= 1
+        started.set()
+        digest = _digest(text)
+        with self._lock:
+            known = digest in self._good
+        if not known:
+            child = self._children.get()
+            try:
+                self._checker.check(child, text, COMPILE.timeout_s)
+            finally:
+                self._children.put(child)
+            with self._lock:
+                self._good[digest] = None
+                while len(self._good) > 64 * self.cache_size:
+                    self._good.popitem(last=False)
+        return Grammar(text, build_matcher(text, self._tokenizer, self.vocab_size), self)
+
+    def renew(self, grammar: Grammar) -> Any:
+        """A fresh template for `grammar`, whose template is in error (Grammar._live_template);
+        GrammarFault where the fresh one is in error too. The cache keeps the fresh one."""
+        logger.warning("a compiled grammar was found in error (%s); compiling it again",
+                       _short(grammar._template.get_error()))  # fmt: skip
+        future = self._pool.submit(build_matcher, grammar.text, self._tokenizer, self.vocab_size)
         try:
-            grammar = llguidance.LLMatcher.grammar_from_lark(text)
-        except ValueError as exc:
-            raise GrammarError(str(exc)) from exc
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
-        if is_error:
-            raise GrammarError(_short(messages[0]))
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+            matcher = future.result(timeout=_RESULT_BOUND_S + 4 * COMPILE.timeout_s)
+        except (GrammarError, concurrent.futures.TimeoutError) as exc:  # it compiled before
+            raise GrammarFault(f"a grammar that compiled before failed to compile again: {exc}") from exc
         if matcher.is_error():
-            raise GrammarError(_short(matcher.get_error()))
-        _probe(matcher, self.vocab_size)
-        return Grammar(text, matcher, self)
+            raise GrammarFault(f"a grammar found in error is in error again on a fresh compile: "
+                               f"{_short(matcher.get_error())}")
+        with self._lock:
+            if grammar.text in self._cache:
+                self._cache[grammar.text] = Grammar(grammar.text, matcher, self)
+        if grammar.prefix:
+            matcher = matcher.deep_copy()
+            if not matcher.consume_tokens(list(grammar.prefix)):
+                raise GrammarFault(f"a grammar's prefill failed on a fresh compile: {_short(matcher.get_error())}")
+        return matcher
 
     def _remember_failure(self, text: str, message: str, code: str = "invalid_value") -> None:
         with self._lock:
@@ -264,68 +352,32 @@ class GrammarCompiler:
             while len(self._failed) > 4 * self.cache_size:
                 self._failed.popitem(last=False)
 
-    def forget(self, text: str, message: str) -> None:
-        """`text`'s grammar failed after it compiled: refuse it from now on instead of serving it."""
-        with self._lock:
-            if self._cache.pop(text, None) is not None:
-                self._cached_chars -= len(text)
-        self._remember_failure(text, f"the grammar failed: {message}")
+
+class _WideStackPool(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool whose threads have COMPILE_STACK of stack (llguidance's compile recurses)."""
+
+    def _adjust_thread_count(self) -> None:
+        with _STACK_LOCK:
+            before = threading.stack_size(COMPILE_STACK)
+            try:
+                super()._adjust_thread_count()
+            finally:
+                threading.stack_size(before)
 
 
-def _probe(matcher: Any, vocab_size: int) -> None:
-    """GrammarError where the grammar admits no reply, or fails on the bytes it forces first.
-
-    On a copy: the tokens forced from the start (where llguidance builds the first lexemes: a
-    `pattern` too large for its lexer fails here, not in the middle of a reply), then the mask
-    after them, which is empty where nothing satisfies the schema (`{"$ref": "#"}`, a `$ref` cycle
-    that never reaches a value). Such a grammar would otherwise end every reply at once with ""."""
-    probe = matcher.deep_copy()
-    forced = probe.compute_ff_tokens()
-    if forced:
-        probe.consume_tokens(forced)
-    if probe.is_error():
-        raise GrammarError(_short(probe.get_error()))
-    if probe.is_accepting():
-        return
-    bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
-    llguidance.numpy.fill_next_token_bitmask(probe, bitmask, 0)
-    if probe.is_error() or not bitmask.any():  # llguidance's own word for it is "NoExtensionBias"
-        raise GrammarError("no JSON value satisfies the schema (it is unsatisfiable, or a $ref cycle "
-                           "never reaches a value)")
-    # One step further for a few of the allowed tokens: where a schema is past llguidance's limits
-    # (an object of thousands of properties), the first key is where it says so.
-    allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab_size])
-    for token in allowed[:8].tolist():
-        step = probe.deep_copy()
-        if not step.consume_token(token):
-            _past_limits(step)
+COMPILE_STACK = 4 * CHECK_STACK
+# what a compile may take beside its time bound: two children started (a crash is tried again) and slack
+_RESULT_BOUND_S = 2 * START_TIMEOUT_S + 60
+_STACK_LOCK = threading.Lock()
 
 
-# llguidance's resource limits (ParserLimits: items in a row, lexer fuel and states): a schema past
-# them is the request's (e.g. an object of 5,000 properties: "Current row has 19999 items; max is 2000").
-_LIMIT_ERROR = re.compile(r"max is \d+|too many|fuel|limit", re.IGNORECASE)
+def _stop_children(children: list) -> None:
+    for child in children:
+        child.stop()
 
 
 def _digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
-
-
-def _past_limits(matcher: Any) -> None:
-    """GrammarError where the matcher stopped at one of llguidance's limits (the schema's size)."""
-    message = _short(matcher.get_error())
-    if _LIMIT_ERROR.search(message):
-        raise GrammarError(f"the schema's grammar is past the grammar backend's limits: {message}")
-
-
-def _short(message: str) -> str:
-    """llguidance's message without its parser state and grammar listing."""
-    lines = []
-    for line in message.split("\n<state>")[0].splitlines():
-        if re.match(r"^\s*\d+ \| ", line):
-            break
-        if line.strip() and set(line.strip()) != {"^"}:
-            lines.append(line.strip())
-    return " ".join(lines)
 
 
 # ---------------------------------------------------------------- one sequence's constraint

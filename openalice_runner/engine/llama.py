@@ -221,9 +221,14 @@ class KVCache:
         batch, max_len = max(batch, self.batch), max(max_len, self.max_len)
         if (batch, max_len) == (self.batch, self.max_len):
             return
-        for tensors in (self.keys, self.values):
-            for i, old in enumerate(tensors):
-                new = torch.empty((batch, old.shape[1], max_len, old.shape[3]), dtype=old.dtype)
+        # All or nothing: every new tensor is allocated before any is swapped in, so a grow that fails
+        # (no memory) leaves the cache exactly as it was, for the scheduler to answer and carry on.
+        grown = [
+            [torch.empty((batch, old.shape[1], max_len, old.shape[3]), dtype=old.dtype) for old in tensors]
+            for tensors in (self.keys, self.values)
+        ]
+        for tensors, news in zip((self.keys, self.values), grown, strict=True):
+            for i, (old, new) in enumerate(zip(tensors, news, strict=True)):
                 new[: old.shape[0], :, : old.shape[2]] = old
                 tensors[i] = new
         self.lengths += [0] * (batch - self.batch)
@@ -358,6 +363,10 @@ class LlamaModel:
         draft.layers = self.layers[:n_layers]
         draft.cfg = dataclasses.replace(self.cfg, n_layers=n_layers)
         return draft
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         return KVCache(self.cfg, batch, max_len or self.cfg.max_positions, self.kv_dtype)

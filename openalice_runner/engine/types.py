@@ -29,6 +29,10 @@ class EngineOverloaded(RuntimeError):
     """The batching scheduler's waiting line is full: refused at once, not queued without bound."""
 
 
+class SchedulerStopped(RuntimeError):
+    """The scheduler thread that owed a request its answer is gone (a fault of ours, never the client's)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding settings, applied identically to target and draft distributions."""

@@ -41,7 +41,6 @@ from openalice_runner.types import (
     ChatRequest,
     ChatResult,
     SpeculationInfo,
-    Usage,
 )
 
 logger = logging.getLogger(__name__)
@@ -168,7 +167,7 @@ class HostedProvider(Provider):
             content=choice.message.content,
             tool_calls=tool_calls,
             finish_reason=wire.finish_reason(choice.finish_reason, bool(tool_calls), self.name),
-            usage=body.usage.usage() if body.usage else Usage(),
+            usage=wire.usage_of(body.usage),  # None where upstream sent none: unknown
             speculation=SpeculationInfo(method="off"),
             provider=self.name,
         )

@@ -73,13 +73,21 @@ _OPENAI_FINISH: dict[str, FinishReason] = {  # the reasons OpenAI has, each as i
 
 def finish_reason(raw: str | None, saw_tool_calls: bool, provider: str | None = None) -> FinishReason:
     """Upstream finish reason -> OpenAI's. A natural stop that produced tool calls is `tool_calls`
-    (as SGLang and OpenAI report it); a value outside OpenAI's set reads as `stop`. None (a reply
-    that never said why it ended) is a bad response, never read as a stop."""
+    (as SGLang and OpenAI report it; `function_call` is OpenAI's deprecated name for it). Anything
+    else is a bad response naming it: vLLM 0.32's `error` (a failed request it should have turned
+    into a 500), `abort` (the pools answer it as unavailable first), `repetition` (a detector the
+    runner never turns on) or a value no contract has would otherwise read as a clean end. None (a
+    reply that never said why it ended) is a bad response too, never read as a stop."""
     if not raw:
         raise ProviderBadResponse("malformed response: finish_reason missing", provider=provider)
     if saw_tool_calls and raw in ("stop", "tool_calls", "function_call"):
         return "tool_calls"
-    return _OPENAI_FINISH.get(raw, "stop")
+    if raw not in _OPENAI_FINISH:
+        raise ProviderBadResponse(
+            f"malformed response: finish_reason {raw[:40]!r} is not one of OpenAI's ({', '.join(_OPENAI_FINISH)})",
+            provider=provider,
+        )
+    return _OPENAI_FINISH[raw]
 
 
 def retry_after(headers: Mapping[str, Any] | None) -> float | None:
@@ -127,13 +135,24 @@ class WirePromptDetails(_Wire):
 
 
 class WireUsage(_Wire):
-    prompt_tokens: int = 0
-    completion_tokens: int | None = 0
+    """OpenAI's `usage` (absent or null where a server has none: both are Optional in OpenAI's
+    ChatCompletion and chunk). A count the server left out is unknown, never 0."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
     prompt_tokens_details: WirePromptDetails | None = None
 
-    def usage(self) -> Usage:
+    def usage(self) -> Usage | None:
+        """The counts, or None (unknown) where either is missing."""
+        if self.prompt_tokens is None or self.completion_tokens is None:
+            return None
         details = self.prompt_tokens_details
-        return Usage.of(self.prompt_tokens, self.completion_tokens or 0, details.cached_tokens if details else None)
+        return Usage.of(self.prompt_tokens, self.completion_tokens, details.cached_tokens if details else None)
+
+
+def usage_of(usage: WireUsage | None) -> Usage | None:
+    """A reply's usage: None (unknown) where the server sent none."""
+    return usage.usage() if usage is not None else None
 
 
 class WireSpecDetails(_Wire):
@@ -216,13 +235,20 @@ def tool_calls_of(message: WireMessage, provider: str, finish: str | None = None
     """A finished message's tool calls in the runner's shape; a call without its id, function name
     or arguments is malformed (the runner would have to invent them). Where the budget ended the
     reply (`finish` "length") a call may stop before its arguments began: its arguments so far, "".
+
+    Arguments are passed on as the model wrote them, valid JSON or not (OpenAI's contract: "the
+    model does not always generate valid JSON"; the agent checks them). Empty ones are not
+    arguments at all: OpenAI sends "{}" for a function without parameters, and vLLM 0.32's and
+    SGLang 0.5.23's parsers `json.dumps` what they parsed ("{}" again), so "" on a call the budget
+    did not cut means the server lost them; it is a bad response naming the field.
     """
     out: list[ToolCall] = []
     cut = finish == "length"
     for i, tc in enumerate(message.tool_calls or ()):
         missing = _missing(tc)
         if missing and not (cut and missing == "function.arguments"):
-            raise ProviderBadResponse(f"malformed response: tool_calls.{i}.{missing} missing", provider=provider)
+            raise ProviderBadResponse(f"malformed response: tool_calls.{i}.{missing} missing or empty",
+                                      provider=provider)  # fmt: skip
         try:
             call = ToolCall(
                 id=tc.id, function=FunctionCall(name=tc.function.name, arguments=tc.function.arguments_text() or "")
@@ -242,9 +268,13 @@ def _missing(tc: WireToolCall) -> str | None:
         return "id"
     if not tc.function.name:
         return "function.name"
-    if tc.function.arguments is None:
+    if not _has_arguments(tc.function.arguments_text()):
         return "function.arguments"
     return None
+
+
+def _has_arguments(text: str | None) -> bool:
+    return bool(text and text.strip())
 
 
 def tool_call_delta(tc: WireToolCall, position: int) -> ToolCallDelta:
@@ -284,8 +314,9 @@ class ChunkAccumulator:
     def feed(self, chunk: WireChunk) -> list[ChatChunk]:
         self.id = chunk.id or self.id
         self.model = chunk.model or self.model
-        if chunk.usage is not None and chunk.usage.completion_tokens is not None:
-            self.usage = chunk.usage.usage()
+        usage = usage_of(chunk.usage)  # vLLM and SGLang send it on the last chunk only (null before)
+        if usage is not None:
+            self.usage = usage
         if chunk.sglext is not None:
             self.sglext = chunk.sglext
         out: list[ChatChunk] = []
@@ -310,25 +341,33 @@ class ChunkAccumulator:
                     raise ProviderBadResponse(f"malformed stream: tool call {index}'s first piece has no {name}",
                                               provider=self.provider)  # fmt: skip
             self.calls[index] = False
-        self.calls[index] = self.calls[index] or tc.function.arguments is not None
+        self.calls[index] = self.calls[index] or _has_arguments(tc.function.arguments_text())
 
     def final(self, speculation: SpeculationInfo, provider: str) -> ChatChunk:
-        """The closing chunk: finish reason, usage, speculation."""
+        """The closing chunk: finish reason, usage (None where the server sent none: unknown),
+        speculation."""
         problem = None
+        finish: FinishReason | None = None
         if self.finish is None:
             problem = "the stream ended without a finish_reason"
         elif self.finish != "length" and not all(self.calls.values()):
             # a call the budget cut before its arguments began is what it is: vLLM 0.32 sends the
             # name, then finish "length", for a forced call whose envelope the budget ends
-            problem = f"tool call {min(i for i, seen in self.calls.items() if not seen)} never got its arguments"
-        if problem is not None:
+            i = min(i for i, seen in self.calls.items() if not seen)
+            problem = f"tool call {i} never got its arguments (tool_calls.{i}.function.arguments empty)"
+        else:
+            try:
+                finish = finish_reason(self.finish, self.saw_tool_calls, provider)
+            except ProviderBadResponse as exc:
+                problem = exc.message.removeprefix("malformed response: ")
+        if problem is not None or finish is None:
             error = StreamBroken if self.started else ProviderBadResponse
             raise error(f"malformed stream: {problem}", provider=provider)
         return ChatChunk(
             id=self.id,
             model=self.model,
-            choices=[ChunkChoice(finish_reason=finish_reason(self.finish, self.saw_tool_calls, provider))],
-            usage=self.usage or Usage(),
+            choices=[ChunkChoice(finish_reason=finish)],
+            usage=self.usage,
             speculation=speculation,
             provider=provider,
         )

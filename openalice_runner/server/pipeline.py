@@ -151,8 +151,9 @@ class RequestPipeline:
         )
         metrics.open_turns.set(len(self.tracker))
         metrics.chat_completions.labels(**labels, outcome="ok").inc()
-        metrics.tokens.labels(type="input").inc(result.usage.prompt_tokens)
-        metrics.tokens.labels(type="output").inc(result.usage.completion_tokens)
+        if result.usage is not None:  # None: the provider's server sent no usage (unknown, not 0)
+            metrics.tokens.labels(type="input").inc(result.usage.prompt_tokens)
+            metrics.tokens.labels(type="output").inc(result.usage.completion_tokens)
         return wire.reply(result, call)
 
     async def _stream(

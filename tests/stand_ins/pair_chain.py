@@ -86,6 +86,7 @@ class PairModel:
 
     def __init__(self, table: torch.Tensor):
         self.log_table = table.log()
+        self.vocab_size = table.shape[-1]
 
     def new_cache(self, batch: int, max_len: int) -> PairCache:
         return PairCache(batch, max_len)

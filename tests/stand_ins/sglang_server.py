@@ -60,6 +60,7 @@ class Faults:
     break_after_chunks: int | None = None  # drop the connection after N content chunks
     error_after_chunks: int | None = None  # send an SSE error event after N content chunks
     abort: bool = False  # finish_reason "abort", as when the scheduler drops the request
+    no_usage: bool = False  # no `usage` (a server or gateway without it: OpenAI's field is Optional)
 
 
 @dataclass
@@ -83,8 +84,9 @@ class SGLangStandIn:
 
     # ---- lifecycle ----
 
-    def start(self) -> SGLangStandIn:
-        self._server = ServerThread(self.app()).start()
+    def start(self, port: int = 0) -> SGLangStandIn:
+        """Serve on loopback, on `port` where given (a server that comes back where one stalled)."""
+        self._server = ServerThread(self.app(), port=port).start()
         return self
 
     def stop(self) -> None:
@@ -310,7 +312,7 @@ class SGLangStandIn:
             "created": int(time.time()),
             "model": body.get("model") or self.model,
             "choices": [choice],
-            "usage": self._usage(ans),
+            "usage": None if self.faults.no_usage else self._usage(ans),
             "metadata": {"weight_version": "default"},
         }
         sglext = self._sglext(body, counters)
@@ -397,7 +399,7 @@ class SGLangStandIn:
             sglext = self._sglext(body, self._spec_counters(ans.completion_tokens))
             if sglext is not None:
                 yield emit({**head(), "choices": [], "usage": None, "sglext": sglext})
-            if (body.get("stream_options") or {}).get("include_usage"):
+            if (body.get("stream_options") or {}).get("include_usage") and not faults.no_usage:
                 yield emit({**head(), "choices": [], "usage": self._usage(ans)})
             yield "data: [DONE]\n\n"
         finally:

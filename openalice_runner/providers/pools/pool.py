@@ -14,7 +14,14 @@ unknown load: it goes after the ones whose load is known, and the runner logs it
 
 One attempt loop (`_over_replicas`) serves plain and streamed calls: a replica that refuses the
 connection, answers 5xx, or whose stream ends before its first token is marked down for
-`down_for_s` and the next one is tried; once a token went out a failure is StreamBroken.
+`down_for_s` (tried last meanwhile) and the next one is tried; one that gives no first token within
+`first_token_timeout_s` is suspect (providers/pools/breaker.py): the call moves on to the next
+replica, later calls skip it, and a probe after `suspect_for_s` brings it back. Once a token went
+out a failure is StreamBroken.
+
+The runner's own requests are counted on the replica whose load they join, between load reads
+(`Replica.in_flight`): the replica itself, or, behind a gateway (`load_from`), the least-loaded
+worker, which is where the gateway's reading says the request goes.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -49,6 +56,7 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
+from openalice_runner.providers.pools.breaker import Breaker
 from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.providers.wrappers.admission import AdmissionLimits
 from openalice_runner.redaction import register_secret
@@ -67,6 +75,8 @@ logger = logging.getLogger(__name__)
 
 # How long a stream's body may go on after `[DONE]` before its connection is given up (_drain).
 DRAIN_S = 1.0
+# What a probe of a suspect replica asks (breaker.py): one token, the least a server can answer.
+_PROBE = ChatRequest(messages=[{"role": "user", "content": "ping"}], max_tokens=1)
 
 # ---------------------------------------------------------------- config
 
@@ -129,6 +139,9 @@ class PoolConfigBase(AdmissionLimits):  # max_in_flight / max_queue: the gate in
     load_stale_s: float = Field(default=2.0, ge=0)
     load_timeout_s: float = Field(default=0.5, gt=0)
     down_for_s: float = Field(default=2.0, ge=0)  # how long a refusing replica is skipped
+    # How long a replica that gave no first token in time is skipped before a probe (breaker.py);
+    # doubled after each failed probe.
+    suspect_for_s: float = Field(default=10.0, gt=0)
     # A conversation stays on its replica (its prefix cache) while that replica's load is at most
     # this factor of the pool's mean load (+1); 0 turns affinity off (least-loaded alone).
     affinity_load_factor: float = Field(default=1.5, ge=0)
@@ -156,6 +169,12 @@ class Replica:
     load_endpoint: str | None = None  # the endpoint that answered last time
     in_flight: int = 0  # our own requests on it, counted between load reads
     unknown_logged: bool = False  # "load unknown" said once until it is read again
+    breaker: Breaker = field(default_factory=Breaker)
+
+    def age(self, now: float) -> float:
+        """Seconds since the last load read; never read, infinite (monotonic time may be younger
+        than `load_cache_s` on a fresh machine: 0.0 is no reading)."""
+        return now - self.read_at if self.read_at else float("inf")
 
     @property
     def load(self) -> float:
@@ -292,6 +311,8 @@ class PoolProvider(Provider):
         self._refresh_lock = asyncio.Lock()
         self._background_refresh: asyncio.Task | None = None
         self._stale: dict[int, Replica] = {}  # readings to renew after the current calls (by id)
+        self._probes: set[asyncio.Task] = set()  # suspect replicas' probes in flight
+        self.clock: Callable[[], float] = time.monotonic  # marks and cool-downs (a test turns it)
 
     # ---- the dialect ----
 
@@ -315,8 +336,9 @@ class PoolProvider(Provider):
     def capture(self, ext: dict[str, Any], data: dict[str, Any]) -> None:
         """Keep what the dialect's speculation figures need from a response or stream event."""
 
-    def spec_figures(self, ext: dict[str, Any], pool: str, gamma: int, usage: Usage) -> dict[str, Any]:
-        """SpeculationOutcome figures from what `capture` kept ({} when there are none)."""
+    def spec_figures(self, ext: dict[str, Any], pool: str, gamma: int, usage: Usage | None) -> dict[str, Any]:
+        """SpeculationOutcome figures from what `capture` kept ({} when there are none); `usage`
+        None where the server sent none."""
         return {}
 
     def request_error(self, resp: httpx.Response) -> ProviderError:
@@ -354,10 +376,10 @@ class PoolProvider(Provider):
         one round of reads."""
         replicas = replicas or self._all_load_sources()
         now = time.monotonic()
-        stale = [r for r in replicas if now - r.read_at >= self.config.load_cache_s]
+        stale = [r for r in replicas if r.age(now) >= self.config.load_cache_s]
         if not stale:
             return
-        must_wait = [r for r in stale if r.read_at == 0.0 or now - r.read_at >= self.config.load_stale_s]
+        must_wait = [r for r in stale if r.age(now) >= self.config.load_stale_s]
         if not must_wait:
             self._stale.update((id(r), r) for r in stale)
             return
@@ -373,7 +395,7 @@ class PoolProvider(Provider):
     async def _read_loads(self, replicas: list[Replica]) -> None:
         async with self._refresh_lock:
             now = time.monotonic()
-            stale = [r for r in replicas if now - r.read_at >= self.config.load_cache_s]
+            stale = [r for r in replicas if r.age(now) >= self.config.load_cache_s]
             readers = self.load_readers()
             await asyncio.gather(
                 *(read_replica_load(self._client, r, self.config.load_timeout_s, readers) for r in stale)
@@ -397,9 +419,26 @@ class PoolProvider(Provider):
         return default
 
     async def ranked_replicas(self, pool: str, conversation_id: str | None = None) -> list[Replica]:
-        replicas = self.pools[pool]
+        """The pool's replicas in the order to try them, suspect ones left out (a probe starts for
+        each whose cool-down is over)."""
+        now = self.clock()
+        for replica in self.pools[pool]:
+            if replica.breaker.probe_due(now):
+                self._start_probe(replica)
+        replicas = [r for r in self.pools[pool] if not r.breaker.suspect]
+        if not replicas:
+            return []
         await self.refresh_loads(self.load_sources[pool])
-        return rank_replicas(replicas, conversation_id, time.monotonic(), self.config.affinity_load_factor)
+        return rank_replicas(replicas, conversation_id, now, self.config.affinity_load_factor)
+
+    def _counted_on(self, pool: str, replica: Replica) -> Replica:
+        """Where a call's own in-flight count goes: the replica, or behind a gateway the worker
+        with the least load (the gateway's choice is not known; its workers' readings are the
+        pool's load, so the call must count on one of them, else the policy sees the batch as
+        it was at the last reading, up to `load_stale_s` old)."""
+        if self.config.pools[pool].load_from is None:
+            return replica
+        return min(self.load_sources[pool], key=lambda r: r.load)
 
     # ---- the attempt loop ----
 
@@ -416,8 +455,14 @@ class PoolProvider(Provider):
         """What `attempt(replica)` yields, from the first replica that serves: one loop for plain
         calls (one item) and streams (chunks)."""
         errors: list[str] = []
-        for replica in await self.ranked_replicas(pool, ctx.conversation_id):
-            replica.in_flight += 1
+        timed_out = False
+        ranked = await self.ranked_replicas(pool, ctx.conversation_id)
+        if not ranked:
+            raise self._all_suspect(pool)
+        for replica in ranked:
+            counted = {id(r): r for r in (replica, self._counted_on(pool, replica))}.values()
+            for r in counted:
+                r.in_flight += 1
             yielded = False
             try:
                 async with aclosing(attempt(replica)) as items:
@@ -427,23 +472,79 @@ class PoolProvider(Provider):
                 return
             except _NextReplica as exc:
                 self._mark_down(replica, errors, f"{replica.url}: {exc}")
+            except httpx.PoolTimeout as exc:  # the runner's own connection pool, not the replica
+                raise ProviderTimeout(f"no connection to {replica.url} free in time", provider=self.name) from exc
             except httpx.TimeoutException as exc:
+                self._suspect(replica, exc, errors, after_tokens=yielded)
                 if yielded:
                     raise StreamBroken(f"{self.engine} stream stalled: {exc!r}", provider=self.name) from exc
-                raise ProviderTimeout(f"{replica.url}: no first token in time ({exc!r})", provider=self.name) from exc
+                timed_out = True
             except httpx.TransportError as exc:
                 if yielded:
                     raise StreamBroken(f"{self.engine} stream broke: {exc!r}", provider=self.name) from exc
                 self._mark_down(replica, errors, f"{replica.url}: {exc!r}")
             finally:
-                replica.in_flight = max(0, replica.in_flight - 1)
+                for r in counted:
+                    r.in_flight = max(0, r.in_flight - 1)
                 self._renew_stale()
-        raise ProviderUnavailable(f"no replica of pool {pool!r} served: {'; '.join(errors)}", provider=self.name)
+        failed = ProviderTimeout if timed_out else ProviderUnavailable
+        raise failed(f"no replica of pool {pool!r} served: {'; '.join(errors)}", provider=self.name)
 
     def _mark_down(self, replica: Replica, errors: list[str], why: str) -> None:
-        replica.down_until = time.monotonic() + self.config.down_for_s
+        replica.down_until = self.clock() + self.config.down_for_s
         errors.append(why)
         logger.warning("%s: replica failed before the first token, trying the next: %s", self.name, why)
+
+    def _suspect(self, replica: Replica, exc: Exception, errors: list[str], after_tokens: bool) -> None:
+        """A timeout on `replica`: open its breaker (the call moves on; later calls skip it)."""
+        limit = self.config.first_token_timeout_s
+        why = f"no {'next chunk' if after_tokens else 'first token'} within {limit:g} s ({type(exc).__name__})"
+        errors.append(f"{replica.url}: {why}")
+        if replica.breaker.open(self.clock(), self.config.suspect_for_s, why):
+            logger.warning("%s: replica %s is suspect (%s); skipped until a probe in %g s finds it answering",
+                           self.name, replica.url, why, self.config.suspect_for_s)  # fmt: skip
+
+    def _all_suspect(self, pool: str) -> ProviderUnavailable:
+        now = self.clock()
+        replicas = self.pools[pool]
+        wait = max(0.0, min(r.breaker.probe_at for r in replicas) - now)
+        whys = "; ".join(f"{r.url}: {r.breaker.why}" for r in replicas)
+        return ProviderUnavailable(
+            f"every replica of pool {pool!r} is suspect ({whys}); the next probe in {wait:.0f} s",
+            provider=self.name,
+            retry_after=wait,
+        )
+
+    # ---- suspect replicas' probes ----
+
+    def _start_probe(self, replica: Replica) -> None:
+        replica.breaker.probing = True
+        task = asyncio.get_running_loop().create_task(self._probe(replica))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, replica: Replica) -> None:
+        """One one-token request of the runner's own to a suspect replica: any answer short of a
+        5xx within the first-token timeout closes its breaker; else it opens again, for longer."""
+        body = self.body(_PROBE, stream=False)
+        try:
+            resp = await self._client.post(f"{replica.url}/v1/chat/completions", json=body, timeout=self._timeout())
+            failure = f"the probe got HTTP {resp.status_code}" if resp.status_code >= 500 else None
+        except httpx.HTTPError as exc:
+            failure = f"the probe got no answer ({type(exc).__name__})"
+        finally:
+            replica.breaker.probing = False
+        if failure is None:
+            replica.breaker.close()
+            logger.warning("%s: replica %s answers again; it serves", self.name, replica.url)
+            return
+        wait = replica.breaker.probe_failed(self.clock(), self.config.suspect_for_s, failure)
+        logger.warning("%s: replica %s still suspect (%s); the next probe in %g s", self.name, replica.url, failure, wait)
+
+    async def wait_probes(self) -> None:
+        """Wait for the probes in flight (a test, or a caller that wants their verdicts now)."""
+        while self._probes:
+            await asyncio.gather(*list(self._probes), return_exceptions=True)
 
     # ---- plain ----
 
@@ -477,7 +578,7 @@ class PoolProvider(Provider):
         finish = choice.finish_reason  # required by the reader: a reply without one is a bad_response
         if finish == "abort":  # the server dropped the request; nothing usable came back
             raise ProviderUnavailable(f"{self.engine} aborted the request", provider=self.name)
-        usage = body.usage.usage() if body.usage else Usage()
+        usage = wire.usage_of(body.usage)  # None where the server sent none: unknown, never zeros
         tool_calls = wire.tool_calls_of(choice.message, self.name, finish)
         ext: dict[str, Any] = {}
         self.capture(ext, data)
@@ -495,7 +596,9 @@ class PoolProvider(Provider):
         )
         return result.attach_outcome(outcome)
 
-    def _speculation(self, ext: dict[str, Any], pool: str, ctx: CallContext, usage: Usage) -> SpeculationOutcome:
+    def _speculation(
+        self, ext: dict[str, Any], pool: str, ctx: CallContext, usage: Usage | None
+    ) -> SpeculationOutcome:
         cfg = self.config.pools[pool]
         decision = ctx.decision
         gamma = cfg.gamma_for(decision)
@@ -503,7 +606,8 @@ class PoolProvider(Provider):
         return SpeculationOutcome(
             method=cfg.method,
             gamma=gamma,
-            completion_tokens=usage.completion_tokens,
+            # unknown usage: the outcome's count is an int; pools set no total_s, so no rate comes of it
+            completion_tokens=usage.completion_tokens if usage is not None else 0,
             rule=decision.rule if decision is not None else None,
             policy_version=decision.policy_version if decision is not None else None,
             pool=pool,
@@ -568,7 +672,7 @@ class PoolProvider(Provider):
                 raise
             raise ProviderBadResponse(f"{engine} stream event is not JSON: {exc}", provider=self.name) from exc
         self._check_stream_end(acc)
-        usage = acc.usage or Usage()
+        usage = acc.usage  # None where the server sent none (no usage chunk): unknown
         outcome = self._speculation(ext, pool, ctx, usage)
         yield acc.final(SpeculationInfo.from_outcome(outcome), self.name).attach_outcome(outcome)
         await _drain(lines)
@@ -596,6 +700,9 @@ class PoolProvider(Provider):
             raise ProviderUnavailable(f"{engine} aborted the request", provider=self.name)
 
     async def aclose(self) -> None:
+        for probe in list(self._probes):
+            probe.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
         if self._background_refresh is not None and not self._background_refresh.done():
             self._background_refresh.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -149,7 +149,7 @@ class SGLangProvider(PoolProvider):
                     ext["spec"] = wire.WireSpecDetails.model_validate(meta)
                 return
 
-    def spec_figures(self, ext: dict[str, Any], pool: str, gamma: int, usage: Usage) -> dict[str, Any]:
+    def spec_figures(self, ext: dict[str, Any], pool: str, gamma: int, usage: Usage | None) -> dict[str, Any]:
         """The outcome from SGLang 0.5.23's per-request counters, read under SGLang's own names (the
         foreign wire; the runner's names are `SpeculationOutcome`'s) (tokenizer_manager.py
         `_calculate_spec_decoding_metrics`): `spec_verify_ct` verify passes,
@@ -170,6 +170,7 @@ class SGLangProvider(PoolProvider):
             "accepted": spec.spec_num_correct_drafts,
             "proposed": spec.spec_num_proposed_drafts,
             "accept_length_histogram": tuple(hist),
-            "tokens_per_pass": spec.spec_accept_length or (usage.completion_tokens / verify_ct),
+            "tokens_per_pass": spec.spec_accept_length
+            or (usage.completion_tokens / verify_ct if usage is not None else None),
             "gamma_varies": self.config.pools[pool].adaptive,
         }

@@ -131,7 +131,7 @@ class VLLMProvider(PoolProvider):
         if isinstance(metrics, dict) and isinstance(metrics.get("speculative_decoding"), dict):
             ext["spec"] = metrics["speculative_decoding"]
 
-    def spec_figures(self, ext: dict[str, Any], pool: str, gamma: int, usage: Usage) -> dict[str, Any]:
+    def spec_figures(self, ext: dict[str, Any], pool: str, gamma: int, usage: Usage | None) -> dict[str, Any]:
         """From `metrics.speculative_decoding`. vLLM counts verify steps that drafted
         (`num_spec_steps`); a pass emits its accepted drafts plus one token, so the passes after
         prefill are completion − 1 − accepted (steps where the n-gram lookup found nothing
@@ -149,7 +149,7 @@ class VLLMProvider(PoolProvider):
             return {}
         if steps <= 0:
             return {}
-        passes = max(steps, usage.completion_tokens - 1 - accepted)
+        passes = max(steps, usage.completion_tokens - 1 - accepted) if usage is not None else steps
         return {
             "target_passes": passes,
             "accepted": accepted,

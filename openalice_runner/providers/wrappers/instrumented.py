@@ -91,8 +91,10 @@ def _parent_of(ctx: CallContext) -> otel_context.Context | None:
     return ctx.attributes.get(OTEL_CONTEXT_KEY) if ctx.attributes else None
 
 
-def _usage_tokens(usage: Usage) -> tuple[int, int, int | None]:
-    """(input, output, cached input) tokens."""
+def _usage_tokens(usage: Usage | None) -> tuple[int | None, int | None, int | None]:
+    """(input, output, cached input) tokens; None where unknown (left off the span, never 0)."""
+    if usage is None:
+        return None, None, None
     details = usage.prompt_tokens_details
     return usage.prompt_tokens, usage.completion_tokens, details.cached_tokens if details else None
 
