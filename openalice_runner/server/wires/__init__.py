@@ -10,8 +10,8 @@ them as `Wire` and `StreamFormat`):
    wire's own keys say of the turn: `conversation_id` (and `conversation_source`, the key it came from)
    from its session keys, used where no X-OpenAlice-Conversation-Id header / metadata states one.
    `state` carries whatever the wire needs back to format the answer (its model name, the tools it
-   offered, ...). Parse in a worker thread where it can be heavy (server/body.py's `in_thread`): tool
-   schemas are checked there. Bad input raises APIError naming the field (its `param`), answered in
+   offered, ...). Parse in one worker-thread hop (`anyio.to_thread.run_sync`, as MessagesWire.read does
+   with server/body.py's `parse_json_body`): tool schemas are checked there, which can be heavy. Bad input raises APIError naming the field (its `param`), answered in
    this wire's error shape.
 2. `reply(result: ChatResult, call) -> Response`: a whole answer in the wire's shape.
 3. `stream_format(call) -> StreamFormat`: a fresh formatter per stream; server/streaming.py's SSEStream
