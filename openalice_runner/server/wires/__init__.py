@@ -11,8 +11,8 @@ them as `Wire` and `StreamFormat`):
    from its session keys, used where no X-OpenAlice-Conversation-Id header / metadata states one.
    `state` carries whatever the wire needs back to format the answer (its model name, the tools it
    offered, ...). Parse in one worker-thread hop (`anyio.to_thread.run_sync`, as MessagesWire.read does
-   with server/body.py's `parse_json_body`): tool schemas are checked there, which can be heavy. Bad input raises APIError naming the field (its `param`), answered in
-   this wire's error shape.
+   with server/body.py's `parse_json_body`): tool schemas are checked there, which can be heavy. Bad
+   input raises APIError naming the field (its `param`), answered in this wire's error shape.
 2. `reply(result: ChatResult, call) -> Response`: a whole answer in the wire's shape.
 3. `stream_format(call) -> StreamFormat`: a fresh formatter per stream; server/streaming.py's SSEStream
    feeds it each ChatChunk (`chunk`), then `end(last, usage)`, or `error(api_error)` for a fault after
