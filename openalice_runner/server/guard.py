@@ -19,6 +19,7 @@ from fastapi import HTTPException
 from openalice_runner.server.error_log import ERRORS, REQUEST_ID
 from openalice_runner.server.errors import APIError
 from openalice_runner.server.metrics import ServerMetrics
+from openalice_runner.server.wires import error_parts, wire_for_path
 
 log = structlog.get_logger("openalice_runner.server.access")
 
@@ -85,11 +86,11 @@ class GuardMiddleware:
         admitted = False
         try:
             if self.drain is not None and self.drain.draining:
-                await _send_error(send_wrapper, DRAINING)
+                await _send_error(send_wrapper, DRAINING, path)
                 return
             error = self._check(scope, path)
             if error is not None:
-                await _send_error(send_wrapper, error)
+                await _send_error(send_wrapper, error, path)
                 return
             if self.drain is not None:
                 self.drain.in_flight += 1
@@ -100,13 +101,13 @@ class GuardMiddleware:
             # re-raises, for uvicorn to log the whole traceback again, per request: end it here.
             if not response.started:
                 ERRORS.report("unhandled error", exc, path=route)
-                await _send_error(send_wrapper, APIError(500, "internal error", code="internal_error"))
+                await _send_error(send_wrapper, APIError(500, "internal error", code="internal_error"), path)
         except asyncio.CancelledError:
             # uvicorn cancels what still runs past --shutdown-grace. Answer in OpenAI's terms rather
             # than leave uvicorn's text/plain 500 or a stream that just stops; the request ends here.
             if response.complete:
                 raise
-            await _send_cut(send, response)
+            await _send_cut(send, response, path)
             extra = {"cut": "shutdown", "status_sent": status_holder["status"]} if response.started else {}
             status_holder["status"] = 503
         finally:
@@ -205,13 +206,13 @@ DRAINING = APIError(
 )
 
 
-async def _send_cut(send: Any, response: _ResponseState) -> None:
+async def _send_cut(send: Any, response: _ResponseState, path: str) -> None:
     """503 for a request whose answer has not started; an error event ends a stream that has."""
     try:
         if not response.started:
-            await _send_error(send, SHUTTING_DOWN)
+            await _send_error(send, SHUTTING_DOWN, path)
         elif response.sse:
-            event = b"data: " + json.dumps(SHUTTING_DOWN.body(), separators=(",", ":")).encode() + b"\n\n"
+            event = wire_for_path(path).stream_error(SHUTTING_DOWN)
             await send({"type": "http.response.body", "body": event, "more_body": False})
         else:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -223,10 +224,12 @@ def _headers(scope: dict) -> dict[bytes, bytes]:
     return {k.lower(): v for k, v in scope.get("headers", [])}
 
 
-async def _send_error(send: Any, error: APIError) -> None:
-    body = json.dumps(error.body()).encode()
+async def _send_error(send: Any, error: APIError, path: str) -> None:
+    """`error` in the shape of the wire whose route was asked (server/wires/)."""
+    status, data, extra = error_parts(path, error)
+    body = json.dumps(data).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    for key, value in (error.headers or {}).items():
+    for key, value in extra.items():
         headers.append((key.lower().encode(), value.encode()))
-    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
