@@ -36,6 +36,12 @@ WEATHER = {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                    "additionalProperties": False},
 }  # fmt: skip
+UNITS = {
+    "type": "function",
+    "name": "set_units",
+    "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+                   "additionalProperties": False},
+}  # fmt: skip
 NAMESPACE = {
     "type": "namespace",
     "name": "agents",
@@ -121,7 +127,9 @@ def test_hosted_tools_are_left_out_and_named_unless_forced():
     reply = response_of(shell_of(parse({"input": "x"}), t.tools_not_offered), ChatResult.single(model="m", content="hi"),
                         {})  # fmt: skip
     assert reply["tools_not_offered"] == ["web_search", "file_search"]
-    err = error_of({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search_preview"}, "input": "x"})
+    err = error_of(
+        {"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search_preview"}, "input": "x"}
+    )
     assert err.status_code == 400 and err.param == "tool_choice" and "web_search_preview" in err.message
     err = error_of({"tools": [{"type": "web_search"}], "tool_choice": "required", "input": "x"})
     assert err.param == "tool_choice"
@@ -135,7 +143,10 @@ def test_tool_choice_forms():
     assert named.tool_choice.function.name == "get_time"
     allowed = to_chat(parse({**base, "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [
         {"type": "function", "name": "get_time"}, {"type": "image_generation"}]}})).request  # fmt: skip
-    assert allowed.tool_choice.allowed_tools.names == ["get_time"] and allowed.tool_choice.allowed_tools.mode == "required"
+    assert (
+        allowed.tool_choice.allowed_tools.names == ["get_time"]
+        and allowed.tool_choice.allowed_tools.mode == "required"
+    )
     assert error_of({**base, "tool_choice": {"type": "function", "name": "nope"}}).param == "tool_choice.name"
 
 
@@ -144,10 +155,12 @@ def test_text_format_becomes_response_format():
     req = to_chat(parse({"input": "x", "text": {"format": {"type": "json_schema", "name": "A", "schema": schema,
                                                             "strict": True}, "verbosity": "low"}})).request  # fmt: skip
     assert req.response_format.type == "json_schema" and req.response_format.json_schema.schema_ == schema
-    assert to_chat(parse({"input": "x", "text": {"format": {"type": "json_object"}}})).request.response_format.type == (
-        "json_object"
+    assert to_chat(
+        parse({"input": "x", "text": {"format": {"type": "json_object"}}})
+    ).request.response_format.type == ("json_object")
+    assert (
+        to_chat(parse({"input": "x", "text": {"format": {"type": "text"}}})).request.response_format is None
     )
-    assert to_chat(parse({"input": "x", "text": {"format": {"type": "text"}}})).request.response_format is None
 
 
 def test_codex_fields_are_accepted():
@@ -307,13 +320,27 @@ def test_a_call_continued_after_another_began_is_a_broken_stream():
 
     events = ResponseEvents(shell_of(parse({"input": "x"}), []), {})
     events.start()
+
     def call(index, **kw):
         return ChatChunk.piece("c", "m", tool_calls=[ToolCallDelta(index=index, function=FunctionCallDelta(**kw),
                                                                    id=kw.pop("id", None))])  # fmt: skip
-    events.feed(ChatChunk.piece("c", "m", tool_calls=[ToolCallDelta(index=0, id="a", function=FunctionCallDelta(name="f"))]))
-    events.feed(ChatChunk.piece("c", "m", tool_calls=[ToolCallDelta(index=1, id="b", function=FunctionCallDelta(name="g"))]))
+
+    events.feed(
+        ChatChunk.piece(
+            "c", "m", tool_calls=[ToolCallDelta(index=0, id="a", function=FunctionCallDelta(name="f"))]
+        )
+    )
+    events.feed(
+        ChatChunk.piece(
+            "c", "m", tool_calls=[ToolCallDelta(index=1, id="b", function=FunctionCallDelta(name="g"))]
+        )
+    )
     with pytest.raises(StreamBroken):
-        events.feed(ChatChunk.piece("c", "m", tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(arguments="{"))]))
+        events.feed(
+            ChatChunk.piece(
+                "c", "m", tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(arguments="{"))]
+            )
+        )
 
 
 # ---------------------------------------------------------------- store
@@ -329,4 +356,160 @@ def test_store_is_bounded_and_per_credential():
     for cred, rid in ((alice, "r1"), (credential_of({"x-api-key": "bob"}), "r3")):
         with pytest.raises(APIError) as caught:
             store.get(cred, rid)
-        assert caught.value.code == "previous_response_not_found" and caught.value.param == "previous_response_id"
+        assert (
+            caught.value.code == "previous_response_not_found"
+            and caught.value.param == "previous_response_id"
+        )
+
+
+# ---------------------------------------------------------------- the openai SDK against the app
+
+API_KEY = "responses-key"
+PROVIDERS = """
+providers:
+  local: {type: local, tiny_random: true, max_tokens_default: 24}
+routes:
+  - {name: default, match: {models: ["*"]}, chain: [local]}
+"""
+
+
+@pytest.fixture(scope="module")
+def live():
+    from stand_ins.engines import tiny_engine
+
+    from openalice_runner.providers.config import load_routing_text
+    from openalice_runner.runner import Runner
+    from openalice_runner.server.app import ServerSettings, create_app
+    from tests.test_server_api import LiveServer
+
+    runner = Runner.from_config(
+        providers=load_routing_text(PROVIDERS), policy=False, telemetry=False, engine=tiny_engine()
+    )
+    app = create_app(runner, settings=ServerSettings(api_key=API_KEY, request_timeout_s=120))
+    server = LiveServer(app).start()
+    yield server, app
+    server.stop()
+
+
+@pytest.fixture
+def client(live):
+    import openai
+
+    server, _ = live
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_sdk_plain_reply(client):
+    r = client.responses.create(model="tiny", instructions="Be brief.", input="Say hi", max_output_tokens=6)
+    assert r.id.startswith("resp_") and r.object == "response" and r.status in ("completed", "incomplete")
+    assert r.output[0].type == "message" and isinstance(r.output_text, str)
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    u = r.usage
+    assert (
+        u.input_tokens > 0 and 0 < u.output_tokens <= 6 and u.total_tokens == u.input_tokens + u.output_tokens
+    )
+    assert u.input_tokens_details.cached_tokens >= 0 and r.instructions == "Be brief."
+
+
+def test_sdk_streamed_events_in_order(client):
+    events = list(client.responses.create(model="tiny", input="Say hi", max_output_tokens=6, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{events[-1].response.status}"]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert final.output_text == deltas and final.usage.output_tokens > 0
+    # the SDK's helper (it takes only a `response.completed`): a forced call of a closed choice completes
+    # within its budget where a random model's free string would run out (`incomplete`)
+    with client.responses.stream(model="tiny", input="Units?", tools=[UNITS], tool_choice="required",
+                                 max_output_tokens=24) as stream:  # fmt: skip
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output[-1].type == "function_call"
+
+
+def test_sdk_forced_tool_then_its_result_sent_back(client, live):
+    _, app = live
+    tools = [WEATHER, NAMESPACE, {"type": "web_search"}]
+    r = client.responses.create(
+        model="tiny", input="Weather in Paris?", tools=tools, max_output_tokens=24,
+        tool_choice={"type": "function", "name": "get_weather"}, extra_headers={"session-id": "codex-thread-1"},
+    )  # fmt: skip
+    (call,) = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id and isinstance(json.loads(call.arguments)["city"], str)
+    assert r.model_extra["tools_not_offered"] == ["web_search"]
+    assert (
+        "codex-thread-1" in app.state.tracker._open
+    )  # the turn waits for the tool, keyed by Codex's session
+    back = client.responses.create(
+        model="tiny", tools=tools, max_output_tokens=6, extra_headers={"session-id": "codex-thread-1"},
+        input=[{"role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'}],
+    )  # fmt: skip
+    assert back.status in ("completed", "incomplete") and back.output
+
+
+def test_sdk_forced_namespaced_tool_comes_back_with_its_namespace(client):
+    r = client.responses.create(model="tiny", input="Spawn one", tools=[NAMESPACE], max_output_tokens=24,
+                                tool_choice="required")  # fmt: skip
+    (call,) = [item for item in r.output if item.type == "function_call"]
+    assert (call.name, call.namespace) == ("spawn", "agents")
+    json.loads(call.arguments)
+    streamed = list(client.responses.create(model="tiny", input="Spawn one", tools=[NAMESPACE], max_output_tokens=24,
+                                            tool_choice="required", stream=True))  # fmt: skip
+    kinds = [e.type for e in streamed]
+    assert (
+        "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    )
+    done = [
+        e.item for e in streamed if e.type == "response.output_item.done" and e.item.type == "function_call"
+    ]
+    assert [(i.name, i.namespace) for i in done] == [("spawn", "agents")]
+
+
+def test_sdk_previous_response_id(client):
+    import openai
+
+    first = client.responses.create(model="tiny", input="Remember 7", max_output_tokens=4)
+    second = client.responses.create(model="tiny", input="What number?", previous_response_id=first.id,
+                                     max_output_tokens=4)  # fmt: skip
+    assert second.previous_response_id == first.id
+    # the second continues the first: its prompt holds the first's input and output
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    streamed = list(client.responses.create(model="tiny", input="And?", previous_response_id=second.id,
+                                            max_output_tokens=4, stream=True))  # fmt: skip
+    third = client.responses.create(
+        model="tiny", input="x", previous_response_id=streamed[-1].response.id, max_output_tokens=2
+    )  # a streamed response is kept too
+    assert third.status in ("completed", "incomplete")
+    unstored = client.responses.create(model="tiny", input="x", store=False, max_output_tokens=2)
+    for missing in ("resp_nope", unstored.id):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(
+                model="tiny", input="x", previous_response_id=missing, max_output_tokens=2
+            )
+        err = caught.value.body
+        assert err["code"] == "previous_response_not_found" and err["param"] == "previous_response_id"
+
+
+def test_sdk_sees_errors_in_openai_shape(client, live):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="x", extra_body={"frobnicate": 1})
+    assert caught.value.body["code"] == "unknown_parameter" and caught.value.body["param"] == "frobnicate"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}])  # fmt: skip
+    assert caught.value.body["param"] == "input[0].content[0]"
+    server, _ = live
+    import openai as sdk
+
+    with pytest.raises(sdk.AuthenticationError):
+        sdk.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).responses.create(
+            model="t", input="x"
+        )

@@ -27,7 +27,9 @@ log = structlog.get_logger("openalice_runner.server.access")
 # with `serve --metrics-public` (it names models, providers and load, so it is keyed by default).
 PUBLIC_PATHS = frozenset({"/health"})
 # Routes as metric labels; anything else is "other" so clients cannot mint label values.
-KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/models", "/v1/policy", "/health", "/metrics"})
+KNOWN_ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/policy", "/health", "/metrics"}
+)
 
 
 _MODEL_ROUTE = "/v1/models/{id}"

@@ -32,7 +32,7 @@ from openalice_runner.server.wires.responses.reply import (
     usage_of,
 )
 from openalice_runner.server.wires.responses.translate import ToolName
-from openalice_runner.types import ChatChunk, SpeculationInfo, Usage
+from openalice_runner.types import ChatChunk, ChatMessage, SpeculationInfo, ToolCall, Usage
 
 
 def sse_event(event: dict[str, Any]) -> bytes:
@@ -131,6 +131,19 @@ class ResponseEvents:
             self._event("error", code=error.code, message=error.message, param=error.param),
             self._event("response.failed", response=failed),
         ]
+
+    def as_message(self) -> ChatMessage:
+        """The assistant message this response adds to the conversation, as the chat request saw it
+        (namespaced functions by the flattened name the model used)."""
+        text = "".join("".join(i.text) for i in self.items if i.kind == "message")
+        calls = [
+            ToolCall(id=i.call_id, function={"name": i.name, "arguments": "".join(i.text)})
+            for i in self.items
+            if i.kind == "function_call"
+        ]
+        return ChatMessage(
+            role="assistant", content=text if text or not calls else None, tool_calls=calls or None
+        )
 
     # ------------------------------------------------------------ items
 
