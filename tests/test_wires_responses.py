@@ -513,3 +513,13 @@ def test_sdk_sees_errors_in_openai_shape(client, live):
         sdk.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).responses.create(
             model="t", input="x"
         )
+
+
+def test_sdk_context_overflow_is_context_length_exceeded_naming_input(client):
+    import openai
+
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="tiny", input="word " * 200_000, stream=stream)
+        err = caught.value.body
+        assert err["code"] == "context_length_exceeded" and err["param"] == "input", err

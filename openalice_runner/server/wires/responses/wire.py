@@ -82,7 +82,7 @@ class ResponsesWire:
         return ResponsesStream(ResponseEvents(state.shell, state.translation.tool_names), self, state)
 
     def error_body(self, error: APIError) -> tuple[int, dict[str, Any], dict[str, str]]:
-        return error.status_code, error.body(), dict(error.headers or {})
+        return error.status_code, as_responses_error(error).body(), dict(error.headers or {})
 
     def stream_error(self, error: APIError) -> bytes:
         return sse_event({"type": "error", "sequence_number": 0, "code": error.code, "message": error.message,
@@ -92,6 +92,21 @@ class ResponsesWire:
         if state.store:
             with self._lock:
                 self.store.put(state.credential, state.shell.id, [*state.translation.conversation, answer])
+
+
+# Chat request fields a provider's error may name, as the Responses body calls them.
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def as_responses_error(error: APIError) -> APIError:
+    """`error` naming the Responses field where a provider named the chat request's (the embedded
+    engine's context check names `messages`: the caller sent `input`)."""
+    head = (error.param or "").split("[", 1)[0].split(".", 1)[0]
+    if head not in _PARAMS:
+        return error
+    renamed = APIError(error.status_code, error.message, param=_PARAMS[head], code=error.code, type=error.type,
+                       headers=error.headers)  # fmt: skip
+    return renamed
 
 
 class ResponsesStream:
@@ -119,7 +134,7 @@ class ResponsesStream:
         return out
 
     def error(self, error: APIError) -> bytes:
-        return b"".join(sse_event(e) for e in self._start() + self.events.fail(error))
+        return b"".join(sse_event(e) for e in self._start() + self.events.fail(as_responses_error(error)))
 
 
 def _conversation(headers: Mapping[str, str], prompt_cache_key: Any) -> tuple[str | None, str | None]:
