@@ -211,6 +211,10 @@ def test_codex_fields_are_accepted():
         ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata.k", "invalid_value"),
         ({"input": "x", "metadata": {"k": 1}}, "metadata.k", "invalid_type"),
         ({}, "input", "missing_required_parameter"),
+        # a `type` that is no string (the server fuzz test found these answered with a 500)
+        ({"input": [{"type": [1]}]}, "input[0].type", "invalid_type"),
+        ({"input": "x", "tools": [{"type": [1]}]}, "tools[0]", "invalid_value"),
+        ({"input": "x", "text": {"format": {"type": {}}}}, "text.format", "invalid_value"),
         ({"input": "\ud800"}, "input", "invalid_unicode"),
     ],
 )  # fmt: skip

@@ -24,6 +24,12 @@ HOSTED_TOOL_TYPES = frozenset({
 MEDIA_PART_TYPES = frozenset({"input_image", "input_file", "input_audio"})
 
 
+def _kind(value: Any) -> str | None:
+    """A union member's `type`, where it is a string (a discriminator must not hash a list)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if isinstance(kind, str) else None
+
+
 class _Open(StrictModel):
     """Items the runner accepts in history without showing them to the model: their fields are
     OpenAI's to evolve, so only `type` is checked."""
@@ -57,7 +63,7 @@ class MediaPart(_Open):
 
 
 def _part_tag(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    kind = _kind(value)
     if kind in MEDIA_PART_TYPES:
         return "@media"
     return f"@{kind}" if kind in ("input_text", "output_text", "refusal") else None
@@ -121,7 +127,7 @@ class OtherItem(_Open):
 
 
 def _item_tag(value: Any) -> str:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    kind = _kind(value)
     if kind is None and (isinstance(value, dict) and "role" in value):
         return "@message"
     if kind in ("message", "function_call", "function_call_output", "reasoning"):
@@ -162,9 +168,7 @@ class CustomTool(_Open):
 NamespacedTool = Annotated[
     Annotated[FunctionTool, Tag("@function")] | Annotated[CustomTool, Tag("@custom")],
     Discriminator(
-        lambda v: {"function": "@function", "custom": "@custom"}.get(
-            v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
-        ),
+        lambda v: {"function": "@function", "custom": "@custom"}.get(_kind(v)),
         custom_error_type="invalid_value",
         custom_error_message="a namespace's tool type must be 'function' or 'custom'",
     ),
@@ -186,7 +190,7 @@ class HostedTool(_Open):
 
 
 def _tool_tag(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    kind = _kind(value)
     if kind in ("function", "namespace"):
         return f"@{kind}"
     return "@hosted" if kind in HOSTED_TOOL_TYPES else None
@@ -225,7 +229,7 @@ class HostedChoice(_Open):
 def _choice_tag(value: Any) -> str:
     if isinstance(value, str):
         return "@mode"
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    kind = _kind(value)
     return {"function": "@function", "allowed_tools": "@allowed_tools"}.get(kind, "@hosted")
 
 
@@ -265,7 +269,7 @@ TextFormat = Annotated[
     | Annotated[TextFormatJsonSchema, Tag("@json_schema")],
     Discriminator(
         lambda v: {"text": "@text", "json_object": "@json_object", "json_schema": "@json_schema"}.get(
-            v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+            _kind(v)
         ),
         custom_error_type="invalid_value",
         custom_error_message="format type must be 'text', 'json_object' or 'json_schema'",
