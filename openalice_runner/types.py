@@ -467,6 +467,17 @@ class _Extended(BaseModel):
     speculation: SpeculationInfo | None = None
     provider: str | None = None  # name of the provider that served
     fallback_from: list[str] | None = None  # providers that failed before this one served
+    # The stop string that ended the reply where the provider says (not part of OpenAI's JSON, which
+    # has no field for it; Anthropic's stop_sequence). None: no stop string, or not known.
+    _stop: str | None = PrivateAttr(default=None)
+
+    @property
+    def stop_sequence(self) -> str | None:
+        return self._stop
+
+    def with_stop(self, stop: str | None) -> Any:
+        self._stop = stop
+        return self
 
     def to_openai(self) -> dict[str, Any]:
         data = self.model_dump(exclude={"speculation", "provider", "fallback_from"})

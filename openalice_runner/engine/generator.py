@@ -517,7 +517,9 @@ def finish(seq: Sequence) -> GenerationResult:
         stats.accept_length_histogram = histogram
     if stats.total_s > 0:
         stats.tokens_per_second = stats.completion_tokens / stats.total_s
-    return GenerationResult(text=seq.text.text, token_ids=list(seq.text.token_ids), stats=stats)
+    return GenerationResult(
+        text=seq.text.text, token_ids=list(seq.text.token_ids), stats=stats, stop=seq.text.matched
+    )
 
 
 @dataclass(frozen=True)

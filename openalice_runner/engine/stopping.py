@@ -17,6 +17,7 @@ class TextStream:
         self.text = ""  # text of token_ids, cut at a stop string once one is found
         self.sent = 0  # characters of `text` already handed out
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -43,10 +44,10 @@ class TextStream:
         # Only text that the new tokens touched (plus a stop string's length) can hold a new match.
         prior = len(self._decode(self.token_ids[:first_new_token])) if first_new_token else 0
         search_from = max(0, prior - longest + 1)
-        hits = [(i, len(s)) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        hits = [(i, len(s), s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if not hits:
             return
-        cut, length = min(hits)
+        cut, length, self.matched = min(hits)
         self.stopped = True
         self.text = self.text[:cut]
         # Keep the tokens up to the one that completes the stop string: what one-token passes

@@ -205,6 +205,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     stats: GenerationStats
+    stop: str | None = None  # the stop string that ended the text (Anthropic's stop_sequence)
 
     @property
     def finish_reason(self) -> str:

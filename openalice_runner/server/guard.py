@@ -28,8 +28,9 @@ log = structlog.get_logger("openalice_runner.server.access")
 PUBLIC_PATHS = frozenset({"/health"})
 # Routes as metric labels; anything else is "other" so clients cannot mint label values.
 KNOWN_ROUTES = frozenset(
-    {"/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/policy", "/health", "/metrics"}
-)
+    {"/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/models",
+     "/v1/policy", "/health", "/metrics"}
+)  # fmt: skip
 
 
 _MODEL_ROUTE = "/v1/models/{id}"
@@ -137,17 +138,13 @@ class GuardMiddleware:
 
     def _check(self, scope: dict, path: str) -> APIError | None:
         headers = _headers(scope)
-        if self.api_key is not None and path not in self.public_paths:
-            auth = headers.get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            # Constant-time compare: the time taken must not tell how much of a guess was right.
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return APIError(
-                    401,
-                    "missing or invalid API key (send Authorization: Bearer <key>)",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+        if self.api_key is not None and path not in self.public_paths and not self._key_matches(headers):
+            return APIError(
+                401,
+                "missing or invalid API key (send Authorization: Bearer <key>, or x-api-key: <key>)",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         length = headers.get(b"content-length")
         if length is not None:
             try:
@@ -156,6 +153,20 @@ class GuardMiddleware:
             except ValueError:
                 return APIError(400, "invalid Content-Length header", code="invalid_header")
         return None
+
+    def _key_matches(self, headers: dict[bytes, bytes]) -> bool:
+        """The key as OpenAI's clients send it (Authorization: Bearer) or Anthropic's (x-api-key): either
+        header that is sent must hold it, so a wrong one is never outvoted by a right one."""
+        sent: list[bytes] = []
+        auth = headers.get(b"authorization")
+        if auth is not None:
+            scheme, _, token = auth.partition(b" ")
+            sent.append(token.strip() if scheme.lower() == b"bearer" else b"")
+        if b"x-api-key" in headers:
+            sent.append(headers[b"x-api-key"].strip())
+        assert self.api_key is not None
+        # Constant-time compare: the time taken must not tell how much of a guess was right.
+        return bool(sent) and all([hmac.compare_digest(token, self.api_key) for token in sent])
 
     def _limited(self, receive: Any) -> Any:
         """Counts body bytes as they arrive (chunked bodies carry no Content-Length)."""

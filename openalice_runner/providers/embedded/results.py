@@ -59,7 +59,7 @@ def reply(result: Any, prompt: Prompt, ctx: CallContext, *, model: str, provider
         speculation=done.speculation,
         provider=provider,
     )
-    return out.attach_outcome(done.outcome)
+    return out.attach_outcome(done.outcome).with_stop(getattr(result, "stop", None))
 
 
 class StreamedReply:
@@ -96,7 +96,7 @@ class StreamedReply:
             speculation=done.speculation,
             provider=self.provider,
         )
-        yield final.attach_outcome(done.outcome)
+        yield final.attach_outcome(done.outcome).with_stop(getattr(result, "stop", None))
 
 
 def split(prompt: Prompt, text: str, *, cut: bool) -> tuple[str | None, list[ToolCall] | None]:
