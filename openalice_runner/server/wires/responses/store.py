@@ -4,8 +4,9 @@ A response is kept when its request did not say `store: false` (OpenAI's default
 store keeps the conversation the response ends (its input and output as chat messages, without
 `instructions`, which OpenAI does not carry over), so a request naming it continues from there. Keys
 are the digest of the credential the request came with: one caller cannot continue another's
-responses. The oldest go first past `max_entries`; an id not (or no longer) here is a 400
-`previous_response_not_found`, never a silent fresh start.
+responses. The oldest go first past `max_entries` or past `max_chars` of text in all (a conversation
+is as long as the bodies the server takes, so a count alone would not bound the memory); an id not (or
+no longer) here is a 400 `previous_response_not_found`, never a silent fresh start.
 """
 
 from __future__ import annotations
@@ -25,22 +26,40 @@ def credential_of(headers: Mapping[str, str]) -> str:
     return hashlib.sha256(token.encode()).hexdigest() if token else ""
 
 
+def _chars(conversation: tuple[ChatMessage, ...]) -> int:
+    return sum(
+        len(m.text) + sum(len(c.function.name) + len(c.function.arguments) for c in m.tool_calls or ())
+        for m in conversation
+    )
+
+
 class ResponseStore:
-    def __init__(self, max_entries: int = 1024) -> None:
-        self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, str], tuple[ChatMessage, ...]] = OrderedDict()
+    def __init__(self, max_entries: int = 1024, max_chars: int = 64 * 1024 * 1024) -> None:
+        self.max_entries, self.max_chars = max_entries, max_chars
+        self._entries: OrderedDict[tuple[str, str], tuple[tuple[ChatMessage, ...], int]] = OrderedDict()
+        self._chars = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def put(self, credential: str, response_id: str, conversation: list[ChatMessage]) -> None:
-        self._entries[(credential, response_id)] = tuple(conversation)
-        self._entries.move_to_end((credential, response_id))
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        kept = tuple(conversation)
+        size = _chars(kept)
+        if size > self.max_chars:
+            return  # larger than the whole store: kept, it would evict everything else
+        key = (credential, response_id)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._chars -= old[1]
+        self._entries[key] = (kept, size)
+        self._chars += size
+        while len(self._entries) > self.max_entries or self._chars > self.max_chars:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self._chars -= dropped
 
     def get(self, credential: str, response_id: str) -> list[ChatMessage]:
-        found = self._entries.get((credential, response_id))
+        entry = self._entries.get((credential, response_id))
+        found = entry[0] if entry is not None else None
         if found is None:
             raise APIError(
                 400,
