@@ -1,7 +1,8 @@
 """Schemathesis against the sidecar's own OpenAPI document, over real HTTP on loopback: at least 500
-generated requests (schema-valid and schema-violating ones, for every operation), none answered with
-a 5xx and none left hanging. The server runs the tiny random model with a low max_tokens limit, so
-each valid request costs a few decode steps."""
+generated requests (schema-valid and schema-violating ones, for every operation: Chat Completions and
+the Anthropic Messages routes alike), none answered with a 5xx and none left hanging, and every error
+in its route's wire shape (Anthropic's on /v1/messages*, OpenAI's elsewhere). The server runs the tiny
+random model with a low max_tokens limit, so each valid request costs a few decode steps."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ EXAMPLES = {  # (operation method, mode) -> examples
     ("GET", "positive"): 8,
     ("GET", "negative"): 8,
 }
+# The Messages routes, on top: fewer each (they share the request path the chat route's examples cover).
+WIRE_EXAMPLES = {"/v1/messages": 150, "/v1/messages/count_tokens": 60}
 PROVIDERS = """
 providers:
   local: {type: local, tiny_random: true, max_tokens_default: 2, max_in_flight: 1, max_queue: 8}
@@ -50,11 +53,12 @@ def server():
 def test_generated_requests_never_get_a_5xx_or_hang(server):
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     statuses: collections.Counter[int] = collections.Counter()
+    answered: set[str] = set()  # paths that answered some request with a 200
     problems: list[str] = []
     for result in schema.get_all_operations():
         operation = result.ok()
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-            examples = EXAMPLES[(operation.method.upper(), mode.value)]
+            examples = WIRE_EXAMPLES.get(operation.path) or EXAMPLES[(operation.method.upper(), mode.value)]
 
             @settings(
                 max_examples=examples,
@@ -67,10 +71,15 @@ def test_generated_requests_never_get_a_5xx_or_hang(server):
             def run(case) -> None:
                 response = case.call(base_url=server.url, timeout=PER_CALL_TIMEOUT_S)
                 statuses[response.status_code] += 1
+                if response.status_code == 200:
+                    answered.add(case.path)
                 if response.status_code >= 500:
                     problems.append(
                         f"{case.method} {case.path} -> {response.status_code}: {response.text[:300]}"
                     )
+                elif response.status_code >= 400 and not _in_wire_shape(case.path, response):
+                    problems.append(f"{case.method} {case.path} -> {response.status_code} not in its wire's shape: "
+                                    f"{response.text[:300]}")  # fmt: skip
 
             try:
                 run()
@@ -81,3 +90,15 @@ def test_generated_requests_never_get_a_5xx_or_hang(server):
     assert not problems, problems[:5]
     assert total >= MIN_REQUESTS, dict(statuses)
     assert statuses[200] > 0 and sum(n for s, n in statuses.items() if 400 <= s < 500) > 0
+    assert answered >= set(WIRE_EXAMPLES), answered  # the generated Messages bodies got past validation too
+
+
+def _in_wire_shape(path: str, response) -> bool:
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    if path.startswith("/v1/messages"):
+        error = body.get("error") if isinstance(body, dict) else None
+        return body.get("type") == "error" and isinstance(error, dict) and set(error) == {"type", "message"}
+    return isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]

@@ -282,6 +282,21 @@ def test_history_thinking_blocks_are_accepted_and_not_shown(server, client):
     assert with_thinking.input_tokens == client.messages.count_tokens(model=server.model, messages=plain).input_tokens
 
 
+def test_search_results_and_tool_references_reach_the_model_as_text(server, client):
+    hit = {"type": "search_result", "source": "https://docs/x", "title": "X", "content": [{"type": "text", "text": "x is 1"}]}
+    messages = [
+        {"role": "user", "content": "find x"},
+        {"role": "assistant", "content": [USE]},
+        {"role": "user", "content": [
+            {**RESULT, "content": [hit, {"type": "tool_reference", "tool_name": "get_weather"}], "toolset_name": "t"},
+            hit,
+        ]},
+    ]  # fmt: skip
+    counted = client.messages.count_tokens(model=server.model, messages=messages, tools=[WEATHER])
+    plain = [*messages[:2], {"role": "user", "content": [{**RESULT, "content": "x"}]}]
+    assert counted.input_tokens > client.messages.count_tokens(model=server.model, messages=plain, tools=[WEATHER]).input_tokens
+
+
 def test_conversation_from_the_claude_code_session_header(server, client):
     client.messages.create(
         model=server.model,
@@ -356,6 +371,10 @@ MALFORMED = [
                      {"role": "user", "content": "no result"}]), "messages.1"),
     (_body(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "prefill"}]), "messages.1"),
     (_body(messages=[{"role": "user", "content": [USE]}]), "messages.0.content.0.type"),
+    (_body(messages=[{"role": "user", "content": [{"type": "server_tool_use", "id": "s", "name": "web_search",
+                                                    "input": {}}]}]), "messages.0.content.0.type"),
+    (_body(messages=[{"role": "user", "content": [{"type": "tool_reference", "tool_name": "t"}]}]),
+     "messages.0.content.0.type"),
     (_body(system=[{"type": "image", "source": {}}]), "system.0.type"),
     (_body(temperature=1.5), "temperature"),
     (_body(top_p=0), "top_p"),

@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key",
         metavar="KEY",
-        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${ENV_API_KEY}; none: open)",
+        help=f"require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/* (default: ${ENV_API_KEY}; none: open)",
     )
     p.add_argument("--trace-file", metavar="F", help="write spans as JSON lines to F (see `trace report`)")
     p.add_argument(

@@ -74,6 +74,9 @@ def _message_of(error: APIError) -> str:
         if found:
             return f"prompt is too long: {found.group(1)} tokens > {found.group(2)} maximum"
         return f"prompt is too long: {error.message}"
+    param = error.param
+    if param and not error.message.startswith(param):  # a provider's error: named by its field too
+        return f"{param}: {error.message}"
     return error.message
 
 

@@ -86,22 +86,51 @@ def _kind(value: Any) -> str:
     return f"block:{kind}" if kind in _BLOCK_TYPES else "block:unknown"
 
 
+def _result_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"block:{kind}" if kind in _RESULT_TYPES else "block:unknown"
+
+
 class UnknownBlock(_Model):
     """Only here to fail: its error names the block types there are."""
 
-    type: Literal["text", "image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking"]
+    type: Literal[
+        "text", "image", "document", "search_result", "tool_use", "tool_result", "thinking", "redacted_thinking"
+    ]
 
 
 class UnknownResultPart(_Model):
-    type: Literal["text", "image", "document"]
+    type: Literal["text", "image", "document", "search_result", "tool_reference"]
+
+
+class SearchResultBlock(_Model):
+    """A search hit a tool returned: its title and text reach the model."""
+
+    type: Literal["search_result"]
+    source: str
+    title: str
+    content: list[TextBlock]
+    citations: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
+
+
+class ToolReferenceBlock(_Model):
+    """Tool search's answer (a deferred tool to load): every tool is shown to the model anyway
+    (`defer_loading` is ignored), so it reaches the model as the tool's name."""
+
+    type: Literal["tool_reference"]
+    tool_name: str
+    cache_control: CacheControl | None = None
 
 
 ResultPart = Annotated[
     Annotated[TextBlock, Tag("block:text")]
     | Annotated[ImageBlock, Tag("block:image")]
     | Annotated[DocumentBlock, Tag("block:document")]
+    | Annotated[SearchResultBlock, Tag("block:search_result")]
+    | Annotated[ToolReferenceBlock, Tag("block:tool_reference")]
     | Annotated[UnknownResultPart, Tag("block:unknown")],
-    Discriminator(lambda v: _kind(v) if _kind(v) in _RESULT_TAGS else "block:unknown"),
+    Discriminator(_result_kind),
 ]
 
 
@@ -111,6 +140,7 @@ class ToolResultBlock(_Model):
     content: ResultContent | None = None
     is_error: bool | None = None
     cache_control: CacheControl | None = None
+    toolset_name: str | None = None
 
 
 class ThinkingBlock(_Model):
@@ -132,13 +162,14 @@ Block = Annotated[
     | Annotated[ToolResultBlock, Tag("block:tool_result")]
     | Annotated[ThinkingBlock, Tag("block:thinking")]
     | Annotated[RedactedThinkingBlock, Tag("block:redacted_thinking")]
+    | Annotated[SearchResultBlock, Tag("block:search_result")]
     | Annotated[UnknownBlock, Tag("block:unknown")],
     Discriminator(_kind),
 ]
 _BLOCK_TYPES = frozenset(
-    {"text", "image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking"}
+    {"text", "image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking", "search_result"}
 )
-_RESULT_TAGS = frozenset({"block:text", "block:image", "block:document"})
+_RESULT_TYPES = frozenset({"text", "image", "document", "search_result", "tool_reference"})
 
 
 def _form(value: Any) -> str:

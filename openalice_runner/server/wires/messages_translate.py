@@ -21,8 +21,10 @@ from openalice_runner.server.wires.messages_request import (
     MessageParam,
     MessagesRequest,
     RedactedThinkingBlock,
+    SearchResultBlock,
     TextBlock,
     ThinkingBlock,
+    ToolReferenceBlock,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -175,12 +177,13 @@ def _assistant(content: list[Any], i: int) -> dict[str, Any]:
 
 def _user(content: list[Any], i: int) -> list[dict[str, Any]]:
     """Tool results first (as tool messages, answering the calls before them), then the text."""
-    _only(content, i, (TextBlock, ToolResultBlock), "a user message")
+    _only(content, i, (TextBlock, ToolResultBlock, SearchResultBlock), "a user message")
     out: list[dict[str, Any]] = []
     for j, block in enumerate(content):
         if isinstance(block, ToolResultBlock):
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block, i, j)})
-    text = "".join(b.text for b in content if isinstance(b, TextBlock))
+    text = "".join(_search_text(b) if isinstance(b, SearchResultBlock) else b.text for b in content
+                   if isinstance(b, TextBlock | SearchResultBlock))  # fmt: skip
     if text or not out:
         out.append({"role": "user", "content": text})
     return out
@@ -193,11 +196,22 @@ def _result_text(block: ToolResultBlock, i: int, j: int) -> str:
     elif isinstance(content, str):
         text = content
     else:
+        texts = []
         for k, part in enumerate(content):
             _no_media(part, f"messages.{i}.content.{j}.content.{k}")
-        text = "\n".join(p.text for p in content if isinstance(p, TextBlock))
+            if isinstance(part, TextBlock):
+                texts.append(part.text)
+            elif isinstance(part, SearchResultBlock):
+                texts.append(_search_text(part))
+            elif isinstance(part, ToolReferenceBlock):
+                texts.append(f"Tool loaded: {part.tool_name}")
+        text = "\n".join(texts)
     # The chat request has no field for a failed call: the model reads it in the result.
     return f"Error: {text}" if block.is_error else text
+
+
+def _search_text(block: SearchResultBlock) -> str:
+    return "\n".join([f"{block.title} ({block.source})", *(t.text for t in block.content)])
 
 
 def _check_turns(messages: list[MessageParam]) -> None:
