@@ -224,6 +224,16 @@ def test_malformed_requests_name_the_field_in_openai_shape(body, param, code):
     assert err.body()["error"]["type"] == "invalid_request_error" and param in err.message
 
 
+def test_lone_surrogates_are_found_however_they_came():
+    """An escape, escaped pairs (valid) beside one, and a surrogate's own UTF-8 bytes (json.loads reads
+    bytes with surrogatepass): each lone one is a 400 naming its field; a valid pair passes."""
+    assert to_chat(parse({"input": "\U0001f600"})).request.messages[0].content == "\U0001f600"
+    for raw in (b'{"input": "\\ud800"}', b'{"input": "\\ud83d\\ude00", "instructions": "\\uDC00"}',
+                b'{"input": "\xed\xa0\x80"}'):  # fmt: skip
+        err = error_of(raw)
+        assert err.code == "invalid_unicode" and err.param in ("input", "instructions"), (raw, err.body())
+
+
 def test_bodies_that_are_not_objects():
     for raw in (b"", b"[1]", b"{", b'"x"'):
         err = error_of(raw)

@@ -4,6 +4,7 @@ see server/body.py), each problem an APIError naming its field the way OpenAI na
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -13,6 +14,18 @@ from openalice_runner.server.errors import APIError, utf8_error
 from openalice_runner.server.validation import first_bad_string
 from openalice_runner.server.wires.responses.errors import from_validation
 from openalice_runner.server.wires.responses.schema import ResponsesRequest
+
+# What can put a lone surrogate in the parsed body: a `\uD800`-`\uDFFF` escape, or (json.loads reads
+# bytes with "surrogatepass") a surrogate's UTF-8 bytes. A body with neither skips the walk over it.
+# Two patterns: one alternation of both scans ~6x slower.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+def _may_hold_surrogates(raw: bytes) -> bool:
+    if b"\x00" in raw[:4]:  # UTF-16/32: always walk
+        return True
+    return _SURROGATE_ESCAPE.search(raw) is not None or _SURROGATE_BYTES.search(raw) is not None
 
 
 def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRequest:
@@ -29,7 +42,7 @@ def parse_responses_request(raw: bytes, content_type: str | None) -> ResponsesRe
         raise APIError(400, "request body is nested too deeply to parse", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, NOT_AN_OBJECT, code="invalid_body")
-    bad = first_bad_string(data, "")
+    bad = first_bad_string(data, "") if _may_hold_surrogates(raw) else None
     if bad is not None:  # JSON can carry lone surrogates, which no tokenizer takes
         raise APIError(400, f"{bad or 'body'}: not valid Unicode (a lone surrogate escape)",
                        param=bad or None, code="invalid_unicode")  # fmt: skip
