@@ -100,6 +100,21 @@ def test_items_of_every_role_and_a_tool_round_trip():
     assert t.request.tools[0].function.strict is True and t.request.effective_tool_choice == "auto"
 
 
+def test_an_output_may_answer_the_previous_responses_call():
+    previous = [
+        ChatMessage(role="user", content="Weather?"),
+        ChatMessage(role="assistant", tool_calls=[ToolCall(id="call_1", function={"name": "get_weather",
+                                                                                    "arguments": "{}"})]),
+    ]  # fmt: skip
+    body = parse({"tools": [WEATHER], "previous_response_id": "resp_1",
+                  "input": [{"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]})  # fmt: skip
+    msgs = to_chat(body, previous=previous).request.messages
+    assert [m.role for m in msgs] == ["user", "assistant", "tool"] and msgs[2].tool_call_id == "call_1"
+    with pytest.raises(APIError) as caught:  # answered already: a second answer answers nothing
+        to_chat(body, previous=[*previous, ChatMessage(role="tool", tool_call_id="call_1", content="x")])
+    assert caught.value.param == "input[0].call_id"
+
+
 def test_namespace_tools_are_flattened_and_named_back():
     t = to_chat(parse({"tools": [WEATHER, NAMESPACE], "tool_choice": {"type": "function", "name": "spawn"},
                        "input": "go"}))  # fmt: skip
@@ -500,6 +515,13 @@ def test_sdk_previous_response_id(client):
         model="tiny", input="x", previous_response_id=streamed[-1].response.id, max_output_tokens=2
     )  # a streamed response is kept too
     assert third.status in ("completed", "incomplete")
+    called = client.responses.create(model="tiny", input="Weather?", tools=[WEATHER], tool_choice="required",
+                                     max_output_tokens=24)  # fmt: skip
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    answered = client.responses.create(model="tiny", tools=[WEATHER], previous_response_id=called.id,
+                                       max_output_tokens=2, input=[{"type": "function_call_output",
+                                                                    "call_id": call.call_id, "output": "sunny"}])  # fmt: skip
+    assert answered.status in ("completed", "incomplete")
     unstored = client.responses.create(model="tiny", input="x", store=False, max_output_tokens=2)
     for missing in ("resp_nope", unstored.id):
         with pytest.raises(openai.BadRequestError) as caught:

@@ -64,7 +64,7 @@ def to_chat(
     """`previous`: the stored conversation `previous_response_id` names (the caller looks it up)."""
     _refuse_unsupported(body)
     tools, names, left_out = _tools(body.tools or [])
-    conversation = list(previous or []) + _messages(body.input, names)
+    conversation = _messages(body.input, names, list(previous or []))
     messages = (
         [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
     ) + conversation
@@ -130,14 +130,17 @@ def _refuse_unsupported(body: s.ResponsesRequest) -> None:
 # ---------------------------------------------------------------- input
 
 
-def _messages(items: str | list[Any] | None, names: dict[str, ToolName]) -> list[ChatMessage]:
+def _messages(
+    items: str | list[Any] | None, names: dict[str, ToolName], history: list[ChatMessage]
+) -> list[ChatMessage]:
+    """`history` (a previous response's conversation) and then `items`, as chat messages."""
+    out = history
     if items is None:
-        return []
+        return out
     if isinstance(items, str):
-        return [ChatMessage(role="user", content=items)]
+        return [*out, ChatMessage(role="user", content=items)]
     flat = {(n.namespace, n.name): seen for seen, n in names.items()}
-    out: list[ChatMessage] = []
-    open_calls: set[str] = set()  # calls of the latest assistant message not yet answered
+    open_calls = _unanswered(history)  # calls of the latest assistant message not yet answered
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if isinstance(item, s.MessageItem):
@@ -170,6 +173,20 @@ def _messages(items: str | list[Any] | None, names: dict[str, ToolName]) -> list
                 f"{where}.type", f"input items of type {item.type!r} are not supported by this server"
             )
     return out
+
+
+def _unanswered(history: list[ChatMessage]) -> set[str]:
+    """The calls the history's last assistant message made that no tool message after it answers: the
+    new input's `function_call_output` items may answer them (a previous response's calls)."""
+    answered: set[str] = set()
+    for message in reversed(history):
+        if message.role == "tool":
+            answered.add(message.tool_call_id or "")
+            continue
+        if message.role == "assistant":
+            return {call.id for call in message.tool_calls or ()} - answered
+        break
+    return set()
 
 
 def _message(item: s.MessageItem, where: str) -> ChatMessage:
