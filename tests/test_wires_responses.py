@@ -9,9 +9,11 @@ do (the engine decodes the call under a grammar, so it parses).
 from __future__ import annotations
 
 import json
+from contextlib import asynccontextmanager
 
 import pytest
 
+from openalice_runner.providers.base import StreamBroken
 from openalice_runner.server.errors import APIError
 from openalice_runner.server.wires.responses.body import parse_responses_request
 from openalice_runner.server.wires.responses.events import ResponseEvents, sse_event
@@ -345,8 +347,6 @@ def test_stream_that_runs_out_is_incomplete_and_a_fault_is_an_error_then_failed(
 
 
 def test_a_call_continued_after_another_began_is_a_broken_stream():
-    from openalice_runner.providers.base import StreamBroken
-
     events = ResponseEvents(shell_of(parse({"input": "x"}), []), {})
     events.start()
 
@@ -411,11 +411,34 @@ def live():
     from openalice_runner.server.app import ServerSettings, create_app
     from tests.test_server_api import LiveServer
 
-    runner = Runner.from_config(
+    class FaultyRunner(Runner):
+        """The real Runner; with `fail` set, a stream breaks after its first chunk."""
+
+        fail = False
+
+        def stream(self, request, ctx=None):
+            opened = super().stream(request, ctx)
+            if not self.fail:
+                return opened
+
+            @asynccontextmanager
+            async def broken():
+                async with opened as chunks:
+
+                    async def pieces():
+                        yield await anext(chunks)
+                        raise StreamBroken("cut for the test", provider="local")
+
+                    yield pieces()
+
+            return broken()
+
+    runner = FaultyRunner.from_config(
         providers=load_routing_text(PROVIDERS), policy=False, telemetry=False, engine=tiny_engine()
     )
     app = create_app(runner, settings=ServerSettings(api_key=API_KEY, request_timeout_s=120))
     server = LiveServer(app).start()
+    app.state.test_runner = runner
     yield server, app
     server.stop()
 
@@ -559,3 +582,20 @@ def test_sdk_context_overflow_is_context_length_exceeded_naming_input(client):
             client.responses.create(model="tiny", input="word " * 200_000, stream=stream)
         err = caught.value.body
         assert err["code"] == "context_length_exceeded" and err["param"] == "input", err
+
+
+def test_sdk_a_fault_after_the_stream_started_is_an_error_event_then_failed(client, live):
+    _, app = live
+    app.state.test_runner.fail = True
+    try:
+        events = list(client.responses.create(model="tiny", input="Say hi", max_output_tokens=6, stream=True))
+    finally:
+        app.state.test_runner.fail = False
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-2:] == [
+        "error",
+        "response.failed",
+    ]
+    assert events[-2].code == "stream_broken" and events[-1].response.status == "failed"
+    assert events[-1].response.error.code == "stream_broken"
+    assert [e.sequence_number for e in events] == list(range(len(events)))

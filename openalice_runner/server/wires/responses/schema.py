@@ -316,7 +316,7 @@ class ResponsesRequest(StrictModel):
     previous_response_id: str | None = None
     include: list[str] | None = None
     reasoning: Reasoning | None = None
-    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    prompt_cache_key: str | None = None
     metadata: (
         Annotated[
             dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
