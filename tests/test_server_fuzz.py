@@ -1,6 +1,6 @@
 """Schemathesis against the sidecar's own OpenAPI document, over real HTTP on loopback: at least 500
 generated requests (schema-valid and schema-violating ones, for every operation: Chat Completions and
-the Anthropic Messages routes alike), none answered with a 5xx and none left hanging, and every error
+the Anthropic Messages and OpenAI Responses routes alike), none answered with a 5xx and none left hanging, and every error
 in its route's wire shape (Anthropic's on /v1/messages*, OpenAI's elsewhere). The server runs the tiny
 random model with a low max_tokens limit, so each valid request costs a few decode steps."""
 
@@ -29,8 +29,9 @@ EXAMPLES = {  # (operation method, mode) -> examples
     ("GET", "positive"): 8,
     ("GET", "negative"): 8,
 }
-# The Messages routes, on top: fewer each (they share the request path the chat route's examples cover).
-WIRE_EXAMPLES = {"/v1/messages": 120, "/v1/messages/count_tokens": 50}
+# The Messages and Responses routes, on top: fewer each (they share the request path the chat route's
+# examples cover).
+WIRE_EXAMPLES = {"/v1/messages": 120, "/v1/messages/count_tokens": 50, "/v1/responses": 120}
 PROVIDERS = """
 providers:
   local: {type: local, tiny_random: true, max_tokens_default: 2, max_in_flight: 1, max_queue: 8}
@@ -94,7 +95,7 @@ def test_generated_requests_never_get_a_5xx_or_hang(server):
     assert not problems, problems[:5]
     assert total >= MIN_REQUESTS, dict(statuses)
     assert statuses[200] > 0 and sum(n for s, n in statuses.items() if 400 <= s < 500) > 0
-    assert answered >= set(WIRE_EXAMPLES), answered  # the generated Messages bodies got past validation too
+    assert answered >= set(WIRE_EXAMPLES), answered  # the generated wire bodies got past validation too
 
 
 def _in_wire_shape(path: str, response) -> bool:
