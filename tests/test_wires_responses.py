@@ -233,6 +233,9 @@ def test_codex_fields_are_accepted():
         ({"input": "x", "tools": [{"type": [1]}]}, "tools[0]", "invalid_value"),
         ({"input": "x", "text": {"format": {"type": {}}}}, "text.format", "invalid_value"),
         ({"input": "\ud800"}, "input", "invalid_unicode"),
+        # a history call's arguments nested past what rendering the prompt survives (was a RecursionError)
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 5000}]},
+         "input[0].arguments", "invalid_value"),
     ],
 )  # fmt: skip
 def test_malformed_requests_name_the_field_in_openai_shape(body, param, code):

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from openalice_runner.server.errors import APIError
-from openalice_runner.server.validation import ServerChatRequest
+from openalice_runner.server.validation import MAX_ARGUMENT_DEPTH, ServerChatRequest, nested_too_deep
 from openalice_runner.server.wires.responses import schema as s
 from openalice_runner.server.wires.responses.errors import invalid, param_of
 from openalice_runner.types import (
@@ -208,6 +208,8 @@ def _message(item: s.MessageItem, where: str) -> ChatMessage:
 
 
 def _call(item: s.FunctionCallItem, flat: dict[tuple[str | None, str], str], where: str) -> FunctionCall:
+    if nested_too_deep(item.arguments):  # the prompt's rendering parses them: keep it from recursing without end
+        raise invalid(f"{where}.arguments", f"nested more than {MAX_ARGUMENT_DEPTH} levels deep")
     name = flat.get((item.namespace, item.name))
     if name is None:  # a tool not offered this time: shown as the model would have seen it
         name = f"{item.namespace}{NAMESPACE_SEPARATOR}{item.name}" if item.namespace else item.name
