@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -467,6 +467,18 @@ class _Extended(BaseModel):
     speculation: SpeculationInfo | None = None
     provider: str | None = None  # name of the provider that served
     fallback_from: list[str] | None = None  # providers that failed before this one served
+    # The max_tokens the reply ran under where the provider knows it: the caller's, clamped to what
+    # the model's context leaves after the prompt (not part of the JSON; the server's
+    # x-openalice-max-tokens header). None: unknown (a remote provider applies its own).
+    _budget: int | None = PrivateAttr(default=None)
+
+    @property
+    def budget(self) -> int | None:
+        return self._budget
+
+    def with_budget(self, budget: int | None) -> Self:
+        self._budget = budget
+        return self
 
     def to_openai(self) -> dict[str, Any]:
         data = self.model_dump(exclude={"speculation", "provider", "fallback_from"})

@@ -32,7 +32,7 @@ from openalice_runner.server.streaming import GuardedStreamingResponse, SSEStrea
 from openalice_runner.server.turns import Step, TurnTracker
 from openalice_runner.server.validation import ServerChatRequest
 from openalice_runner.tracing.labels import LabelBounds
-from openalice_runner.types import ChatChunk
+from openalice_runner.types import ChatChunk, ChatResult
 
 log = structlog.get_logger("openalice_runner.server")
 
@@ -136,7 +136,7 @@ class ChatCompletions:
         metrics.chat_completions.labels(**labels, outcome="ok").inc()
         metrics.tokens.labels(type="input").inc(result.usage.prompt_tokens)
         metrics.tokens.labels(type="output").inc(result.usage.completion_tokens)
-        return JSONResponse(result.to_openai())
+        return JSONResponse(result.to_openai(), headers=budget_header(result))
 
     async def _stream(
         self, body: ServerChatRequest, ctx: CallContext, step: Step, deadline: Deadline, request: Request
@@ -170,7 +170,17 @@ class ChatCompletions:
             to_api_error=api_error_from,
             deadline=deadline,
         )
-        return GuardedStreamingResponse(stream, headers={"Cache-Control": "no-cache"})
+        return GuardedStreamingResponse(stream, headers={"Cache-Control": "no-cache", **budget_header(first)})
+
+
+MAX_TOKENS_HEADER = "x-openalice-max-tokens"
+
+
+def budget_header(reply: ChatResult | ChatChunk | None) -> dict[str, str]:
+    """The max_tokens the reply ran under, clamped to the context (docs/agent-runtimes.md, "Budget"),
+    where the provider knows it."""
+    budget = reply.budget if reply is not None else None
+    return {} if budget is None else {MAX_TOKENS_HEADER: str(budget)}
 
 
 def _turn_parent(request: Request, *, tracked: bool) -> Any:
