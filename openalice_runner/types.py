@@ -308,6 +308,9 @@ class ChatRequest(SamplingSettings):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
+    # OpenAI's cache-locality key, kept per conversation by the caller: the runner's conversation id
+    # where none is stated (server/turn_inference.py)
+    prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
     # Accepted only at their neutral values, so a client that sends them by default still works.
     frequency_penalty: float | None = None
@@ -425,6 +428,12 @@ class SpeculationInfo(BaseModel):
     rule: str | None = None  # policy rule that decided
     policy_version: str | None = None
     pool: str | None = None  # SGLang pool that served
+    # The policy's main input and where it came from (the server sets them): the turn type, and
+    # whether it and the conversation were stated (X-OpenAlice-* headers, metadata) or inferred
+    # from the request's shape and session keys (server/turn_inference.py).
+    turn_type: str | None = None
+    turn_type_source: str | None = None
+    conversation_source: str | None = None
 
     @classmethod
     def from_outcome(cls, outcome: SpeculationOutcome) -> SpeculationInfo:

@@ -22,7 +22,14 @@ from openalice_runner.providers.base import CallContext
 from openalice_runner.providers.streams import ChatStream
 from openalice_runner.providers.wrappers.instrumented import OTEL_CONTEXT_KEY
 from openalice_runner.server.body import read_chat_request
-from openalice_runner.server.context import caller_trace_context, turn_context
+from openalice_runner.server.context import (
+    TurnContext,
+    caller_trace_context,
+    mark_sources,
+    stamped,
+    turn_context,
+    with_sources,
+)
 from openalice_runner.server.deadline import ClientGone, Deadline, DeadlineExceeded, race, request_deadline
 from openalice_runner.server.mapping import api_error_from
 from openalice_runner.server.metrics import ServerMetrics
@@ -58,7 +65,7 @@ class ChatCompletions:
     async def chat_completions(self, request: Request) -> Response:
         # parsed, validated and checked off the loop (server/body.py)
         body = await read_chat_request(request, max_tokens_limit=self.settings.max_tokens_limit)
-        tc = turn_context(request.headers, body.metadata)
+        tc = turn_context(request.headers, body.metadata, body)
         deadline = request_deadline(request.headers, body.timeout, self.settings.request_timeout_s)
         refused = self._refusal(tc.turn_type, body.model)
         if refused is not None:  # every provider of the route is full: 429 before any work
@@ -74,6 +81,7 @@ class ChatCompletions:
             step=tc.step,
         )
         self.metrics.open_turns.set(len(self.tracker))
+        mark_sources(step.turn.span, tc)
         ctx = CallContext(
             conversation_id=tc.conversation_id,
             turn_type=tc.turn_type,
@@ -85,8 +93,8 @@ class ChatCompletions:
         span_ctx = step.turn.span.get_span_context()
         request.state.trace_ids = (format(span_ctx.trace_id, "032x"), format(span_ctx.span_id, "016x"))
         if body.stream:
-            return await self._stream(body, ctx, step, deadline, request)
-        return await self._complete(body, ctx, step, deadline, request)
+            return await self._stream(body, ctx, step, deadline, request, tc)
+        return await self._complete(body, ctx, step, deadline, request, tc)
 
     def _refusal(self, turn_type: str, model: str | None) -> Exception | None:
         try:
@@ -105,7 +113,8 @@ class ChatCompletions:
             self.metrics.cancelled.labels(reason=reason).inc()
 
     async def _complete(
-        self, body: ServerChatRequest, ctx: CallContext, step: Step, deadline: Deadline, request: Request
+        self, body: ServerChatRequest, ctx: CallContext, step: Step, deadline: Deadline, request: Request,
+        tc: TurnContext,
     ) -> Response:
         labels = {"turn_type": self.bounds.turn_type(ctx.turn_type), "stream": "false"}
         metrics = self.metrics
@@ -136,10 +145,11 @@ class ChatCompletions:
         metrics.chat_completions.labels(**labels, outcome="ok").inc()
         metrics.tokens.labels(type="input").inc(result.usage.prompt_tokens)
         metrics.tokens.labels(type="output").inc(result.usage.completion_tokens)
-        return JSONResponse(result.to_openai(), headers=budget_header(result))
+        return JSONResponse(with_sources(result, tc).to_openai(), headers=budget_header(result))
 
     async def _stream(
-        self, body: ServerChatRequest, ctx: CallContext, step: Step, deadline: Deadline, request: Request
+        self, body: ServerChatRequest, ctx: CallContext, step: Step, deadline: Deadline, request: Request,
+        tc: TurnContext,
     ) -> Response:
         labels = {"turn_type": self.bounds.turn_type(ctx.turn_type), "stream": "true"}
         t0 = time.perf_counter()
@@ -158,9 +168,9 @@ class ChatCompletions:
                 raise
             raise api_error_from(exc) from exc
         stream = SSEStream(
-            first=first,
+            first=first and with_sources(first, tc),
             opened=opened,
-            chunks=chunks,
+            chunks=stamped(chunks, tc),
             step=step,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             turn_type=labels["turn_type"],  # the stream's metric label
