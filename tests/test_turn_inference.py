@@ -208,6 +208,15 @@ def test_stated_headers_win_and_say_so_in_a_stream(server):
     assert "openalice.turn.type.inferred_by" not in turn.attributes
 
 
+def test_opencodes_session_header_is_its_conversation(server):
+    server.spans.clear()
+    body = {"messages": [USER], "max_tokens": 2}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"x-session-id": "ses_1"}, timeout=60)
+    assert r.json()["speculation"]["conversation_source"] == "inferred"
+    [turn] = _turn_spans(server)
+    assert turn.attributes["gen_ai.conversation.id"] == "ses_1"
+
+
 def test_no_conversation_says_none(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [USER], "max_tokens": 2}, timeout=60)
     spec = r.json()["speculation"]

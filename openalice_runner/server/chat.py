@@ -65,7 +65,9 @@ class ChatCompletions:
     async def chat_completions(self, request: Request) -> Response:
         # parsed, validated and checked off the loop (server/body.py)
         body = await read_chat_request(request, max_tokens_limit=self.settings.max_tokens_limit)
-        tc = turn_context(request.headers, body.metadata, body)
+        # opencode names its session in x-session-id (the AI SDK's openai-compatible provider sends
+        # neither prompt_cache_key nor user)
+        tc = turn_context(request.headers, body.metadata, body, session=request.headers.get("x-session-id"))
         deadline = request_deadline(request.headers, body.timeout, self.settings.request_timeout_s)
         refused = self._refusal(tc.turn_type, body.model)
         if refused is not None:  # every provider of the route is full: 429 before any work

@@ -66,7 +66,8 @@ def turn_context(
     conversation = _text(headers.get(CONVERSATION_HEADER) or meta.get("conversation_id"), "conversation_id")
     conversation_source = STATED if conversation else None
     if conversation is None:
-        conversation = _inferred_id(session or (inferred_conversation(request) if request is not None else None))
+        from_body = inferred_conversation(request) if request is not None else None
+        conversation = _inferred_id(from_body) or _inferred_id(session)
         conversation_source = INFERRED if conversation else None
     turn_type = _text(headers.get(HEADER_TURN_TYPE) or meta.get("turn_type"), "turn_type")
     turn_type_source, row = STATED, None

@@ -19,8 +19,8 @@ holds wins; docs/agent-runtimes.md "Turn types") reads it from the chat request 
 The vocabulary is the policies' (policies/default.yaml): structured output is JSON under a grammar,
 copied and forced as a tool call's arguments are, so it is `tool_call`. The conversation: OpenAI's
 `prompt_cache_key` (a key the caller keeps per conversation for cache locality), else its `user`;
-the wires with session keys of their own (Claude Code's session id, Codex's session-id header) pass
-them as `session`. Headers and `metadata` always win (server/context.py): those values are `stated`,
+the routes pass the session keys runtimes send beside the body (opencode's `x-session-id` header,
+Claude Code's session id, Codex's session-id header) as `session`, used where the body has none. Headers and `metadata` always win (server/context.py): those values are `stated`,
 these `inferred`.
 """
 
