@@ -1,7 +1,9 @@
 """The sidecar: an OpenAI-compatible HTTP API over a Runner, wired together here.
 
-Routes: POST /v1/chat/completions (plain and SSE: server/chat.py), GET /v1/models, GET /v1/policy,
-GET /health, GET /metrics (server/read_only.py); startup and shutdown: server/lifespan.py.
+Routes: POST /v1/chat/completions (OpenAI Chat Completions) and POST /v1/messages (Anthropic Messages;
+POST /v1/messages/count_tokens beside it), plain and SSE, each wire a translation
+(server/wires/) onto one request path (server/pipeline.py); GET /v1/models, GET /v1/policy, GET /health,
+GET /metrics (server/read_only.py); startup and shutdown: server/lifespan.py.
 Every request of a conversation lands in its agent turn (server/turns.py), so the trace shows the turn's
 model calls and the tool steps between them under one `invoke_agent` span.
 """
@@ -14,19 +16,26 @@ from typing import Any
 from fastapi import FastAPI
 
 from openalice_runner.redaction import register_secret
-from openalice_runner.server.chat import ChatCompletions
-from openalice_runner.server.chat_schema import CHAT_BODY_DOC, with_chat_schemas
+from openalice_runner.server.chat_schema import (
+    CHAT_BODY_DOC,
+    COUNT_TOKENS_BODY_DOC,
+    MESSAGES_BODY_DOC,
+    with_chat_schemas,
+)
 from openalice_runner.server.connections import Drain
 from openalice_runner.server.errors import install_error_handlers
 from openalice_runner.server.guard import PUBLIC_PATHS, GuardMiddleware
 from openalice_runner.server.lifespan import ServingLifespan
 from openalice_runner.server.metrics import ServerMetrics
+from openalice_runner.server.pipeline import RequestPipeline
 from openalice_runner.server.read_only import ReadOnlyEndpoints
 from openalice_runner.server.routing_watch import RoutingWatcher
 from openalice_runner.server.runner_protocol import ServedRunner
 from openalice_runner.server.settings import ServerSettings
 from openalice_runner.server.turn_types import ConfiguredTurnTypes
 from openalice_runner.server.turns import TurnTracker
+from openalice_runner.server.wires import CHAT, MESSAGES
+from openalice_runner.server.wires.messages import CountTokens
 from openalice_runner.tracing.labels import LabelBounds
 from openalice_runner.tracing.telemetry import RunnerTelemetry
 
@@ -96,8 +105,11 @@ def create_app(
         metrics=metrics,
         public_paths=PUBLIC_PATHS | {"/metrics"} if settings.metrics_public else PUBLIC_PATHS,
     )
-    chat = ChatCompletions(runner, settings=settings, tracker=tracker, metrics=metrics, bounds=bounds)
-    app.post("/v1/chat/completions", openapi_extra=CHAT_BODY_DOC)(chat.chat_completions)
+    pipeline = RequestPipeline(runner, settings=settings, tracker=tracker, metrics=metrics, bounds=bounds)
+    app.post("/v1/chat/completions", openapi_extra=CHAT_BODY_DOC)(pipeline.handler(CHAT))
+    app.post("/v1/messages", openapi_extra=MESSAGES_BODY_DOC)(pipeline.handler(MESSAGES))
+    count_tokens = CountTokens(runner, settings)
+    app.post("/v1/messages/count_tokens", openapi_extra=COUNT_TOKENS_BODY_DOC)(count_tokens.handle)
     read_only = ReadOnlyEndpoints(
         runner, settings=settings, tracker=tracker, metrics=metrics, routing_watch=watch
     )

@@ -32,12 +32,12 @@ def _is_json(content_type: str | None) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
-def parse_chat_request(raw: bytes, content_type: str | None) -> ServerChatRequest:
-    """`raw` as a ServerChatRequest; RequestValidationError or APIError otherwise."""
+def parse_json_body(raw: bytes, content_type: str | None) -> Any:
+    """`raw` as JSON (any value: the wire checks its shape); RequestValidationError or APIError otherwise."""
     if not raw or not _is_json(content_type):
         raise APIError(400, NOT_AN_OBJECT, code="invalid_body")
     try:
-        data: Any = json.loads(raw)
+        return json.loads(raw)
     except UnicodeDecodeError as exc:
         raise utf8_error(exc) from None
     except json.JSONDecodeError as exc:
@@ -47,6 +47,11 @@ def parse_chat_request(raw: bytes, content_type: str | None) -> ServerChatReques
         ) from None
     except RecursionError:
         raise APIError(400, "request body is nested too deeply to parse", code="invalid_json") from None
+
+
+def parse_chat_request(raw: bytes, content_type: str | None) -> ServerChatRequest:
+    """`raw` as a ServerChatRequest; RequestValidationError or APIError otherwise."""
+    data = parse_json_body(raw, content_type)
     try:
         return ServerChatRequest.model_validate(data)
     except ValidationError as exc:

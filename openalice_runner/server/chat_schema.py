@@ -1,5 +1,5 @@
-"""The chat body's schema in the OpenAPI document: the body is read by read_chat_request (server/body.py),
-not by FastAPI, so the document is told what it is."""
+"""The request bodies' schemas in the OpenAPI document: each wire reads its body itself (server/body.py,
+server/wires/), not FastAPI, so the document is told what they are."""
 
 from __future__ import annotations
 
@@ -8,19 +8,29 @@ from typing import Any
 from fastapi import FastAPI
 
 from openalice_runner.server.validation import ServerChatRequest
+from openalice_runner.server.wires.messages_request import CountTokensRequest, MessagesRequest
 
-_CHAT_SCHEMA = ServerChatRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-_CHAT_DEFS = _CHAT_SCHEMA.pop("$defs", {})
-CHAT_BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {"schema": _CHAT_SCHEMA}}}}
+_DEFS: dict[str, Any] = {}
+
+
+def _body_doc(model: type[Any]) -> dict[str, Any]:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    _DEFS.update(schema.pop("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+CHAT_BODY_DOC = _body_doc(ServerChatRequest)
+MESSAGES_BODY_DOC = _body_doc(MessagesRequest)
+COUNT_TOKENS_BODY_DOC = _body_doc(CountTokensRequest)
 
 
 def with_chat_schemas(app: FastAPI) -> None:
-    """Add the schemas the chat body refers to ($defs) to the app's OpenAPI components."""
+    """Add the schemas the bodies refer to ($defs) to the app's OpenAPI components."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         doc = generate()
-        doc.setdefault("components", {}).setdefault("schemas", {}).update(_CHAT_DEFS)
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(_DEFS)
         return doc
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema

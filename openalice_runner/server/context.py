@@ -32,6 +32,7 @@ class TurnContext:
     turn_type_source: str = STATED  # stated | inferred | default (no request to infer from)
     conversation_source: str | None = None  # stated | inferred; None: no conversation
     turn_type_row: str | None = None  # the inference table's row that decided (turn_inference.py)
+    conversation_key: str | None = None  # an inferred conversation's key (prompt_cache_key, a session header)
 
 
 def _text(value: str | None, name: str) -> str | None:
@@ -52,23 +53,32 @@ def _inferred_id(value: str | None) -> str | None:
     return value if value and len(value) <= _MAX_ID and value.isprintable() else None
 
 
+def _body_key(request: ChatRequest) -> str:
+    return "prompt_cache_key" if request.prompt_cache_key else "user"
+
+
 def turn_context(
     headers: Mapping[str, str],
     metadata: Mapping[str, str] | None,
     request: ChatRequest | None = None,
     *,
     session: str | None = None,
+    session_key: str | None = None,
 ) -> TurnContext:
     """Headers win over metadata keys conversation_id, turn_type, step, agent; what neither states
-    is inferred from `request` (its shape; its prompt_cache_key / user) and `session` (a wire's own
-    session key, e.g. Claude Code's session id), where given."""
+    is inferred: the conversation from `session` (a wire's own session key, e.g. Claude Code's
+    session id; `session_key` names it), else `request`'s prompt_cache_key / user; the turn type
+    from `request`'s shape."""
     meta = metadata or {}
     conversation = _text(headers.get(CONVERSATION_HEADER) or meta.get("conversation_id"), "conversation_id")
     conversation_source = STATED if conversation else None
+    key = None
     if conversation is None:
-        from_body = inferred_conversation(request) if request is not None else None
-        conversation = _inferred_id(from_body) or _inferred_id(session)
+        conversation, key = _inferred_id(session), session_key or "session"
+        if conversation is None and request is not None:
+            conversation, key = _inferred_id(inferred_conversation(request)), _body_key(request)
         conversation_source = INFERRED if conversation else None
+        key = key if conversation else None
     turn_type = _text(headers.get(HEADER_TURN_TYPE) or meta.get("turn_type"), "turn_type")
     turn_type_source, row = STATED, None
     if turn_type is None and request is not None:
@@ -88,7 +98,7 @@ def turn_context(
             ) from None
         if not 0 <= step <= 1_000_000:
             raise APIError(400, "step must be between 0 and 1000000", param="step")
-    return TurnContext(conversation, turn_type, step, agent, turn_type_source, conversation_source, row)
+    return TurnContext(conversation, turn_type, step, agent, turn_type_source, conversation_source, row, key)
 
 
 def mark_sources(span: Any, tc: TurnContext) -> None:
@@ -99,6 +109,8 @@ def mark_sources(span: Any, tc: TurnContext) -> None:
             attrs[A.TURN_TYPE_INFERRED_BY] = tc.turn_type_row
         if tc.conversation_source is not None:
             attrs[A.CONVERSATION_SOURCE] = tc.conversation_source
+        if tc.conversation_key is not None:
+            attrs[A.CONVERSATION_INFERRED_FROM] = tc.conversation_key
         span.set_attributes(attrs)
 
 

@@ -1,4 +1,6 @@
-"""OpenAI-shaped errors: every 4xx/5xx body is {"error": {"message", "type", "param", "code"}}.
+"""The API's errors: `APIError` holds one in OpenAI's terms (status, type, param, code), and its body
+is OpenAI's {"error": {"message", "type", "param", "code"}}; a route of another wire answers it in that
+wire's shape (server/wires/, `error_body`), by the handlers installed here.
 
 Messages never carry secrets: provider errors are reported by class and status, and unexpected
 exceptions only as "internal error" (the details go to the log, with the trace id).
@@ -134,25 +136,29 @@ def _field_of_bad_bytes(raw: bytes) -> str | None:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Every error answered in the shape of the wire whose route was asked (server/wires/)."""
+    from openalice_runner.server.wires import error_response
+
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request.url.path, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
-            return utf8_error(exc.__cause__).response()
+            return error_response(request.url.path, utf8_error(exc.__cause__))
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status_code)
         headers = dict(exc.headers) if exc.headers else None
-        return APIError(exc.status_code, str(exc.detail), code=code, headers=headers).response()
+        error = APIError(exc.status_code, str(exc.detail), code=code, headers=headers)
+        return error_response(request.url.path, error)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         from openalice_runner.server.error_log import ERRORS
 
         ERRORS.report("unhandled error", exc, path=request.url.path)  # rate-limited; traceback once per kind
-        return APIError(500, "internal error", code="internal_error").response()
+        return error_response(request.url.path, APIError(500, "internal error", code="internal_error"))

@@ -19,6 +19,7 @@ from fastapi import HTTPException
 from openalice_runner.server.error_log import ERRORS, REQUEST_ID
 from openalice_runner.server.errors import APIError
 from openalice_runner.server.metrics import ServerMetrics
+from openalice_runner.server.wires import error_parts, wire_for_path
 
 log = structlog.get_logger("openalice_runner.server.access")
 
@@ -26,7 +27,10 @@ log = structlog.get_logger("openalice_runner.server.access")
 # with `serve --metrics-public` (it names models, providers and load, so it is keyed by default).
 PUBLIC_PATHS = frozenset({"/health"})
 # Routes as metric labels; anything else is "other" so clients cannot mint label values.
-KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/models", "/v1/policy", "/health", "/metrics"})
+KNOWN_ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/v1/policy", "/health",
+     "/metrics"}
+)  # fmt: skip
 
 
 _MODEL_ROUTE = "/v1/models/{id}"
@@ -85,11 +89,11 @@ class GuardMiddleware:
         admitted = False
         try:
             if self.drain is not None and self.drain.draining:
-                await _send_error(send_wrapper, DRAINING)
+                await _send_error(send_wrapper, DRAINING, path)
                 return
             error = self._check(scope, path)
             if error is not None:
-                await _send_error(send_wrapper, error)
+                await _send_error(send_wrapper, error, path)
                 return
             if self.drain is not None:
                 self.drain.in_flight += 1
@@ -100,13 +104,13 @@ class GuardMiddleware:
             # re-raises, for uvicorn to log the whole traceback again, per request: end it here.
             if not response.started:
                 ERRORS.report("unhandled error", exc, path=route)
-                await _send_error(send_wrapper, APIError(500, "internal error", code="internal_error"))
+                await _send_error(send_wrapper, APIError(500, "internal error", code="internal_error"), path)
         except asyncio.CancelledError:
             # uvicorn cancels what still runs past --shutdown-grace. Answer in OpenAI's terms rather
             # than leave uvicorn's text/plain 500 or a stream that just stops; the request ends here.
             if response.complete:
                 raise
-            await _send_cut(send, response)
+            await _send_cut(send, response, path)
             extra = {"cut": "shutdown", "status_sent": status_holder["status"]} if response.started else {}
             status_holder["status"] = 503
         finally:
@@ -134,17 +138,13 @@ class GuardMiddleware:
 
     def _check(self, scope: dict, path: str) -> APIError | None:
         headers = _headers(scope)
-        if self.api_key is not None and path not in self.public_paths:
-            auth = headers.get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            # Constant-time compare: the time taken must not tell how much of a guess was right.
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return APIError(
-                    401,
-                    "missing or invalid API key (send Authorization: Bearer <key>)",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+        if self.api_key is not None and path not in self.public_paths and not self._key_matches(headers):
+            return APIError(
+                401,
+                "missing or invalid API key (send Authorization: Bearer <key>, or x-api-key: <key>)",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         length = headers.get(b"content-length")
         if length is not None:
             try:
@@ -153,6 +153,20 @@ class GuardMiddleware:
             except ValueError:
                 return APIError(400, "invalid Content-Length header", code="invalid_header")
         return None
+
+    def _key_matches(self, headers: dict[bytes, bytes]) -> bool:
+        """The key as OpenAI's clients send it (Authorization: Bearer) or Anthropic's (x-api-key): either
+        header that is sent must hold it, so a wrong one is never outvoted by a right one."""
+        sent: list[bytes] = []
+        auth = headers.get(b"authorization")
+        if auth is not None:
+            scheme, _, token = auth.partition(b" ")
+            sent.append(token.strip() if scheme.lower() == b"bearer" else b"")
+        if b"x-api-key" in headers:
+            sent.append(headers[b"x-api-key"].strip())
+        assert self.api_key is not None
+        # Constant-time compare: the time taken must not tell how much of a guess was right.
+        return bool(sent) and all([hmac.compare_digest(token, self.api_key) for token in sent])
 
     def _limited(self, receive: Any) -> Any:
         """Counts body bytes as they arrive (chunked bodies carry no Content-Length)."""
@@ -205,13 +219,13 @@ DRAINING = APIError(
 )
 
 
-async def _send_cut(send: Any, response: _ResponseState) -> None:
+async def _send_cut(send: Any, response: _ResponseState, path: str) -> None:
     """503 for a request whose answer has not started; an error event ends a stream that has."""
     try:
         if not response.started:
-            await _send_error(send, SHUTTING_DOWN)
+            await _send_error(send, SHUTTING_DOWN, path)
         elif response.sse:
-            event = b"data: " + json.dumps(SHUTTING_DOWN.body(), separators=(",", ":")).encode() + b"\n\n"
+            event = wire_for_path(path).stream_error(SHUTTING_DOWN)
             await send({"type": "http.response.body", "body": event, "more_body": False})
         else:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -223,10 +237,12 @@ def _headers(scope: dict) -> dict[bytes, bytes]:
     return {k.lower(): v for k, v in scope.get("headers", [])}
 
 
-async def _send_error(send: Any, error: APIError) -> None:
-    body = json.dumps(error.body()).encode()
+async def _send_error(send: Any, error: APIError, path: str) -> None:
+    """`error` in the shape of the wire whose route was asked (server/wires/)."""
+    status, data, extra = error_parts(path, error)
+    body = json.dumps(data).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    for key, value in (error.headers or {}).items():
+    for key, value in extra.items():
         headers.append((key.lower().encode(), value.encode()))
-    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

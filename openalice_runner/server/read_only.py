@@ -1,7 +1,7 @@
 """The sidecar's read-only endpoints: GET /v1/models, /v1/models/{id}, /v1/policy, /health, /metrics.
 
 Nothing here changes state; each answers from the runner, the turn tracker, the metrics and the watched
-files as they are now. The chat endpoint is server/chat.py.
+files as they are now. The request path is server/pipeline.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Server-sent events for a streamed chat completion, in OpenAI's chunk format.
+"""Server-sent events for a streamed answer, in its wire's shape (a StreamFormat, server/wires/).
 
 The stream's bookkeeping (in-flight gauge, the turn's step, metrics, closing the provider's stream)
 runs exactly once however the stream ends: finished, failed mid-way (an error event, since the status
@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -26,6 +26,9 @@ from openalice_runner.server.errors import APIError
 from openalice_runner.server.metrics import ServerMetrics
 from openalice_runner.server.turns import Step, TurnTracker
 from openalice_runner.types import ChatChunk
+
+if TYPE_CHECKING:  # the wires import this module (sse)
+    from openalice_runner.server.wires.base import StreamFormat
 
 log = structlog.get_logger("openalice_runner.server")
 
@@ -42,7 +45,7 @@ class SSEStream:
         opened: AbstractAsyncContextManager[ChatStream],
         chunks: ChatStream,
         step: Step,
-        include_usage: bool,
+        format: StreamFormat,
         turn_type: str,
         t0: float,
         tracker: TurnTracker,
@@ -54,7 +57,7 @@ class SSEStream:
         # leaves it, which stops the generation and frees the provider's slot.
         self.first, self.opened, self.chunks, self.step = first, opened, chunks, step
         self.deadline = deadline
-        self.include_usage, self.turn_type, self.t0 = include_usage, turn_type, t0
+        self.format, self.turn_type, self.t0 = format, turn_type, t0
         self.tracker, self.metrics, self.to_api_error = tracker, metrics, to_api_error
         self.calls: dict[int, list[str]] = {}  # tool call index -> [id, name]
         self.finish_reason: str | None = None
@@ -73,26 +76,11 @@ class SSEStream:
                 if not first_token and (chunk.delta_text or chunk.tool_call_deltas):
                     first_token = True
                     self.metrics.ttft.labels(turn_type=self.turn_type).observe(time.perf_counter() - self.t0)
-                data = chunk.to_openai()
-                data.pop("usage", None)
-                if self.include_usage:
-                    data["usage"] = None  # OpenAI: null on every chunk but the last
-                if data["choices"]:
-                    yield sse(data)
+                for event in self.format.chunk(chunk):
+                    yield event
                 chunk = await self._next()
-            if self.include_usage and self.usage is not None and last is not None:
-                final = {
-                    "id": last.id,
-                    "object": "chat.completion.chunk",
-                    "created": last.created,
-                    "model": last.model,
-                    "choices": [],
-                    "usage": self.usage.model_dump(),
-                }
-                if last.speculation is not None:
-                    final["speculation"] = last.speculation.model_dump()
-                yield sse(final)
-            yield b"data: [DONE]\n\n"
+            for event in self.format.end(last, self.usage):
+                yield event
         except Exception as exc:
             error = exc
             api_error = self.to_api_error(exc)
@@ -100,7 +88,7 @@ class SSEStream:
             # upstream's that might quote the request): what an operator needs to find the fault
             reason = str(exc)[:300] if isinstance(exc, StreamBroken | ProviderBadResponse) else None
             log.warning("stream failed", error_type=type(exc).__name__, status=api_error.status_code, reason=reason)
-            yield sse(api_error.body())
+            yield self.format.error(api_error)
         except BaseException as exc:  # cancelled: the client went away
             error = exc
             raise

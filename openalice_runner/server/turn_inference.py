@@ -17,11 +17,11 @@ holds wins; docs/agent-runtimes.md "Turn types") reads it from the chat request 
 | anything else                                                                      | chat      |
 
 The vocabulary is the policies' (policies/default.yaml): structured output is JSON under a grammar,
-copied and forced as a tool call's arguments are, so it is `tool_call`. The conversation: OpenAI's
-`prompt_cache_key` (a key the caller keeps per conversation for cache locality), else its `user`;
-the routes pass the session keys runtimes send beside the body (opencode's `x-session-id` header,
-Claude Code's session id, Codex's session-id header) as `session`, used where the body has none. Headers and `metadata` always win (server/context.py): those values are `stated`,
-these `inferred`.
+copied and forced as a tool call's arguments are, so it is `tool_call`. The conversation: the
+session key the wire reads (server/wires/: opencode's `x-session-id` header, Claude Code's session
+id, Codex's session-id header), else OpenAI's `prompt_cache_key` (a key the caller keeps per
+conversation for cache locality), else its `user`. Headers and `metadata` always win
+(server/context.py): those values are `stated`, these `inferred`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,29 @@
-"""POST /v1/chat/completions: one request from its body to its answer (plain JSON or SSE).
+"""The request path every wire runs: one request from its body to its answer (plain JSON or SSE).
 
-The request's turn context (conversation, turn type, step), its deadline, the admission pre-check, the
-turn span it runs under (server/turns.py) and the metrics it counts. State lives in `ChatCompletions`,
-handed in by create_app; nothing here is shared through a closure.
+A wire (server/wires/) turns its body into the chat request (ServerChatRequest) and formats the answer;
+everything between is here, the same for every wire: the request's turn context (conversation, turn
+type, step), its deadline, the admission pre-check (429 before any work), the turn span it runs under
+(server/turns.py), the runner call (policy, providers, fallback) and the metrics it counts. State lives
+in `RequestPipeline`, handed in by create_app; nothing here is shared through a closure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import structlog
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from openalice_runner.providers.base import CallContext
 from openalice_runner.providers.streams import ChatStream
 from openalice_runner.providers.wrappers.instrumented import OTEL_CONTEXT_KEY
-from openalice_runner.server.body import read_chat_request
 from openalice_runner.server.context import (
     TurnContext,
     caller_trace_context,
@@ -38,14 +40,15 @@ from openalice_runner.server.settings import ServerSettings
 from openalice_runner.server.streaming import GuardedStreamingResponse, SSEStream
 from openalice_runner.server.turns import Step, TurnTracker
 from openalice_runner.server.validation import ServerChatRequest
+from openalice_runner.server.wires.base import Wire, WireCall
 from openalice_runner.tracing.labels import LabelBounds
 from openalice_runner.types import ChatChunk, ChatResult
 
 log = structlog.get_logger("openalice_runner.server")
 
 
-class ChatCompletions:
-    """The chat endpoint over one runner; `chat_completions` is the route's handler."""
+class RequestPipeline:
+    """The request path over one runner; `handler(wire)` is a route's handler for that wire."""
 
     def __init__(
         self,
@@ -62,12 +65,24 @@ class ChatCompletions:
         self.metrics = metrics
         self.bounds = bounds  # turn types as metric labels
 
-    async def chat_completions(self, request: Request) -> Response:
-        # parsed, validated and checked off the loop (server/body.py)
-        body = await read_chat_request(request, max_tokens_limit=self.settings.max_tokens_limit)
-        # opencode names its session in x-session-id (the AI SDK's openai-compatible provider sends
-        # neither prompt_cache_key nor user)
-        tc = turn_context(request.headers, body.metadata, body, session=request.headers.get("x-session-id"))
+    def handler(self, wire: Wire) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            return await self.serve(request, wire)
+
+        handle.__name__ = f"{wire.name}_request"  # the route's name in the OpenAPI document
+        return handle
+
+    async def serve(self, request: Request, wire: Wire) -> Response:
+        # parsed, validated, checked and translated off the loop (server/body.py)
+        call = await wire.read(request, self.settings)
+        return await self.run(request, wire, call)
+
+    async def run(self, request: Request, wire: Wire, call: WireCall) -> Response:
+        """`call`, read by `wire`, served and answered in the wire's shape."""
+        body = call.body
+        # stated (headers, metadata), else inferred from the wire's session keys and the body's shape
+        tc = turn_context(request.headers, body.metadata, body, session=call.conversation_id,
+                          session_key=call.conversation_source)
         deadline = request_deadline(request.headers, body.timeout, self.settings.request_timeout_s)
         refused = self._refusal(tc.turn_type, body.model)
         if refused is not None:  # every provider of the route is full: 429 before any work
@@ -95,8 +110,8 @@ class ChatCompletions:
         span_ctx = step.turn.span.get_span_context()
         request.state.trace_ids = (format(span_ctx.trace_id, "032x"), format(span_ctx.span_id, "016x"))
         if body.stream:
-            return await self._stream(body, ctx, step, deadline, request, tc)
-        return await self._complete(body, ctx, step, deadline, request, tc)
+            return await self._stream(wire, call, ctx, step, deadline, request, tc)
+        return await self._complete(wire, call, ctx, step, deadline, request, tc)
 
     def _refusal(self, turn_type: str, model: str | None) -> Exception | None:
         try:
@@ -115,9 +130,10 @@ class ChatCompletions:
             self.metrics.cancelled.labels(reason=reason).inc()
 
     async def _complete(
-        self, body: ServerChatRequest, ctx: CallContext, step: Step, deadline: Deadline, request: Request,
+        self, wire: Wire, call: WireCall, ctx: CallContext, step: Step, deadline: Deadline, request: Request,
         tc: TurnContext,
     ) -> Response:
+        body: ServerChatRequest = call.body
         labels = {"turn_type": self.bounds.turn_type(ctx.turn_type), "stream": "false"}
         metrics = self.metrics
         metrics.in_flight.inc()
@@ -147,12 +163,14 @@ class ChatCompletions:
         metrics.chat_completions.labels(**labels, outcome="ok").inc()
         metrics.tokens.labels(type="input").inc(result.usage.prompt_tokens)
         metrics.tokens.labels(type="output").inc(result.usage.completion_tokens)
-        return JSONResponse(with_sources(result, tc).to_openai(), headers=budget_header(result))
+        call.headers.update(budget_header(result))
+        return wire.reply(with_sources(result, tc), call)
 
     async def _stream(
-        self, body: ServerChatRequest, ctx: CallContext, step: Step, deadline: Deadline, request: Request,
+        self, wire: Wire, call: WireCall, ctx: CallContext, step: Step, deadline: Deadline, request: Request,
         tc: TurnContext,
     ) -> Response:
+        body: ServerChatRequest = call.body
         labels = {"turn_type": self.bounds.turn_type(ctx.turn_type), "stream": "true"}
         t0 = time.perf_counter()
         self.metrics.in_flight.inc()
@@ -174,7 +192,7 @@ class ChatCompletions:
             opened=opened,
             chunks=stamped(chunks, tc),
             step=step,
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            format=wire.stream_format(call),
             turn_type=labels["turn_type"],  # the stream's metric label
             t0=t0,
             tracker=self.tracker,
@@ -182,7 +200,8 @@ class ChatCompletions:
             to_api_error=api_error_from,
             deadline=deadline,
         )
-        return GuardedStreamingResponse(stream, headers={"Cache-Control": "no-cache", **budget_header(first)})
+        headers = {"Cache-Control": "no-cache", **call.headers, **budget_header(first)}
+        return GuardedStreamingResponse(stream, headers=headers)
 
 
 MAX_TOKENS_HEADER = "x-openalice-max-tokens"
