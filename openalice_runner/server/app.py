@@ -1,7 +1,8 @@
 """The sidecar: an OpenAI-compatible HTTP API over a Runner, wired together here.
 
-Routes: POST /v1/chat/completions (OpenAI Chat Completions) and POST /v1/messages (Anthropic Messages;
-POST /v1/messages/count_tokens beside it), plain and SSE, each wire a translation
+Routes: POST /v1/chat/completions (OpenAI Chat Completions), POST /v1/messages (Anthropic Messages;
+POST /v1/messages/count_tokens beside it) and POST /v1/responses (OpenAI Responses,
+server/wires/responses/), plain and SSE, each wire a translation
 (server/wires/) onto one request path (server/pipeline.py); GET /v1/models, GET /v1/policy, GET /health,
 GET /metrics (server/read_only.py); startup and shutdown: server/lifespan.py.
 Every request of a conversation lands in its agent turn (server/turns.py), so the trace shows the turn's
@@ -36,6 +37,8 @@ from openalice_runner.server.turn_types import ConfiguredTurnTypes
 from openalice_runner.server.turns import TurnTracker
 from openalice_runner.server.wires import CHAT, MESSAGES
 from openalice_runner.server.wires.messages import CountTokens
+from openalice_runner.server.wires.responses.openapi import RESPONSES_BODY_DOC, with_responses_schemas
+from openalice_runner.server.wires.responses.wire import ResponsesWire
 from openalice_runner.tracing.labels import LabelBounds
 from openalice_runner.tracing.telemetry import RunnerTelemetry
 
@@ -110,11 +113,14 @@ def create_app(
     app.post("/v1/messages", openapi_extra=MESSAGES_BODY_DOC)(pipeline.handler(MESSAGES))
     count_tokens = CountTokens(runner, settings)
     app.post("/v1/messages/count_tokens", openapi_extra=COUNT_TOKENS_BODY_DOC)(count_tokens.handle)
+    # its own store of recent responses (previous_response_id), one per app
+    app.post("/v1/responses", openapi_extra=RESPONSES_BODY_DOC)(pipeline.handler(ResponsesWire()))
     read_only = ReadOnlyEndpoints(
         runner, settings=settings, tracker=tracker, metrics=metrics, routing_watch=watch
     )
     read_only.add_to(app)
     with_chat_schemas(app)
+    with_responses_schemas(app)
     return app
 
 

@@ -28,8 +28,8 @@ log = structlog.get_logger("openalice_runner.server.access")
 PUBLIC_PATHS = frozenset({"/health"})
 # Routes as metric labels; anything else is "other" so clients cannot mint label values.
 KNOWN_ROUTES = frozenset(
-    {"/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/v1/policy", "/health",
-     "/metrics"}
+    {"/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/models",
+     "/v1/policy", "/health", "/metrics"}
 )  # fmt: skip
 
 

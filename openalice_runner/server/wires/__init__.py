@@ -39,11 +39,12 @@ from openalice_runner.server.errors import APIError
 from openalice_runner.server.wires.base import StreamFormat, Wire, WireCall, session_key
 from openalice_runner.server.wires.chat import ChatCompletionsWire
 from openalice_runner.server.wires.messages import MESSAGES
+from openalice_runner.server.wires.responses.wire import ResponsesWire
 
 CHAT = ChatCompletionsWire()
 
 # Path prefix -> the wire whose error shape answers it; anything else is answered in OpenAI's.
-WIRES_BY_PREFIX: tuple[tuple[str, Any], ...] = (("/v1/messages", MESSAGES),)
+WIRES_BY_PREFIX: tuple[tuple[str, Any], ...] = (("/v1/messages", MESSAGES), ("/v1/responses", ResponsesWire()))
 
 
 def wire_for_path(path: str) -> Wire:

@@ -1,0 +1,28 @@
+"""The Responses body's schema in the OpenAPI document (the body is read by the wire, not by FastAPI), its
+definitions named `Responses*` so they never take the place of the chat body's."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI
+
+from openalice_runner.server.wires.responses.schema import ResponsesRequest
+
+_PREFIX = "Responses"
+_SCHEMA = ResponsesRequest.model_json_schema(ref_template=f"#/components/schemas/{_PREFIX}{{model}}")
+_DEFS = {f"{_PREFIX}{name}": schema for name, schema in _SCHEMA.pop("$defs", {}).items()}
+RESPONSES_BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {"schema": _SCHEMA}}}}
+assert "#/$defs/" not in json.dumps(_SCHEMA) + json.dumps(_DEFS)  # every reference points at a component
+
+
+def with_responses_schemas(app: FastAPI) -> None:
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        doc = generate()
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(_DEFS)
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
