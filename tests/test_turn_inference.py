@@ -221,3 +221,29 @@ def test_no_conversation_says_none(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [USER], "max_tokens": 2}, timeout=60)
     spec = r.json()["speculation"]
     assert (spec["turn_type"], spec["turn_type_source"], spec["conversation_source"]) == ("chat", "inferred", None)
+
+
+@pytest.mark.skipif(not LOOPS.exists(), reason=f"{LOOPS} is not here")
+@pytest.mark.parametrize("policy_file", sorted((Path(__file__).parents[1] / "policies").glob("*.yaml")),
+                         ids=lambda p: p.name)  # fmt: skip
+def test_every_shipped_policy_decides_the_agent_loops_alike_inferred_or_stated(policy_file):
+    """What the speed of inferred turn types hangs on: the rule each call gets. For every call of
+    agent-loops.jsonl, at every batch size the rules name and every provider they name, the rule the
+    inferred turn type matches is the one the stated type matches (the adaptive γ is kept per turn
+    type, so `auto` rules may still pick another γ while they learn)."""
+    from openalice_runner.policies.decision import CompiledPolicy, RequestContext
+    from openalice_runner.policies.loader import load_policy_file
+
+    loaded = load_policy_file(policy_file)
+    policy = CompiledPolicy(loaded.policy, loaded.version)
+    providers = {None, "local"} | {p for r in policy.rules for p in r.providers or ()}
+    differ = []
+    for cid, stated, request in _loop_requests():
+        inferred = infer_turn_type(request).turn_type
+        for batch in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64):
+            for provider in providers:
+                a = policy.match(RequestContext(stated, batch, provider)).name
+                b = policy.match(RequestContext(inferred, batch, provider)).name
+                if a != b:
+                    differ.append((cid, stated, inferred, batch, provider, a, b))
+    assert differ == []
