@@ -247,3 +247,55 @@ def test_every_shipped_policy_decides_the_agent_loops_alike_inferred_or_stated(p
                 if a != b:
                     differ.append((cid, stated, inferred, batch, provider, a, b))
     assert differ == []
+
+
+def _model(server) -> str:
+    return httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def test_claude_codes_requests_on_the_messages_wire_are_inferred_and_clamped(server):
+    """A Claude Code call as it comes: no X-OpenAlice-* header, its session header, the newest input a
+    tool result of its Read tool: a code_edit turn in the session's conversation, with the budget in
+    x-openalice-max-tokens (the clamp itself is the provider's, whatever the wire: test_context_budget.py;
+    a clamped budget here would have the tiny random model write ~1,900 tokens)."""
+    server.spans.clear()
+    body = {
+        "model": _model(server), "max_tokens": 4,
+        "tools": [{"name": "Read", "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}}}],
+        "messages": [
+            {"role": "user", "content": "Fix a.py"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Read",
+                                               "input": {"file_path": "a.py"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "x = 1"}]},
+        ],
+    }  # fmt: skip
+    headers = {"x-api-key": "k", "anthropic-version": "2023-06-01", "x-claude-code-session-id": "cc-session-1"}
+    r = httpx.post(f"{server.url}/v1/messages", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["type"] == "message"
+    assert r.headers["x-openalice-max-tokens"] == "4"
+    [turn] = _turn_spans(server)
+    assert turn.attributes["openalice.turn.type"] == "code_edit"
+    assert turn.attributes["openalice.turn.type.source"] == "inferred"
+    assert turn.attributes["gen_ai.conversation.id"] == "cc-session-1"
+    assert turn.attributes["openalice.conversation.inferred_from"] == "x-claude-code-session-id"
+
+
+def test_codexs_requests_on_the_responses_wire_are_inferred(server):
+    server.spans.clear()
+    body = {
+        "model": _model(server), "max_output_tokens": 4, "prompt_cache_key": "codex-thread-1",
+        "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {}}}],
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List files"}]},
+            {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "a.py b.py"},
+        ],
+    }  # fmt: skip
+    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    [turn] = _turn_spans(server)
+    assert turn.attributes["openalice.turn.type"] == "summarize"  # a shell's output: summarised
+    assert turn.attributes["openalice.turn.type.inferred_by"] == "tool_result"
+    assert turn.attributes["gen_ai.conversation.id"] == "codex-thread-1"
+    assert turn.attributes["openalice.conversation.inferred_from"] == "prompt_cache_key"
