@@ -212,7 +212,9 @@ def opencode_config(base_url: str, model: str, *, fit: bool) -> dict:
         "$schema": "https://opencode.ai/config.json",
         "provider": {"openalice": {
             "npm": "@ai-sdk/openai-compatible", "name": "OpenAlice runner",
-            "options": {"baseURL": f"{base_url}/v1", "apiKey": API_KEY},
+            # the response's headers wait for the first token: a long prompt's prefill on a loaded CPU
+            # can pass the AI SDK's 5-minute header timeout
+            "options": {"baseURL": f"{base_url}/v1", "apiKey": API_KEY, "timeout": CLI_TIMEOUT_S * 1000},
             "models": {model: {"name": model}},
         }},
         "model": f"openalice/{model}",
@@ -254,12 +256,23 @@ def test_opencode_completes_a_turn(served, tmp_path):
     assert "Error" not in out.stdout + out.stderr
 
 
-def test_opencode_full_default_prompt_gets_the_context_error(served, tmp_path):
+def test_opencode_full_default_prompt_is_served_or_gets_the_context_error(served, tmp_path):
+    """opencode's default prompt (a 10 KB system prompt and 10 tools, ~30 KB of JSON) is near SmolLM2's
+    8,192 tokens: rendered for the model it fits, and is served (budget clamped); were it longer, the
+    answer would be the context error, which opencode shows. Never the 400 on max_tokens of before,
+    never a 500."""
     out, exchanges = _opencode(served, tmp_path, fit=False)
-    _summary(exchanges)
-    assert _context_errors(exchanges), "no call was answered with the context error"
+    rows = _summary(exchanges)
+    chats = [e for e in exchanges if e.path == "/v1/chat/completions"]
+    assert chats, rows
+    context_errors = _context_errors(chats)
+    assert all(e.status == 200 or e in context_errors for e in chats), rows
+    assert all(int(e.max_tokens) < CONTEXT for e in chats if e.status == 200), rows
     shown = out.stdout + out.stderr
-    assert "context" in shown.lower(), shown[-3000:]
+    if context_errors:
+        assert "context" in shown.lower(), shown[-3000:]
+    else:
+        assert out.returncode == 0, shown[-3000:]
 
 
 # ---- Claude Code: Anthropic Messages -----------------------------------------------------------
