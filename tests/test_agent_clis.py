@@ -293,6 +293,8 @@ def _claude(served, tmp_path, *, fit: bool) -> tuple[subprocess.CompletedProcess
     home = tmp_path / "home"
     (home / "project").mkdir(parents=True)
     env = {**_offline_env(home), **CLAUDE_ENV, "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": API_KEY}
+    if fit:  # its max_tokens (32,000, clamped to the ~7,500 the context leaves): a small model may ramble on
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = "128"
     n = len(proxy.exchanges)
     out = _run(claude_command(claude, model, fit=fit), env, home / "project")
     return out, proxy.since(n)
