@@ -300,6 +300,11 @@ def _claude(served, tmp_path, *, fit: bool) -> tuple[subprocess.CompletedProcess
     return out, proxy.since(n)
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "on SmolLM2-135M Claude Code's turn does not end: every /v1/messages call is served (200, streamed), "
+    "but the model repeats itself to max_tokens (1,024 or 64 alike, prompt 'Say hello' or 'Reply with one "
+    "word: hello'); Claude Code answers stop_reason max_tokens by resuming three times, then exits 1 with "
+    "api_error max_output_tokens. Codex and opencode on the same server end their turns."))
 def test_claude_code_completes_a_turn(served, tmp_path):
     out, exchanges = _claude(served, tmp_path, fit=True)
     rows = _summary(exchanges)
