@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -312,6 +312,9 @@ class ChatRequest(SamplingSettings):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
+    # OpenAI's cache-locality key, kept per conversation by the caller: the runner's conversation id
+    # where none is stated (server/turn_inference.py)
+    prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
     # Accepted only at their neutral values, so a client that sends them by default still works.
     frequency_penalty: float | None = None
@@ -429,6 +432,12 @@ class SpeculationInfo(BaseModel):
     rule: str | None = None  # policy rule that decided
     policy_version: str | None = None
     pool: str | None = None  # SGLang pool that served
+    # The policy's main input and where it came from (the server sets them): the turn type, and
+    # whether it and the conversation were stated (X-OpenAlice-* headers, metadata) or inferred
+    # from the request's shape and session keys (server/turn_inference.py).
+    turn_type: str | None = None
+    turn_type_source: str | None = None
+    conversation_source: str | None = None
 
     @classmethod
     def from_outcome(cls, outcome: SpeculationOutcome) -> SpeculationInfo:
@@ -481,6 +490,19 @@ class _Extended(BaseModel):
 
     def with_stop(self, stop: str | None) -> Any:
         self._stop = stop
+        return self
+
+    # The max_tokens the reply ran under where the provider knows it: the caller's, clamped to what
+    # the model's context leaves after the prompt (not part of the JSON; the server's
+    # x-openalice-max-tokens header). None: unknown (a remote provider applies its own).
+    _budget: int | None = PrivateAttr(default=None)
+
+    @property
+    def budget(self) -> int | None:
+        return self._budget
+
+    def with_budget(self, budget: int | None) -> Self:
+        self._budget = budget
         return self
 
     def to_openai(self) -> dict[str, Any]:

@@ -253,3 +253,45 @@ def test_vllm_targets_are_skipped_without_their_venv_and_launched_from_it(tmp_pa
     assert "--enable-prompt-tokens-details" in plain and "--speculative-config" not in plain
     spec = json.loads(ngram[ngram.index("--speculative-config") + 1])
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] >= 1
+
+
+def test_an_inferred_target_states_no_turn_types_and_keys_its_conversation_as_runtimes_do():
+    """`policy-inferred`: the calls carry no X-OpenAlice-* header, the conversation goes as
+    prompt_cache_key (as Codex and the OpenAI SDK send it); the stated twin sends the headers."""
+    import httpx
+
+    from openalice_runner.bench.loops import Conversation, Step, run_conversation
+
+    seen: list[tuple[dict, dict]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(({k.lower(): v for k, v in request.headers.items()}, json.loads(request.content)))
+        events = [{"choices": [{"delta": {"content": "ok"}}]}, {"choices": [{"delta": {}, "finish_reason": "stop"}]}]
+        return httpx.Response(200, text="".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n")
+
+    conversation = Conversation("c", [], [{"role": "user", "content": "Hi"}],
+                                [Step("call", Call("summarize", 4)), Step("user", text="More."),
+                                 Step("call", Call("chat", 4))])
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        run_conversation(client, Target("policy-inferred", "http://x/v1", "m", stated=False), conversation, 0)
+        run_conversation(client, Target("policy", "http://x/v1", "m"), conversation, 0)
+    inferred, stated = seen[:2], seen[2:]
+    for headers, body in inferred:
+        assert not [k for k in headers if k.startswith("x-openalice-")]
+        assert body["prompt_cache_key"] == "c.policy-inferred.0"
+    assert [h["x-openalice-turn-type"] for h, _ in stated] == ["summarize", "chat"]
+    assert {h["x-openalice-conversation-id"] for h, _ in stated} == {"c.policy.0"}
+    assert not [b for _, b in stated if "prompt_cache_key" in b]
+    assert [s.name for s in parse_targets("policy,off,policy-inferred,off-inferred")][2:] == [
+        "policy-inferred", "off-inferred"]
+    with pytest.raises(ValueError, match="unknown target"):
+        parse_targets("vllm-inferred")
+
+
+def test_inferred_over_stated_is_the_twins_speedup_over_the_pairs():
+    from openalice_runner.bench.loops import inferred_over_stated
+
+    ratios = {"policy/off": {"all": 1.5, "copy_heavy": 2.0, "chat": 1.0},
+              "policy-inferred/off-inferred": {"all": 1.35, "copy_heavy": 1.8, "chat": None},
+              "policy/policy-inferred": {"all": 1.0, "copy_heavy": 1.0, "chat": 1.0}}
+    assert inferred_over_stated(ratios) == {"policy/off": {"all": 0.9, "copy_heavy": 0.9, "chat": None}}

@@ -12,6 +12,9 @@
   converted model folder in bf16, 2 threads, prefix caching on (32-token blocks), cached prompt tokens in usage, the
   hermes tools template and parser (as the `type: vllm` pools launch it); `-ngram` with n-gram
   speculation (γ 5, lookups of 2-4 tokens). Skipped, saying so, when that venv is not there;
+- `policy-inferred`, `off-inferred`: `policy` and `off` again, each its own server, called as agent
+  runtimes call: no X-OpenAlice-* headers, the conversation as `prompt_cache_key` (the sidecar
+  infers the turn types; the summary's `inferred_over_stated` compares the pairs);
 - `URL=NAME`: any other OpenAI-compatible server, already running.
 """
 
@@ -28,9 +31,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from openalice_runner.bench.loops import Target
+from openalice_runner.bench.loops import INFERRED_SUFFIX, Target
 
 BUILT_IN = ("policy", "off", "llama-cpp", "llama-cpp-lookup", "vllm", "vllm-ngram")
+SIDECARS = ("policy", "off")  # each also as NAME-inferred: its own server, called with no turn types stated
 REPO = Path(__file__).resolve().parents[2]
 PEER_VENV = REPO / ".peers" / "llama-cpp"
 OFF_POLICY = 'version: 1\nname: "off"\ndescription: speculation off (bench-loops baseline)\ndefault:\n  method: "off"\n'
@@ -71,7 +75,7 @@ def parse_targets(text: str) -> list[TargetSpec]:
                 raise ValueError(f"--targets: {item!r} is not URL=NAME (an http(s) URL of the API base)")
             url = url.rstrip("/")
             specs.append(TargetSpec(name, url if url.endswith("/v1") else f"{url}/v1"))
-        elif item in BUILT_IN:
+        elif item in BUILT_IN or item.removesuffix(INFERRED_SUFFIX) in SIDECARS:
             specs.append(TargetSpec(item))
         else:
             raise ValueError(f"--targets: unknown target {item!r}; built-in: {', '.join(BUILT_IN)}, or URL=NAME")
@@ -102,8 +106,8 @@ class Servers(contextlib.AbstractContextManager):
         if spec.url:
             return Target(spec.name, spec.url)
         port = free_port()
-        if spec.name in ("policy", "off"):
-            command = self._sidecar(spec.name) + ["--host", "127.0.0.1", "--port", str(port)]
+        if spec.name.removesuffix(INFERRED_SUFFIX) in SIDECARS:
+            command = self._sidecar(spec.name.removesuffix(INFERRED_SUFFIX)) + ["--host", "127.0.0.1", "--port", str(port)]
         elif spec.name.startswith("vllm"):
             command = self._vllm(spec.name == "vllm-ngram", port)
         else:
@@ -118,7 +122,7 @@ class Servers(contextlib.AbstractContextManager):
                                     env=env)
         self._procs.append((spec.name, proc, log_path))
         self._wait_ready(spec.name, proc, port, log_path)
-        return Target(spec.name, f"http://127.0.0.1:{port}/v1")
+        return Target(spec.name, f"http://127.0.0.1:{port}/v1", stated=not spec.name.endswith(INFERRED_SUFFIX))
 
     def _sidecar(self, name: str) -> list[str]:
         command = [sys.executable, "-m", "openalice_runner", "serve", "--log-level", "warning"]

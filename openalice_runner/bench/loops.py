@@ -47,6 +47,7 @@ from openalice_runner.workload_files import json_lines, pick_by_id, stdlib_conte
 KINDS = ("chat", "copy_heavy")
 DEFAULT_CHAT = ("loop-chat-plan",)  # without a `kind` field: chat; every other conversation copy-heavy
 SESSION_LINE = "Session {n}.\n"
+INFERRED_SUFFIX = "-inferred"  # a built-in target's twin that states no turn types (Target.stated)
 WARMUP_LINE = "Warm-up {n}.\n"
 
 
@@ -125,6 +126,9 @@ class Target:
     name: str
     url: str  # the API base, ending in /v1
     model: str | None = None  # None: the first model its GET /models lists
+    # False: the calls carry no X-OpenAlice-* headers, only the conversation as `prompt_cache_key`,
+    # as agent runtimes send them: the sidecar infers the turn types (server/turn_inference.py)
+    stated: bool = True
 
 
 @dataclass
@@ -179,8 +183,11 @@ def _sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
 
 
 def stream_call(client, target: Target, messages: list[dict], tools: list[dict], call: Call,
-                headers: dict[str, str]) -> CallRecord:
-    """One greedy streamed call; the clock starts before the request is sent."""
+                headers: dict[str, str], conversation_key: str | None = None) -> CallRecord:
+    """One greedy streamed call; the clock starts before the request is sent. The conversation goes
+    as X-OpenAlice-Conversation-Id where the target states turns, else as prompt_cache_key."""
+    if conversation_key is not None and target.stated:
+        headers = {"X-OpenAlice-Conversation-Id": conversation_key, **headers}
     body: dict[str, Any] = {
         "model": target.model,
         "messages": messages,
@@ -193,6 +200,8 @@ def stream_call(client, target: Target, messages: list[dict], tools: list[dict],
         body["tools"] = tools
     if call.tool_choice is not None:
         body["tool_choice"] = call.tool_choice
+    if conversation_key is not None and not target.stated:
+        body["prompt_cache_key"] = conversation_key
     content: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
     usage: dict[str, Any] | None = None
@@ -263,15 +272,16 @@ def _runnable(call: dict[str, Any]) -> bool:
 def run_conversation(client, target: Target, conversation: Conversation, run: int) -> dict[str, Any]:
     """Drive one conversation as a loop does; returns its record (wall time, calls, outputs)."""
     messages = opening_messages(conversation, run)
-    headers = {"X-OpenAlice-Conversation-Id": f"{conversation.id}.{target.name}.{run}"}
+    key = f"{conversation.id}.{target.name}.{run}"
     records: list[CallRecord] = []
     last_call_id: str | None = None
     t0 = time.perf_counter()
     for i, step in enumerate(conversation.steps):
         if step.kind == "call":
             call = step.call
-            headers = {**headers, "X-OpenAlice-Turn-Type": call.turn_type, "X-OpenAlice-Step": str(len(records))}
-            record = stream_call(client, target, messages, conversation.tools, call, headers)
+            headers = {"X-OpenAlice-Turn-Type": call.turn_type, "X-OpenAlice-Step": str(len(records))}
+            record = stream_call(client, target, messages, conversation.tools, call,
+                                 headers if target.stated else {}, key)
             records.append(record)
             reply: dict[str, Any] = {"role": "assistant", "content": record.content or None}
             tool_calls = [dict(c, id=c["id"] or f"call_{len(records)}_{k}")
@@ -392,8 +402,8 @@ def warm_up(client, target: Target, conversations: list[Conversation], calls: in
         if isinstance(messages[0].get("content"), str):
             messages[0]["content"] = WARMUP_LINE.format(n=n + 1) + messages[0]["content"]
         call = Call(first.turn_type, first.max_tokens, first.tool_choice)
-        records.append(stream_call(client, target, messages, conversation.tools, call,
-                                   {"X-OpenAlice-Conversation-Id": f"warm-up.{target.name}.{n}"}))
+        records.append(stream_call(client, target, messages, conversation.tools, call, {},
+                                   f"warm-up.{target.name}.{n}"))
     return records
 
 
@@ -446,7 +456,21 @@ def summarize(rows: list[dict], targets: list[str]) -> dict[str, Any]:
         for other in targets[a + 1:]:
             mine, theirs = per_target[name]["ms_per_token"], per_target[other]["ms_per_token"]
             per_token[f"{name}/{other}"] = round(theirs / mine, 3) if mine and theirs else None
-    return {"targets": per_target, "speedup": ratios, "speedup_per_token": per_token}
+    return {"targets": per_target, "speedup": ratios, "speedup_per_token": per_token,
+            "inferred_over_stated": inferred_over_stated(ratios)}
+
+
+def inferred_over_stated(ratios: dict[str, dict[str, float | None]]) -> dict[str, dict[str, float | None]]:
+    """For each pair A/B whose twins A-inferred/B-inferred ran too: the twins' speedup over the pair's
+    (1: inferring the turn types loses nothing of what stating them gains)."""
+    out = {}
+    for pair, stated in ratios.items():
+        a, b = pair.split("/")
+        inferred = ratios.get(f"{a}{INFERRED_SUFFIX}/{b}{INFERRED_SUFFIX}")
+        if inferred is None or a.endswith(INFERRED_SUFFIX):
+            continue
+        out[pair] = {k: round(inferred[k] / stated[k], 3) if inferred[k] and stated[k] else None for k in stated}
+    return out
 
 
 def _ms_per_token(rows: list[dict]) -> float | None:
@@ -549,6 +573,11 @@ def format_table(report: dict) -> str:
     lines += ["", "| speedup (geomean of conversation wall time) | all | copy-heavy | chat |", "|---|---|---|---|"]
     for pair, r in summary["speedup"].items():
         lines.append(f"| {pair} | {r['all']} | {r['copy_heavy']} | {r['chat']} |")
+    if summary.get("inferred_over_stated"):
+        lines += ["", "| inferred over stated turn types (speedup of the -inferred twins / the pair's) | all | "
+                  "copy-heavy | chat |", "|---|---|---|---|"]
+        lines += [f"| {pair} | {r['all']} | {r['copy_heavy']} | {r['chat']} |"
+                  for pair, r in summary["inferred_over_stated"].items()]
     lines += ["", "| speedup per token (wall time per completion token) | all |", "|---|---|"]
     lines += [f"| {pair} | {r} |" for pair, r in summary["speedup_per_token"].items()]
     if summary.get("paired_calls"):

@@ -213,6 +213,9 @@ class _EngineRuns:
         sampling, spec = self._settings.of(request, ctx, prompt)
         self._bounds.check_prompt(prompt)
         self._bounds.check_budget(prompt, sampling.max_tokens, _shortest_reply)
+        prompt.budget = self._bounds.budget(prompt, sampling.max_tokens)
+        if prompt.budget != sampling.max_tokens:  # clamped to what the context leaves
+            sampling = replace(sampling, max_tokens=prompt.budget)
         yield prompt
         held = 0
         try:

@@ -1,8 +1,8 @@
 """The sidecar: an OpenAI-compatible HTTP API over a Runner, wired together here.
 
 Routes: POST /v1/chat/completions (OpenAI Chat Completions), POST /v1/messages (Anthropic Messages;
-POST /v1/messages/count_tokens beside it) and POST /v1/responses (OpenAI Responses), plain and SSE,
-each wire a translation
+POST /v1/messages/count_tokens beside it) and POST /v1/responses (OpenAI Responses,
+server/wires/responses/), plain and SSE, each wire a translation
 (server/wires/) onto one request path (server/pipeline.py); GET /v1/models, GET /v1/policy, GET /health,
 GET /metrics (server/read_only.py); startup and shutdown: server/lifespan.py.
 Every request of a conversation lands in its agent turn (server/turns.py), so the trace shows the turn's

@@ -13,7 +13,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -25,7 +24,14 @@ from opentelemetry import trace
 from openalice_runner.providers.base import CallContext
 from openalice_runner.providers.streams import ChatStream
 from openalice_runner.providers.wrappers.instrumented import OTEL_CONTEXT_KEY
-from openalice_runner.server.context import TurnContext, caller_trace_context, turn_context
+from openalice_runner.server.context import (
+    TurnContext,
+    caller_trace_context,
+    mark_sources,
+    stamped,
+    turn_context,
+    with_sources,
+)
 from openalice_runner.server.deadline import ClientGone, Deadline, DeadlineExceeded, race, request_deadline
 from openalice_runner.server.mapping import api_error_from
 from openalice_runner.server.metrics import ServerMetrics
@@ -36,7 +42,7 @@ from openalice_runner.server.turns import Step, TurnTracker
 from openalice_runner.server.validation import ServerChatRequest
 from openalice_runner.server.wires.base import Wire, WireCall
 from openalice_runner.tracing.labels import LabelBounds
-from openalice_runner.types import ChatChunk
+from openalice_runner.types import ChatChunk, ChatResult
 
 log = structlog.get_logger("openalice_runner.server")
 
@@ -74,7 +80,9 @@ class RequestPipeline:
     async def run(self, request: Request, wire: Wire, call: WireCall) -> Response:
         """`call`, read by `wire`, served and answered in the wire's shape."""
         body = call.body
-        tc = _with_wire_keys(turn_context(request.headers, body.metadata), call)
+        # stated (headers, metadata), else inferred from the wire's session keys and the body's shape
+        tc = turn_context(request.headers, body.metadata, body, session=call.conversation_id,
+                          session_key=call.conversation_source)
         deadline = request_deadline(request.headers, body.timeout, self.settings.request_timeout_s)
         refused = self._refusal(tc.turn_type, body.model)
         if refused is not None:  # every provider of the route is full: 429 before any work
@@ -90,6 +98,7 @@ class RequestPipeline:
             step=tc.step,
         )
         self.metrics.open_turns.set(len(self.tracker))
+        mark_sources(step.turn.span, tc)
         ctx = CallContext(
             conversation_id=tc.conversation_id,
             turn_type=tc.turn_type,
@@ -101,8 +110,8 @@ class RequestPipeline:
         span_ctx = step.turn.span.get_span_context()
         request.state.trace_ids = (format(span_ctx.trace_id, "032x"), format(span_ctx.span_id, "016x"))
         if body.stream:
-            return await self._stream(wire, call, ctx, step, deadline, request)
-        return await self._complete(wire, call, ctx, step, deadline, request)
+            return await self._stream(wire, call, ctx, step, deadline, request, tc)
+        return await self._complete(wire, call, ctx, step, deadline, request, tc)
 
     def _refusal(self, turn_type: str, model: str | None) -> Exception | None:
         try:
@@ -121,7 +130,8 @@ class RequestPipeline:
             self.metrics.cancelled.labels(reason=reason).inc()
 
     async def _complete(
-        self, wire: Wire, call: WireCall, ctx: CallContext, step: Step, deadline: Deadline, request: Request
+        self, wire: Wire, call: WireCall, ctx: CallContext, step: Step, deadline: Deadline, request: Request,
+        tc: TurnContext,
     ) -> Response:
         body: ServerChatRequest = call.body
         labels = {"turn_type": self.bounds.turn_type(ctx.turn_type), "stream": "false"}
@@ -154,10 +164,12 @@ class RequestPipeline:
         if result.usage is not None:  # None: the provider's server sent no usage (unknown, not 0)
             metrics.tokens.labels(type="input").inc(result.usage.prompt_tokens)
             metrics.tokens.labels(type="output").inc(result.usage.completion_tokens)
-        return wire.reply(result, call)
+        call.headers.update(budget_header(result))
+        return wire.reply(with_sources(result, tc), call)
 
     async def _stream(
-        self, wire: Wire, call: WireCall, ctx: CallContext, step: Step, deadline: Deadline, request: Request
+        self, wire: Wire, call: WireCall, ctx: CallContext, step: Step, deadline: Deadline, request: Request,
+        tc: TurnContext,
     ) -> Response:
         body: ServerChatRequest = call.body
         labels = {"turn_type": self.bounds.turn_type(ctx.turn_type), "stream": "true"}
@@ -177,9 +189,9 @@ class RequestPipeline:
                 raise
             raise api_error_from(exc) from exc
         stream = SSEStream(
-            first=first,
+            first=first and with_sources(first, tc),
             opened=opened,
-            chunks=chunks,
+            chunks=stamped(chunks, tc),
             step=step,
             format=wire.stream_format(call),
             turn_type=labels["turn_type"],  # the stream's metric label
@@ -189,14 +201,18 @@ class RequestPipeline:
             to_api_error=api_error_from,
             deadline=deadline,
         )
-        return GuardedStreamingResponse(stream, headers={"Cache-Control": "no-cache", **call.headers})
+        headers = {"Cache-Control": "no-cache", **call.headers, **budget_header(first)}
+        return GuardedStreamingResponse(stream, headers=headers)
 
 
-def _with_wire_keys(tc: TurnContext, call: WireCall) -> TurnContext:
-    """The conversation the wire's own session keys name, where the caller states none."""
-    if tc.conversation_id is None and call.conversation_id is not None:
-        return replace(tc, conversation_id=call.conversation_id)
-    return tc
+MAX_TOKENS_HEADER = "x-openalice-max-tokens"
+
+
+def budget_header(reply: ChatResult | ChatChunk | None) -> dict[str, str]:
+    """The max_tokens the reply ran under, clamped to the context (docs/agent-runtimes.md, "Budget"),
+    where the provider knows it."""
+    budget = reply.budget if reply is not None else None
+    return {} if budget is None else {MAX_TOKENS_HEADER: str(budget)}
 
 
 def _turn_parent(request: Request, *, tracked: bool) -> Any:

@@ -57,6 +57,10 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4
 
 # --- openalice-runner's own ----------------------------------------------------------------------
 TURN_TYPE = "openalice.turn.type"
+TURN_TYPE_SOURCE = "openalice.turn.type.source"  # stated (X-OpenAlice-* / metadata) | inferred | default
+TURN_TYPE_INFERRED_BY = "openalice.turn.type.inferred_by"  # the inference table's row (server/turn_inference.py)
+CONVERSATION_SOURCE = "openalice.conversation.source"  # stated | inferred (a session key the wire sent)
+CONVERSATION_INFERRED_FROM = "openalice.conversation.inferred_from"  # that key: prompt_cache_key, a header, ...
 STEP = "openalice.step"
 PROVIDER = "openalice.provider"  # our provider entry's name (local, sglang-eagle, hosted-...)
 POOL = "openalice.pool"  # SGLang server pool, when routed to one

@@ -22,6 +22,7 @@ class Prompt:
     prefill: str  # assistant text the prompt already ends with (part of the parsed output)
     tool_names: set[str] | None  # None: do not parse tool calls
     grammar: Any = None  # the engine's compiled Grammar the reply must follow (None: free)
+    budget: int | None = None  # the max_tokens the reply runs under, clamped to the context (ContextBounds.budget)
 
 
 class ChatRenderer(Protocol):
@@ -98,7 +99,11 @@ def _measured_overhead(renderer: Callable[[], ChatRenderer]) -> dict[str, int]:
 class ContextBounds:
     """What the model's context refuses: cheap bounds before a request queues (`precheck`), then its
     prompt's length and its budget once the prompt is built. `context_length`: the model's, None
-    while the engine is not loaded (nothing to check against); `tokenizer`: the engine's."""
+    while the engine is not loaded (nothing to check against); `tokenizer`: the engine's.
+
+    A max_tokens past the context is not refused but clamped (`budget`): agent runtimes send budgets
+    sized for hosted models (Claude Code and opencode: 32,000) whatever model serves them, and the
+    reply can never be longer than the context leaves anyway (docs/agent-runtimes.md, "Budget")."""
 
     def __init__(
         self,
@@ -115,18 +120,14 @@ class ContextBounds:
         self._overhead: dict[str, int] | None = None  # role -> tokens the template adds around one, at least
 
     def precheck(self, request: ChatRequest) -> None:
-        """max_tokens against the context, and a prompt that cannot fit in the context by a count
-        that renders and tokenizes nothing: its characters at the longest token the vocabulary has,
-        plus the tokens the chat template adds around each message at least. Counting characters
-        alone let 254,000 empty messages (8 MB) through to a 9 s, 900 MB render before the refusal."""
+        """A prompt that cannot fit in the context by a count that renders and tokenizes nothing: its
+        characters at the longest token the vocabulary has, plus the tokens the chat template adds
+        around each message at least. Counting characters alone let 254,000 empty messages (8 MB)
+        through to a 9 s, 900 MB render before the refusal. max_tokens is not checked here: `budget`
+        clamps it."""
         context = self._context_length()
         if context is None:
             return
-        if request.max_tokens is not None and request.max_tokens >= context:
-            raise ProviderBadRequest(
-                f"max_tokens is {request.max_tokens}; the model's context is {context} tokens",
-                provider=self.provider, param="max_tokens", code="invalid_value",
-            )  # fmt: skip
         chars = sum(len(m.text) for m in request.messages)
         if chars > context * self.longest_token_chars():
             raise ProviderBadRequest(
@@ -170,6 +171,12 @@ class ContextBounds:
                 "and at least one must be left for the reply",
                 provider=self.provider, param="messages", code="context_length_exceeded",
             )  # fmt: skip
+
+    def budget(self, prompt: Prompt, max_tokens: int) -> int:
+        """The reply's budget: max_tokens, at most what the context leaves after the prompt
+        (prompt tokens + budget <= context). `check_prompt` first: at least one token is left."""
+        context = self._context_length()
+        return max_tokens if context is None else max(1, min(max_tokens, context - len(prompt.ids)))
 
     def check_budget(self, prompt: Prompt, max_tokens: int, shortest_reply: Callable[[Any, int], int | None]) -> None:
         """Refuse a budget below the shortest reply the grammar accepts (`shortest_reply`,

@@ -59,7 +59,7 @@ def reply(result: Any, prompt: Prompt, ctx: CallContext, *, model: str, provider
         speculation=done.speculation,
         provider=provider,
     )
-    return out.attach_outcome(done.outcome).with_stop(getattr(result, "stop", None))
+    return out.attach_outcome(done.outcome).with_stop(getattr(result, "stop", None)).with_budget(prompt.budget)
 
 
 class StreamedReply:
@@ -77,7 +77,8 @@ class StreamedReply:
         if event.result is not None:
             self.result = event.result
         for piece in self.calls.feed(event.text) if event.text else ():
-            yield ChatChunk.piece(self.chunk_id, self.model, piece.content, piece.tool_calls, first=not self.started)
+            chunk = ChatChunk.piece(self.chunk_id, self.model, piece.content, piece.tool_calls, first=not self.started)
+            yield chunk.with_budget(self.prompt.budget)
             self.started = True
 
     def end(self, ctx: CallContext) -> Iterator[ChatChunk]:
@@ -86,7 +87,8 @@ class StreamedReply:
         done = Finished.of(result, self.prompt, ctx)
         end = self.calls.finish(budget_ended=budget_ended(result))
         for piece in end.pieces:
-            yield ChatChunk.piece(self.chunk_id, self.model, piece.content, piece.tool_calls, first=not self.started)
+            chunk = ChatChunk.piece(self.chunk_id, self.model, piece.content, piece.tool_calls, first=not self.started)
+            yield chunk.with_budget(self.prompt.budget)
             self.started = True
         final = ChatChunk(
             id=self.chunk_id,
@@ -96,7 +98,8 @@ class StreamedReply:
             speculation=done.speculation,
             provider=self.provider,
         )
-        yield final.attach_outcome(done.outcome).with_stop(getattr(result, "stop", None))
+        yield (final.attach_outcome(done.outcome).with_stop(getattr(result, "stop", None))
+               .with_budget(self.prompt.budget))
 
 
 def split(prompt: Prompt, text: str, *, cut: bool) -> tuple[str | None, list[ToolCall] | None]:

@@ -16,8 +16,10 @@ from openalice_runner.server.body import read_chat_request
 from openalice_runner.server.errors import APIError
 from openalice_runner.server.settings import ServerSettings
 from openalice_runner.server.streaming import sse
-from openalice_runner.server.wires.base import WireCall
+from openalice_runner.server.wires.base import WireCall, session_key
 from openalice_runner.types import ChatChunk, ChatResult, Usage
+
+SESSION_HEADER = "x-session-id"
 
 
 class ChatCompletionsWire:
@@ -25,7 +27,10 @@ class ChatCompletionsWire:
 
     async def read(self, request: Request, settings: ServerSettings) -> WireCall:
         body = await read_chat_request(request, max_tokens_limit=settings.max_tokens_limit)
-        return WireCall(body=body)
+        # opencode names its session in x-session-id (the AI SDK's openai-compatible provider sends
+        # neither prompt_cache_key nor user): the conversation where none is stated
+        session = session_key(request.headers.get(SESSION_HEADER))
+        return WireCall(body=body, conversation_id=session, conversation_source=SESSION_HEADER if session else None)
 
     def reply(self, result: ChatResult, call: WireCall) -> Response:
         return JSONResponse(result.to_openai(), headers=call.headers or None)

@@ -2,7 +2,7 @@
 (`openai/types/responses/response_create_params.py`) have it.
 
 An unknown field is refused naming itself (OpenAI: 400 `unknown_parameter`). Fields the runner accepts
-without acting on them say so here; docs/agent-runtimes-responses.md has the table. Unions are told
+without acting on them say so here; docs/agent-runtimes.md (Responses) has the table. Unions are told
 apart by `type` (and `role`): the tags start with "@" so an error's field path can leave them out.
 """
 
