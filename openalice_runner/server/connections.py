@@ -130,7 +130,7 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         cycle = self.cycle
         if cycle is not None and ABORT_KEY not in cycle.scope:  # a new request: how to cut its connection
-            cycle.scope[ABORT_KEY] = self.transport.abort
+            cycle.scope[ABORT_KEY] = self.transport.abort  # type: ignore[literal-required]  # our own key
         if self._head_timer is not None and self.cycle is not self._waiting_after:
             self._disarm_head_timer()  # a new request's head is in: its route runs now
         cycle = self.cycle

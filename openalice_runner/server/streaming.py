@@ -43,7 +43,7 @@ class SSEStream:
         *,
         first: ChatChunk | None,
         opened: AbstractAsyncContextManager[ChatStream],
-        chunks: ChatStream,
+        chunks: AsyncIterator[ChatChunk],
         step: Step,
         format: StreamFormat,
         turn_type: str,

@@ -44,8 +44,8 @@ class _RedactingTracer(Tracer):
     ) -> Span:
         return self.inner.start_span(name, context, kind, self._attrs(attributes), *args, **kwargs)
 
-    @contextmanager
-    def start_as_current_span(
+    @contextmanager  # a context manager as the API's, typed by its own decorator: mypy sees another type
+    def start_as_current_span(  # type: ignore[override]
         self, name: str, context: Any = None, kind: Any = SpanKind.INTERNAL, attributes: Any = None, *args: Any,
         **kwargs: Any,
     ) -> Iterator[Span]:

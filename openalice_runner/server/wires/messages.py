@@ -145,6 +145,9 @@ class CountTokens:
         # one token, free: no forced call or format, whose grammar may need more than one token
         probe = body.model_copy(update={"max_tokens": 1, "tool_choice": None, "response_format": None})
         result = await self.runner.chat(probe, CallContext(turn_type=turn_type, model=body.model))
+        if result.usage is None:  # the provider's server sent no usage: the count is unknown, never 0
+            raise APIError(502, "the provider reported no usage for the prompt, so its tokens cannot be counted",
+                           code="bad_response")
         return result.usage.prompt_tokens
 
     def _first_provider(self, turn_type: str, model: str | None) -> Any:

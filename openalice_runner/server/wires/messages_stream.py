@@ -63,7 +63,7 @@ class MessagesStream:
         if self.started:
             return
         self.started = True
-        message = {
+        message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",
             "role": "assistant",

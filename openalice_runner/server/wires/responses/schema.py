@@ -230,7 +230,7 @@ def _choice_tag(value: Any) -> str:
     if isinstance(value, str):
         return "@mode"
     kind = _kind(value)
-    return {"function": "@function", "allowed_tools": "@allowed_tools"}.get(kind, "@hosted")
+    return {"function": "@function", "allowed_tools": "@allowed_tools"}.get(kind or "", "@hosted")
 
 
 ToolChoice = Annotated[

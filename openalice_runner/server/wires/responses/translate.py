@@ -332,8 +332,8 @@ def _response_format(text: s.TextConfig | None) -> ResponseFormat | None:
     if isinstance(fmt, s.TextFormatJsonObject):
         return ResponseFormat(type="json_object")
     try:
-        schema = JsonSchemaFormat(
-            name=fmt.name, schema=fmt.schema_, description=fmt.description, strict=fmt.strict
+        schema = JsonSchemaFormat.model_validate(
+            {"name": fmt.name, "schema": fmt.schema_, "description": fmt.description, "strict": fmt.strict}
         )
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
