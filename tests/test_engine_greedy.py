@@ -13,25 +13,35 @@ from openalice_runner.engine import SamplingParams, SpecConfig
 
 
 def check_all_drafters(engine, prompt: list[int], max_tokens: int, gammas=(1, 3, 5, 8)):
+    """Equality for every drafter and γ, each having drafted: an equality where nothing was
+    proposed (or nothing accepted) says nothing about verification. The oracles draft every round;
+    n-gram and the self-draft must propose and have some accepted over the γs (per γ they may find
+    nothing to draft on a given prompt)."""
     sampling = SamplingParams(max_tokens=max_tokens)
     plain = engine.generate(prompt, sampling, SpecConfig(method="off"))
     assert plain.stats.target_passes == max(0, plain.stats.completion_tokens - 1) or plain.finish_reason == "stop"
+    assert len(plain.token_ids) > 1, "a one-token reply leaves nothing to draft"
     vocab = engine.model.cfg.vocab_size
+    drafted = {"ngram": [0, 0], "draft": [0, 0]}  # method: [proposed, accepted] over the γs
     for gamma in gammas:
         spec = SpecConfig(method="draft", gamma=gamma)
         accept_all = engine.generate(prompt, sampling, spec,
                                      drafter=OracleDrafter(len(prompt), plain.token_ids, vocab, True))
         assert accept_all.token_ids == plain.token_ids
-        if accept_all.stats.proposed:
-            assert accept_all.stats.acceptance_rate == 1.0
+        assert accept_all.stats.proposed > 0, ("the all-accept oracle drafted nothing", gamma)
+        assert accept_all.stats.accepted == accept_all.stats.proposed and accept_all.stats.acceptance_rate == 1.0
         reject_all = engine.generate(prompt, sampling, spec,
                                      drafter=OracleDrafter(len(prompt), plain.token_ids, vocab, False))
         assert reject_all.token_ids == plain.token_ids
+        assert reject_all.stats.proposed > 0, ("the all-reject oracle drafted nothing", gamma)
         assert reject_all.stats.accepted == 0
         for method in ("ngram", "draft"):
             out = engine.generate(prompt, sampling, SpecConfig(method=method, gamma=gamma))
             assert out.token_ids == plain.token_ids, (method, gamma)
             assert out.text == plain.text
+            drafted[method][0] += out.stats.proposed
+            drafted[method][1] += out.stats.accepted
+    assert all(proposed > 0 and accepted > 0 for proposed, accepted in drafted.values()), drafted
     return plain
 
 

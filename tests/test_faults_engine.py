@@ -200,6 +200,7 @@ def test_a_fault_in_one_sequence_of_a_batch_fails_that_sequence_only(monkeypatch
     steps = engine.scheduler.steps
     out = _together(engine, lengths)
     assert len(faulted) == 1 and isinstance(out[1], Injected)
+    assert not isinstance(out[0], Exception) and not isinstance(out[2], Exception), out  # the others finished
     assert [out[0].token_ids, out[2].token_ids] == [expected[0], expected[2]]
     assert engine.scheduler.steps > steps
     monkeypatch.setattr(batching, where, real)
@@ -212,17 +213,21 @@ def test_a_fault_in_the_shared_pass_fails_its_sequences_and_the_scheduler_carrie
     expected = _alone(engine, lengths)
     real = engine.model.forward_rows
     calls = {"n": 0}
+    in_pass: set[int] = set()  # the slots of the sequences the failed pass had rows for
 
-    def forward_rows(*args, **kwargs):
+    def forward_rows(tokens, cache, row_slot, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 4:
+            in_pass.update(int(s) for s in row_slot)
             raise Injected("the shared pass failed")
-        return real(*args, **kwargs)
+        return real(tokens, cache, row_slot, *args, **kwargs)
 
     monkeypatch.setattr(engine.model, "forward_rows", forward_rows)
     out = _together(engine, lengths)
     failed = [r for r in out if isinstance(r, Injected)]
     assert failed, "the pass that failed had sequences in it"
+    # exactly the sequences that had rows in it failed: the others ran on to the same tokens as alone
+    assert len(failed) == len(in_pass), (len(failed), in_pass)
     for result, want in zip(out, expected, strict=True):
         assert isinstance(result, Injected) or result.token_ids == want  # the others ran on, exact
     assert _alone(engine, lengths) == expected  # and the scheduler serves on
@@ -274,4 +279,7 @@ def test_a_fault_in_the_pass_spares_a_running_sequence_that_was_not_in_it(monkey
     assert spared, "no pass left a running sequence out"
     assert isinstance(out[0], Injected)  # the decoding one was in that pass
     survivors = [r for r in out[1:] if not isinstance(r, Injected)]
-    assert survivors and all(r.token_ids == expected for r in survivors)
+    # every sequence the failed pass left out finished, with the reply it has alone (the old
+    # scheduler failed every running sequence; failing them all must not pass here)
+    assert len(survivors) == len(spared[0]), (out, spared)
+    assert all(r.token_ids == expected for r in survivors)
