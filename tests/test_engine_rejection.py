@@ -1,5 +1,6 @@
-"""The rejection rule: its defining identity against a plain reference, the residual on hand-worked
-cases, and the engine's own verify_sampled emitting the target at every draft position."""
+"""The rejection rule, checked on the engine's own code: verify_sampled's exact output distribution
+(enumerated from its own random calls) against the definition of lossless drafting, the residual on
+hand-worked cases, and verify_sampled emitting the target at every draft position (Monte Carlo)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,69 @@ import torch
 from openalice_runner.engine.rejection import residual_distribution, verify_greedy, verify_sampled
 
 
-def reference_output_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Distribution of the first emitted token of one round with one draft token x ~ q:
-    sum_x q(x) min(1, p(x)/q(x)) [token = x] + rejected mass * residual."""
-    accept = torch.where(q > 0, torch.minimum(torch.ones_like(p), p / q.clamp_min(1e-30)), torch.zeros_like(p))
-    accepted_mass = q * accept
-    rejected = 1.0 - accepted_mass.sum()
-    residual = torch.clamp(p - q, min=0.0)
-    residual = residual / residual.sum() if residual.sum() > 0 else p
-    return accepted_mass + rejected * residual
+class _Branch(Exception):
+    """A choice point the path being replayed has not decided yet."""
+
+    def __init__(self, weights: list[float]) -> None:
+        self.weights = weights
+
+
+class _Path:
+    """One path of random choices, replayed through the engine's code: each draw takes the next
+    choice, weighted by the probability the engine's own call gave it."""
+
+    def __init__(self, choices: tuple[int, ...]) -> None:
+        self.choices, self.at, self.weight = choices, 0, 1.0
+
+    def choose(self, weights: list[float]) -> int:
+        if self.at == len(self.choices):
+            raise _Branch(weights)
+        choice = self.choices[self.at]
+        self.at += 1
+        self.weight *= weights[choice]
+        return choice
+
+
+U_STEPS = 200  # the engine's uniform draw, enumerated on this many midpoints of [0, 1)
+
+
+class _TorchWithRand:
+    """The torch module to rejection.py, with `rand` answered by the path being replayed."""
+
+    def __init__(self, rand) -> None:
+        self.rand = rand
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def engine_round_outcomes(monkeypatch, p: torch.Tensor, q: torch.Tensor | None, draft: list[int] | None,
+                          k: int) -> dict[tuple[int, ...], float]:
+    """The exact distribution of what the engine's verify_sampled emits in one round, by running it
+    once per path of its random choices: the draft (drawn from q when `draft` is None), each of its
+    `sample` calls (every token, weighted by the distribution the engine passed) and each uniform
+    (U_STEPS midpoints, 1/U_STEPS each). Nothing of the rule is assumed: whatever the engine
+    compares, samples from or returns is what gets counted."""
+    from openalice_runner.engine import rejection
+
+    now: dict[str, _Path] = {}
+    monkeypatch.setattr(rejection, "sample", lambda probs, generator: now["path"].choose(probs.double().tolist()))
+    monkeypatch.setattr(rejection, "torch", _TorchWithRand(
+        lambda *args, generator=None, **kwargs: torch.tensor(
+            (now["path"].choose([1.0 / U_STEPS] * U_STEPS) + 0.5) / U_STEPS, dtype=torch.float64)))
+    outcomes: dict[tuple[int, ...], float] = {}
+    todo: list[tuple[int, ...]] = [()]
+    while todo:
+        path = _Path(todo.pop())
+        now["path"] = path
+        try:
+            tokens = draft if draft is not None else [path.choose(q[i].tolist()) for i in range(k)]
+            emitted = tuple(rejection.verify_sampled(p, q, list(tokens), None).emitted(list(tokens)))
+        except _Branch as branch:
+            todo.extend(path.choices + (i,) for i, w in enumerate(branch.weights) if w > 0)
+            continue
+        outcomes[emitted] = outcomes.get(emitted, 0.0) + path.weight
+    return outcomes
 
 
 def random_dist(vocab: int, gen: torch.Generator, sparsity: float = 0.0) -> torch.Tensor:
@@ -28,35 +83,67 @@ def random_dist(vocab: int, gen: torch.Generator, sparsity: float = 0.0) -> torc
     return x / x.sum()
 
 
-def test_identity_holds_on_random_distributions():
+def _first_token(outcomes: dict[tuple[int, ...], float], vocab: int) -> torch.Tensor:
+    first = torch.zeros(vocab, dtype=torch.float64)
+    for emitted, weight in outcomes.items():
+        first[emitted[0]] += weight
+    return first
+
+
+def test_the_engines_round_emits_the_target_distribution_with_a_sampled_draft(monkeypatch):
+    """Against the definition, not the formula: with x ~ q, the engine's first emitted token is
+    distributed as p[0] (lossless), its draft is accepted with probability sum_x min(p(x), q(x))
+    (the most any lossless rule can accept), and the bonus after an accepted draft follows p[1]."""
     gen = torch.Generator().manual_seed(0)
-    for trial in range(200):
-        vocab = int(torch.randint(2, 50, (1,), generator=gen))
-        p = random_dist(vocab, gen, sparsity=0.3 if trial % 2 else 0.0)
-        q = random_dist(vocab, gen, sparsity=0.3 if trial % 3 else 0.0)
-        out = reference_output_distribution(p, q)
-        assert torch.allclose(out, p, atol=1e-6), (p, q, out)
-        # the module's residual is the reference's residual
-        for x in range(vocab):
-            if q[x] > 0 and p[x] < q[x]:
-                r = residual_distribution(p, q, x)
-                ref = torch.clamp(p - q, min=0.0)
-                assert torch.allclose(r, ref / ref.sum(), atol=1e-12)
+    tol = 1.0 / U_STEPS + 1e-9  # the uniform's grid moves at most 1/U_STEPS of a draft's mass
+    for trial in range(6):
+        vocab = 4
+        p = torch.stack([random_dist(vocab, gen, sparsity=0.3 if trial % 2 else 0.0) for _ in range(2)])
+        q = random_dist(vocab, gen, sparsity=0.3 if trial % 3 else 0.0)[None]
+        outcomes = engine_round_outcomes(monkeypatch, p, q, None, 1)
+        assert abs(sum(outcomes.values()) - 1.0) < 1e-9
+        first = _first_token(outcomes, vocab)
+        assert torch.allclose(first, p[0], atol=tol), (trial, p[0], q[0], first)
+        accepted = sum(w for emitted, w in outcomes.items() if len(emitted) == 2)
+        assert abs(accepted - float(torch.minimum(p[0], q[0]).sum())) <= tol, (trial, accepted)
+        bonus = torch.zeros(vocab, dtype=torch.float64)
+        for emitted, w in outcomes.items():
+            if len(emitted) == 2:
+                bonus[emitted[1]] += w
+        if accepted > 0:
+            assert torch.allclose(bonus / accepted, p[1], atol=1e-9), (trial, bonus / accepted, p[1])
 
 
-def test_identity_with_one_hot_draft():
+def test_the_engines_round_with_a_one_hot_draft_is_plain_decoding_cut_at_the_first_miss(monkeypatch):
+    """A deterministic draft (q=None): each emitted token follows its row of p, the round going on
+    only while the token is the drafted one. The reference is that sequence's probability, product
+    by product; the engine's is enumerated from its own calls (exact: no uniform in this rule)."""
     gen = torch.Generator().manual_seed(1)
-    for _ in range(100):
-        vocab = int(torch.randint(2, 40, (1,), generator=gen))
-        p = random_dist(vocab, gen, sparsity=0.2)
-        x = int(torch.randint(0, vocab, (1,), generator=gen))
-        # one-hot q at x: accept with probability p(x); residual is p with x zeroed
-        accepted = torch.zeros_like(p)
-        accepted[x] = p[x]
-        residual = residual_distribution(p, None, x)
-        out = accepted + (1 - p[x]) * residual
-        assert torch.allclose(out, p, atol=1e-6)
-        assert residual[x] == 0 or p[x] == 1.0
+    for trial in range(6):
+        vocab, k = 4, 3
+        p = torch.stack([random_dist(vocab, gen, sparsity=0.2) for _ in range(k + 1)])
+        draft = [int(torch.randint(0, vocab, (1,), generator=gen)) for _ in range(k)]
+        outcomes = engine_round_outcomes(monkeypatch, p, None, draft, k)
+        want: dict[tuple[int, ...], float] = {}
+        for m in range(k + 1):  # m drafts accepted, then token t at position m
+            reach = float(torch.prod(torch.tensor([p[j, draft[j]] for j in range(m)], dtype=torch.float64)))
+            for t in range(vocab):
+                if (m == k or t != draft[m]) and reach * p[m, t] > 0:
+                    want[(*draft[:m], t)] = reach * float(p[m, t])
+        assert set(outcomes) == set(want), (trial, sorted(outcomes), sorted(want))
+        assert all(abs(outcomes[e] - want[e]) < 1e-12 for e in want), (trial, outcomes, want)
+
+
+def test_a_round_that_resamples_the_target_after_a_rejection_is_caught(monkeypatch):
+    """The enumeration can fail: an engine drawing the recovered token from p (not the residual)
+    over-weights the draft's likely tokens, and the first test's check sees it."""
+    from openalice_runner.engine import rejection
+
+    monkeypatch.setattr(rejection, "residual_distribution", lambda p, q, token: p)
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.3, 0.5]], dtype=torch.float64)
+    q = torch.tensor([[0.2, 0.5, 0.3]], dtype=torch.float64)
+    first = _first_token(engine_round_outcomes(monkeypatch, p, q, None, 1), 3)
+    assert not torch.allclose(first, p[0], atol=1.0 / U_STEPS + 1e-9), first
 
 
 def test_zero_draft_probability_is_guarded():

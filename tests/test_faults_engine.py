@@ -200,6 +200,7 @@ def test_a_fault_in_one_sequence_of_a_batch_fails_that_sequence_only(monkeypatch
     steps = engine.scheduler.steps
     out = _together(engine, lengths)
     assert len(faulted) == 1 and isinstance(out[1], Injected)
+    assert not isinstance(out[0], Exception) and not isinstance(out[2], Exception), out  # the others finished
     assert [out[0].token_ids, out[2].token_ids] == [expected[0], expected[2]]
     assert engine.scheduler.steps > steps
     monkeypatch.setattr(batching, where, real)
@@ -298,4 +299,8 @@ def test_a_fault_in_the_pass_spares_a_running_sequence_that_was_not_in_it(monkey
     assert spared, "no pass left a running sequence out"
     assert isinstance(out[0], Injected)  # the decoding one was in that pass
     survivors = [r for r in out[1:] if not isinstance(r, Injected)]
-    assert survivors and all(r.token_ids == expected for r in survivors)
+    # every sequence but the one whose rows break the pass finished, with the reply it has alone: those
+    # the failed pass left out, and those that shared it (run again without it); the old scheduler
+    # failed every running sequence, failing them all must not pass here
+    assert len(survivors) == len(out) - 1, (out, spared)
+    assert all(r.token_ids == expected for r in survivors)

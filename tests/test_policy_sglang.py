@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tiers import needs_install
 
 from openalice_runner.policies import PolicyStore, load_policy_text
 from openalice_runner.policies.sglang_args import compile_pool, gamma_candidates
@@ -142,11 +143,11 @@ def _sglang_python() -> tuple[str, dict] | None:
     return None
 
 
-@pytest.mark.skipif(
-    _sglang_python() is None,
-    reason="SGLang not available: run scripts/sglang-contract-venv.sh and set OPENALICE_SGLANG_VENV "
-    "(or OPENALICE_SGLANG_SRC, see this module's docstring) to parse with SGLang's own parser",
-)
+@needs_install(
+    None if _sglang_python() is not None else
+    f"SGLang not available at {_VENV}: run scripts/sglang-contract-venv.sh and set OPENALICE_SGLANG_VENV "
+    "(or OPENALICE_SGLANG_SRC, see this module's docstring) to parse with SGLang's own parser"
+)  # fmt: skip
 @pytest.mark.parametrize(("policy_file", "pool"), [
     ("policies/gpu-sglang.yaml", "eagle3"), ("policies/gpu-sglang.yaml", "ngram"),
     ("policies/gpu-sglang.yaml", "plain"), ("policies/default.yaml", "eagle3"),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import vllm_servers
+from tiers import needs_install
 
 from openalice_runner.cli import main
 from openalice_runner.policies import PolicyStore, RequestContext
@@ -201,7 +202,7 @@ def test_vllm_args_serves_the_embedded_model_folder_of_this_install(capsys):
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
 
-needs_venv = pytest.mark.skipif(vllm_servers.venv_problem() is not None, reason=str(vllm_servers.venv_problem()))
+needs_venv = needs_install(vllm_servers.venv_problem())
 
 
 @needs_venv

@@ -339,9 +339,11 @@ async def test_overload_is_refused_early():
     p = AdmittedProvider(local(engine), AdmissionGate("local", max_in_flight=1, max_queue=1))
     req = ChatRequest(messages=[{"role": "user", "content": "x"}])
     first = [asyncio.create_task(p.chat(req, CallContext())) for _ in range(2)]
-    deadline = time.monotonic() + 30  # generous: the engine thread may start late on a loaded machine
+    # the first is in the engine (held at its gate, which waits longer than this test does)
+    assert await asyncio.to_thread(engine.entered.wait, 60), "the first call never reached the engine"
+    deadline = time.monotonic() + 60  # the second's queue place: a state the gate has no event for
     while (p.load().batch_size, p.load().queue_depth) != (1, 1):
-        assert time.monotonic() < deadline, p.load()
+        assert time.monotonic() < deadline and not any(t.done() for t in first), p.load()
         await asyncio.sleep(0.01)
     with pytest.raises(ProviderRateLimited) as info:
         await p.chat(req, CallContext())

@@ -9,8 +9,9 @@ from __future__ import annotations
 import collections
 
 import pytest
+from tiers import import_or_missing
 
-schemathesis = pytest.importorskip("schemathesis")
+schemathesis = import_or_missing("schemathesis", "schemathesis is in the dev extras (pip install -e '.[dev]')")
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from stand_ins.processes import free_port, wait_http
+from tiers import missing
 
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "process-key"
@@ -78,7 +79,7 @@ def served(tmp_path_factory):
 def test_real_prometheus_scrapes_the_request_count(served, tmp_path):
     binary = shutil.which("prometheus")
     if binary is None:
-        pytest.skip("the `prometheus` binary is not installed (Debian package `prometheus`)")
+        missing("the `prometheus` binary is not installed (Debian package `prometheus`)")
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from stand_ins.sglang_server import SGLangStandIn
 from stand_ins.streams import read_all
+from tiers import needs_install
 
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, StreamBroken
 from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangProvider
@@ -29,10 +30,10 @@ VENV = os.environ.get("OPENALICE_SGLANG_VENV") or str(  # scripts/sglang-contrac
 PYTHON = Path(VENV, "bin", "python") if VENV else None
 CHECKER = Path(__file__).parent / "contract" / "sglang_check.py"
 
-needs_venv = pytest.mark.skipif(
-    PYTHON is None or not PYTHON.exists(),
-    reason="SGLang contract venv absent: run scripts/sglang-contract-venv.sh and set OPENALICE_SGLANG_VENV",
-)
+needs_venv = needs_install(
+    None if PYTHON is not None and PYTHON.exists() else
+    f"SGLang contract venv absent at {VENV}: run scripts/sglang-contract-venv.sh and set OPENALICE_SGLANG_VENV"
+)  # fmt: skip
 
 TOOLS = [
     {

@@ -7,13 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tiers import import_or_missing
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_mypy_finds_nothing_on_the_middleware_floors():
-    pytest.importorskip("mypy", reason="mypy is in the dev extras (pip install -e '.[dev]')")
+    import_or_missing("mypy", "mypy is in the dev extras (pip install -e '.[dev]')")
     proc = subprocess.run(
         [sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=1200
     )

@@ -26,6 +26,7 @@ import pytest
 import vllm_servers
 import yaml
 from stand_ins.processes import free_port, wait_http
+from tiers import needs_install
 
 from openalice_runner import Runner
 from openalice_runner.bench import gateway_affinity
@@ -37,7 +38,7 @@ from openalice_runner.types import ChatRequest
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(vllm_servers.venv_problem() is not None, reason=str(vllm_servers.venv_problem())),
+    needs_install(vllm_servers.venv_problem()),
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -403,7 +404,7 @@ smg_problem = None if gateway_affinity.smg_binary().exists() else (
     f"to {vllm_servers.CACHE / 'venvs' / 'smg.build.log'})")
 
 
-@pytest.mark.skipif(smg_problem is not None, reason=str(smg_problem))
+@needs_install(smg_problem)
 async def test_a_pool_behind_smg_keeps_each_conversation_on_the_worker_holding_its_prefix(pools, tmp_path):
     """smg 1.13 in front of the two live servers as one pool's workers (`consistent_hashing` on the
     conversation id the runner sends), the workers under `load_from`: each conversation's second

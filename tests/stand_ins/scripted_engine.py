@@ -16,6 +16,11 @@ from stand_ins.engines import tiny_engine
 # The tool call's arguments (the prompt ends inside the call block), then the answer from its result:
 # the weather turn of the README's example and examples/agent_loop.py.
 WEATHER_ANSWERS = ['Paris"}}\n', "It is 21 degrees and sunny in Paris."]
+GATE_TIMEOUT_S = 120.0  # longer than any test waits with the gate shut
+
+
+class GateNeverOpened(AssertionError):
+    """A gated call whose gate the test never opened."""
 
 
 class ScriptedEngine:
@@ -34,7 +39,11 @@ class ScriptedEngine:
         self.prompts: list[list[int]] = []  # each call's prompt token ids (`prompt_texts` decodes them)
         self.calls: list[tuple] = []  # each call's (sampling, spec)
         self.grammars_used: list = []  # the grammar each call was given (the text is fixed all the same)
-        self.gate: threading.Event | None = None  # set: each call waits for it (up to 5 s) first
+        # set: each call waits for it first, `entered` set on the way in. The wait is bounded only
+        # so that a test that never opens the gate fails (GateNeverOpened) rather than hangs: the
+        # call never goes on as if it had opened
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
         self.paced: threading.Semaphore | None = None  # set: one piece per release
         self.yielded = 0  # pieces handed out so far
         self.finish_reason = "stop"
@@ -71,7 +80,9 @@ class ScriptedEngine:
         self.calls.append((sampling, spec))
         self.grammars_used.append(grammar)
         if self.gate is not None:
-            self.gate.wait(5)
+            self.entered.set()
+            if not self.gate.wait(GATE_TIMEOUT_S):
+                raise GateNeverOpened(f"the test did not open the engine's gate within {GATE_TIMEOUT_S:g} s")
         for piece in self.pieces or [text]:
             if self.paced is not None:
                 assert self.paced.acquire(timeout=5), "the test released too few pieces"
