@@ -35,9 +35,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from tiers import missing
 
 from tests.test_server_api import LiveServer
-from tiers import missing
 
 pytestmark = pytest.mark.slow
 
