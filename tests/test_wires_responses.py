@@ -197,6 +197,7 @@ def test_codex_fields_are_accepted():
     ("body", "param", "code"),
     [
         ({"input": "x", "foo": 1}, "foo", "unknown_parameter"),
+        ({"input": "x", "model": "m" * 257}, "model", "invalid_value"),  # was a 500: the chat request's bound
         ({"input": [{"role": "user"}]}, "input[0].content", "missing_required_parameter"),
         ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "txt": "x"}]}]}, "input[0].content[0].txt",
          "unknown_parameter"),

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from openalice_runner.config_files.models import StrictModel
+from openalice_runner.types import MAX_MODEL_NAME
 
 # Hosted tools run by OpenAI's servers (or built-in client tools a model must be trained for): the
 # runner cannot run them, so they are left out of what the model sees and named in the reply.
@@ -300,7 +301,7 @@ class ResponsesRequest(StrictModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=MAX_MODEL_NAME)  # the chat request's bound
     input: str | list[InputItem] | None = None
     instructions: str | None = None
     tools: list[Tool] | None = None
