@@ -40,7 +40,9 @@ from openalice_runner.providers.base import CallContext, Capabilities, Provider
 from openalice_runner.providers.streams import chat_stream
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, ChunkChoice, Usage, new_id
 
-WORKLOAD = Path("/work/shared/workloads/agent-loops.jsonl")
+WORKLOAD = (
+    Path(__file__).resolve().parents[3] / "shared" / "workloads" / "agent-loops.jsonl"
+)  # beside the checkout
 WIRES = ("messages", "responses")
 SYSTEM = "You are a coding agent working in the user's workspace. Use the tools when they help."
 # the tiny random model (`--server tiny`): a real model, whose time (and its noise) is in every call
