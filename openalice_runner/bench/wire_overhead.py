@@ -114,7 +114,7 @@ def serve_instant(argv: list[str]) -> int:
     import openalice_runner.runner as runner_module
     from openalice_runner.cli import main as cli_main
 
-    runner_module.build_provider = lambda name, config, engine=None: InstantProvider(name)  # type: ignore[assignment]
+    runner_module.build_provider = lambda name, config, engine=None: InstantProvider(name)
     return cli_main(["serve", *argv])
 
 
@@ -174,7 +174,8 @@ def as_chat(req: dict[str, Any], model: str, stream: bool) -> dict[str, Any]:
 
 def as_messages(req: dict[str, Any], model: str, stream: bool) -> dict[str, Any]:
     """Anthropic Messages, as Claude Code writes it: `system` blocks, tool_use and tool_result blocks."""
-    system, turns = [], []
+    system: list[dict[str, Any]] = []
+    turns: list[dict[str, Any]] = []
     for m in req["messages"]:
         if m["role"] == "system":
             system.append({"type": "text", "text": m["content"]})
@@ -326,15 +327,16 @@ def summary(wire: str, raw: bytes, stream: bool) -> tuple[int, str]:
             return _anthropic_input(body["usage"]), "".join(
                 b.get("text", "") for b in body["content"] if b["type"] == "text"
             )
-        text = "".join(
+        output = "".join(
             p.get("text", "")
             for item in body["output"]
             if item["type"] == "message"
             for p in item["content"]
             if p["type"] == "output_text"
         )
-        return body["usage"]["input_tokens"], text
-    events, tokens, text = _events(raw), -1, []
+        return body["usage"]["input_tokens"], output
+    tokens, text = -1, []  # type: int, list[str]
+    events = _events(raw)
     for e in events:
         if wire == "chat":
             for choice in e.get("choices") or []:
