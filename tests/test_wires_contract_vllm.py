@@ -7,7 +7,8 @@ structure (keys and value types; the values of `type`, `role`, `status`, `stop_r
 `reason`; id prefixes; streams as the sequence of event types with runs of deltas collapsed, each
 event's payload reduced alike) and compared. Every difference must match a row of KNOWN below (where
 the runner deliberately follows Anthropic's or OpenAI's published contract instead of vLLM); any other
-difference fails. Skipped, saying why, only where the side venv is not usable (fails under CI=true).
+difference fails. The live test is skipped, saying why, only where the side venv is not usable (and
+fails under CI=true); the comparator's own checks at the end run everywhere.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import yaml
 from stand_ins.processes import free_port, wait_http
 from tiers import needs_install
 
-pytestmark = [pytest.mark.slow, needs_install(vllm_servers.venv_problem())]
+LIVE = [pytest.mark.slow, needs_install(vllm_servers.venv_problem())]  # the live test's tier marks
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = ROOT / "policies" / "vllm-cpu-split.yaml"
@@ -80,6 +81,7 @@ def on_response(key: str, kind: str, why: str) -> list[Known]:
 
 
 R = "responses"
+ID_MSG = "vLLM 'id:chatcmpl-' / runner 'id:msg_'"
 # What each row allows, and why the runner's side is right: Anthropic's Messages API reference and
 # streaming docs; OpenAI's Responses API reference and the `openai` SDK's types (3.60,
 # openai/types/responses/), which is what Codex and the AI SDK parse. Paths starting `*` match the
@@ -91,8 +93,9 @@ KNOWN = [
         "id",
         "value",
         "Anthropic's message ids are msg_...; vLLM reuses its chat completion's chatcmpl-...",
+        detail=ID_MSG,
     ),
-    Known("messages", "@message_start.message.id", "value", "as above, in the stream"),
+    Known("messages", "@message_start.message.id", "value", "as above, in the stream", detail=ID_MSG),
     Known(
         "messages",
         "stop_sequence",
@@ -115,7 +118,7 @@ KNOWN = [
         "content",
         "length",
         "an empty completion is `content: []` for the runner (Anthropic's shape for no output); vLLM sends one empty text block",
-        detail=r"vLLM 1 \[\{'type': 'text', 'text': 'str'\}\] / runner 0 \[\]",
+        detail=r"vLLM 1 \[\{'type': 'text', 'text': 'empty-str'\}\] / runner 0 \[\]",
     ),
     # (message_start's usage.input_tokens: vLLM counts the prompt there, the runner says 0 and gives the
     # count in message_delta, as documented; both are ints, so the structure is the same.)
@@ -221,6 +224,8 @@ def shape(value, key: str | None = None):
         return [shape(v) for v in value]
     if key in ("type", "role", "status", "stop_reason", "object", "reason"):
         return value
+    if key == "text" and value == "":
+        return "empty-str"  # an empty completion is a contract case of its own (see KNOWN)
     if key in ("id", "call_id", "item_id") and isinstance(value, str):
         m = re.match(r"[A-Za-z]+[_-]", value)
         return f"id:{m.group(0) if m else ''}"
@@ -399,6 +404,8 @@ CASES = [("messages", "/v1/messages", n, b, s) for n, b in MESSAGES.items() for 
 
 @pytest.mark.parametrize(("wire", "route", "name", "body", "stream"), CASES,
                          ids=[f"{c[0]}-{c[2]}-{'stream' if c[4] else 'plain'}" for c in CASES])  # fmt: skip
+@LIVE[0]
+@LIVE[1]
 def test_same_structure_as_vllm(pair, wire, route, name, body, stream):
     vllm = exchange(pair.vllm.url, route, body, stream)
     runner = exchange(pair.runner, route, body, stream)
@@ -408,3 +415,43 @@ def test_same_structure_as_vllm(pair, wire, route, name, body, stream):
             f"known difference {wire}/{name}/{'stream' if stream else 'plain'}: {d[0]} ({d[1]}): {d[2]} -- {why}"
         )
     assert not bad, "\n".join(f"{p} ({k}): {detail}" for p, k, detail in bad)
+
+
+# The comparator itself, on replies of the shapes recorded from vLLM 0.32: any difference not in KNOWN fails.
+VLLM_MESSAGE = {"id": "chatcmpl-1", "type": "message", "role": "assistant", "model": "smollm2",
+                "content": [{"type": "text", "text": "Hi."}], "stop_reason": "end_turn",
+                "usage": {"input_tokens": 3, "output_tokens": 2, "cache_creation_input_tokens": 0,
+                          "cache_read_input_tokens": 0}}  # fmt: skip
+RUNNER_MESSAGE = {**VLLM_MESSAGE, "id": "msg_1", "stop_sequence": None, "provider": "cpu", "speculation": {}}
+
+
+def test_known_differences_pass_and_are_named():
+    ok, bad = compare("messages", VLLM_MESSAGE, RUNNER_MESSAGE, stream=False)
+    assert not bad
+    assert {d[0] for d, _ in ok} == {"id", "stop_sequence", "provider", "speculation"}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"stop_reason": "max_tokens"},  # a literal contract value
+        {"content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},  # a block type
+        {"usage": {"input_tokens": 3, "output_tokens": 2}},  # usage fields missing
+        {"id": "resp_1"},  # the id row allows msg_ only
+        {"stop_reason": None},  # a stream's message_start value where the reply needs one
+        {"content": []},  # the empty-completion row allows [] only against vLLM's one *empty* text block
+    ],
+)
+def test_any_other_difference_fails(change):
+    _, bad = compare("messages", VLLM_MESSAGE, {**RUNNER_MESSAGE, **change}, stream=False)
+    assert bad
+
+
+def test_a_different_event_sequence_fails():
+    vllm = [{"type": t} for t in ("message_start", "content_block_start", "content_block_delta",
+                                  "content_block_stop", "message_delta", "message_stop")]  # fmt: skip
+    runner = [vllm[0], {"type": "ping"}, *vllm[1:]]
+    assert compare("messages", vllm, runner, stream=True)[1] == []  # ping: a known difference
+    assert compare("messages", vllm, runner[:-1], stream=True)[1]  # no message_stop
+    assert compare("responses", [{"type": "response.completed", "response": {"status": "completed"}}],
+                   [{"type": "response.incomplete", "response": {"status": "completed"}}], stream=True)[1]  # fmt: skip
