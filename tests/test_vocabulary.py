@@ -17,6 +17,8 @@ from openalice_runner.types import SpeculationInfo
 OUTCOME = {f.name for f in dataclasses.fields(SpeculationOutcome)} | {"acceptance_rate", "tokens_per_second"}
 # the extras each report carries beside the outcome's names, on purpose
 WIRE_EXTRAS = {"closing"}  # of the reply, tokens forced to close its structure
+# where the request's turn type and conversation came from (stated or inferred): the request's, not the outcome's
+WIRE_EXTRAS |= {"turn_type", "turn_type_source", "conversation_source"}
 STATS_EXTRAS = {"prompt_tokens", "cached_prompt_tokens", "closing", "mask_s", "draft_depth_histogram", "finish_reason"}
 BENCH_EXTRAS = {"case", "turn_type", "tokens", "seconds", "identical_to_off", "prompt_tokens", "policy_method"}
 OLD = {contract: dict(pairs) for contract, pairs in OLD_KEYS.items()}
