@@ -75,6 +75,15 @@ def test_a_prompt_past_the_context_is_refused_by_the_engine_as_input(serial):
         serial.generate([1] * serial.context_length, SamplingParams(max_tokens=1))
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 9e-6])
+def test_a_vanishing_temperature_decodes_greedily_not_into_a_nan_distribution(serial, temperature):
+    # Found by the wire fuzzer (2026-12-04): logits / 5e-324 overflow to inf, the softmax to NaN, and
+    # torch.multinomial raised inside the pass: a 500 for a temperature every wire accepts (>= 0).
+    greedy = serial.generate([1, 2, 3], SamplingParams(max_tokens=6))
+    tiny = serial.generate([1, 2, 3], SamplingParams(temperature=temperature, top_p=5e-324, max_tokens=6))
+    assert tiny.token_ids == greedy.token_ids
+
+
 # ---------------------------------------------------------------- the local provider's mapping
 
 

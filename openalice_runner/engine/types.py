@@ -33,11 +33,16 @@ class SchedulerStopped(RuntimeError):
     """The scheduler thread that owed a request its answer is gone (a fault of ours, never the client's)."""
 
 
+# A temperature this small is the argmax up to fp32 precision, and dividing logits by one far smaller
+# overflows to inf and a NaN distribution (5e-324 from a fuzzer did): it decodes greedily, as vLLM's 1e-5.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding settings, applied identically to target and draft distributions."""
 
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # below GREEDY_BELOW (0 included) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
@@ -58,7 +63,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
