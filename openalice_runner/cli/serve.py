@@ -11,6 +11,8 @@ import signal
 import sys
 from collections.abc import Callable
 
+from openalice_runner.server.disclosure import LEVELS
+
 ENV_API_KEY = "OPENALICE_API_KEY"
 
 
@@ -104,6 +106,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="longest a request's JSON schema or tool grammar may take to compile; past it: 400 grammar_timeout",
     )  # fmt: skip
     p.add_argument(
+        "--speculation-info", choices=LEVELS, default="full",
+        help="what a reply's `speculation` block shows: full (the default), summary (method, gamma, pool and "
+        "rule; no per-request counts, which tell about the text) or none; spans and metrics keep all",
+    )  # fmt: skip
+    p.add_argument(
         "--metrics-public", action="store_true",
         help="serve /metrics without the API key (default: /metrics needs it when a key is set)",
     )  # fmt: skip
@@ -169,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
             max_tokens_limit=args.max_tokens_limit,
             providers_file=args.providers,
             metrics_public=args.metrics_public,
+            speculation_info=args.speculation_info,
         ),
         metrics=metrics,
         on_shutdown=providers.force_flush,

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from opentelemetry import context as otel_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from openalice_runner.server.disclosure import SpeculationInfoLevel, disclosed
 from openalice_runner.server.errors import APIError
 from openalice_runner.server.turn_inference import INFERRED, STATED, infer_turn_type, inferred_conversation
 from openalice_runner.tracing import attributes as A
@@ -117,20 +118,23 @@ def mark_sources(span: Any, tc: TurnContext) -> None:
 Reply = TypeVar("Reply", ChatResult, ChatChunk)
 
 
-def with_sources(reply: Reply, tc: TurnContext) -> Reply:
+def with_sources(reply: Reply, tc: TurnContext, level: SpeculationInfoLevel = "full") -> Reply:
     """The reply's `speculation` (where it has one) says the turn type and where it and the
-    conversation came from."""
+    conversation came from, and shows what `level` lets its caller see (server/disclosure.py)."""
     info = reply.speculation
     if info is not None:
         info.turn_type, info.turn_type_source, info.conversation_source = (
             tc.turn_type, tc.turn_type_source, tc.conversation_source)
+        reply.speculation = disclosed(info, level)
     return reply
 
 
-async def stamped(chunks: AsyncIterator[ChatChunk], tc: TurnContext) -> AsyncIterator[ChatChunk]:
+async def stamped(
+    chunks: AsyncIterator[ChatChunk], tc: TurnContext, level: SpeculationInfoLevel = "full"
+) -> AsyncIterator[ChatChunk]:
     """A stream's chunks through `with_sources` (the last one carries speculation)."""
     async for chunk in chunks:
-        yield with_sources(chunk, tc)
+        yield with_sources(chunk, tc, level)
 
 
 def caller_trace_context(headers: Mapping[str, str]) -> otel_context.Context | None:

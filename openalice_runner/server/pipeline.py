@@ -165,7 +165,7 @@ class RequestPipeline:
             metrics.tokens.labels(type="input").inc(result.usage.prompt_tokens)
             metrics.tokens.labels(type="output").inc(result.usage.completion_tokens)
         call.headers.update(budget_header(result))
-        return wire.reply(with_sources(result, tc), call)
+        return wire.reply(with_sources(result, tc, self.settings.speculation_info), call)
 
     async def _stream(
         self, wire: Wire, call: WireCall, ctx: CallContext, step: Step, deadline: Deadline, request: Request,
@@ -189,9 +189,9 @@ class RequestPipeline:
                 raise
             raise api_error_from(exc) from exc
         stream = SSEStream(
-            first=first and with_sources(first, tc),
+            first=first and with_sources(first, tc, self.settings.speculation_info),
             opened=opened,
-            chunks=stamped(chunks, tc),
+            chunks=stamped(chunks, tc, self.settings.speculation_info),
             step=step,
             format=wire.stream_format(call),
             turn_type=labels["turn_type"],  # the stream's metric label

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from openalice_runner.server.disclosure import SpeculationInfoLevel
+
 
 @dataclass
 class ServerSettings:
@@ -18,3 +20,4 @@ class ServerSettings:
     watch_interval_s: float = 1.0
     metrics_public: bool = False  # /metrics without the API key even when one is set
     metrics_max_age_s: float = 0.0  # > 0: scrapes within this long of a render reuse it
+    speculation_info: SpeculationInfoLevel = "full"  # what a reply's `speculation` shows (disclosure.py)
