@@ -255,37 +255,85 @@ def test_vllm_targets_are_skipped_without_their_venv_and_launched_from_it(tmp_pa
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] >= 1
 
 
-def test_an_inferred_target_states_no_turn_types_and_keys_its_conversation_as_runtimes_do():
-    """`policy-inferred`: the calls carry no X-OpenAlice-* header, the conversation goes as
-    prompt_cache_key (as Codex and the OpenAI SDK send it); the stated twin sends the headers."""
+def test_an_inferred_target_calls_as_claude_code_does():
+    """`policy-inferred`: the calls go to /v1/messages with no X-OpenAlice-* header, the conversation
+    as Claude Code's session id (its header and `metadata.user_id`), tool_choice in Anthropic's words;
+    the stated twin sends Chat Completions with the headers."""
     import httpx
 
     from openalice_runner.bench.loops import Conversation, Step, run_conversation
 
-    seen: list[tuple[dict, dict]] = []
+    seen: list[tuple[str, dict, dict]] = []
 
     def answer(request: httpx.Request) -> httpx.Response:
-        seen.append(({k.lower(): v for k, v in request.headers.items()}, json.loads(request.content)))
+        seen.append((request.url.path, {k.lower(): v for k, v in request.headers.items()}, json.loads(request.content)))
+        if request.url.path.endswith("/messages"):
+            events = [{"type": "message_start", "message": {"usage": {"input_tokens": 0, "output_tokens": 0}}},
+                      {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                      {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "ok"}},
+                      {"type": "content_block_stop", "index": 0},
+                      {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                       "usage": {"input_tokens": 3, "output_tokens": 1, "cache_read_input_tokens": 2}},
+                      {"type": "message_stop"}]
+            return httpx.Response(200, text="".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events))
         events = [{"choices": [{"delta": {"content": "ok"}}]}, {"choices": [{"delta": {}, "finish_reason": "stop"}]}]
         return httpx.Response(200, text="".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n")
 
     conversation = Conversation("c", [], [{"role": "user", "content": "Hi"}],
-                                [Step("call", Call("summarize", 4)), Step("user", text="More."),
+                                [Step("call", Call("summarize", 4, "none")), Step("user", text="More."),
                                  Step("call", Call("chat", 4))])
     with httpx.Client(transport=httpx.MockTransport(answer)) as client:
-        run_conversation(client, Target("policy-inferred", "http://x/v1", "m", stated=False), conversation, 0)
+        inferred_row = run_conversation(client, Target("policy-inferred", "http://x/v1", "m", stated=False),
+                                        conversation, 0)
         run_conversation(client, Target("policy", "http://x/v1", "m"), conversation, 0)
     inferred, stated = seen[:2], seen[2:]
-    for headers, body in inferred:
+    for path, headers, body in inferred:
+        assert path == "/v1/messages"
         assert not [k for k in headers if k.startswith("x-openalice-")]
-        assert body["prompt_cache_key"] == "c.policy-inferred.0"
-    assert [h["x-openalice-turn-type"] for h, _ in stated] == ["summarize", "chat"]
-    assert {h["x-openalice-conversation-id"] for h, _ in stated} == {"c.policy.0"}
-    assert not [b for _, b in stated if "prompt_cache_key" in b]
+        assert headers["x-claude-code-session-id"] == "c.policy-inferred.0"
+        assert json.loads(body["metadata"]["user_id"]) == {"session_id": "c.policy-inferred.0"}
+        assert "prompt_cache_key" not in body
+    assert inferred[0][2]["tool_choice"] == {"type": "none"} and "tool_choice" not in inferred[1][2]
+    # the second call resends the first reply as an assistant turn of text blocks
+    assert inferred[1][2]["messages"][1] == {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}
+    first = inferred_row["calls"][0]
+    # read back in Chat's terms: Anthropic's input_tokens leave the cached ones out
+    assert (first.content, first.finish_reason, first.prompt_tokens, first.cached_tokens,
+            first.completion_tokens) == ("ok", "stop", 5, 2, 1)
+    assert [p for p, _, _ in stated] == ["/v1/chat/completions"] * 2
+    assert [h["x-openalice-turn-type"] for _, h, _ in stated] == ["summarize", "chat"]
+    assert {h["x-openalice-conversation-id"] for _, h, _ in stated} == {"c.policy.0"}
     assert [s.name for s in parse_targets("policy,off,policy-inferred,off-inferred")][2:] == [
         "policy-inferred", "off-inferred"]
     with pytest.raises(ValueError, match="unknown target"):
         parse_targets("vllm-inferred")
+
+
+def test_an_inferred_twin_over_the_messages_wire_gets_the_stated_outputs_with_inferred_turns(loops_file, sidecars):
+    """The same conversation through a real sidecar, stated over Chat and inferred over Messages:
+    the same greedy outputs (tool calls included) call by call, the reply's speculation says the
+    turn type and conversation were inferred, and the later calls find their prefix cached (the
+    session id keyed the conversation)."""
+    from openalice_runner.bench.loops import run_conversation
+
+    conversation = load_loops(loops_file)[0]
+    policy = sidecars[0]
+    import httpx
+
+    with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0)) as client:
+        stated = run_conversation(client, policy, conversation, 7)
+        inferred = run_conversation(client, Target("policy-inferred", policy.url, policy.model, stated=False),
+                                    conversation, 7)
+    assert [c.output for c in inferred["calls"]] == [c.output for c in stated["calls"]]
+    assert [c.finish_reason for c in inferred["calls"]] == [c.finish_reason for c in stated["calls"]]
+    assert inferred["calls"][0].tool_calls  # the forced tool call came back as a tool_use block
+    for call in inferred["calls"]:
+        assert call.speculation["turn_type_source"] == "inferred"
+        assert call.speculation["conversation_source"] == "inferred"
+    for call in stated["calls"]:
+        assert call.speculation["turn_type_source"] == "stated"
+    assert all(c.cached_tokens > 0 for c in inferred["calls"][1:])
+    assert [c.prompt_tokens for c in inferred["calls"]] == [c.prompt_tokens for c in stated["calls"]]
 
 
 def test_inferred_over_stated_is_the_twins_speedup_over_the_pairs():

@@ -12,9 +12,9 @@
   converted model folder in bf16, 2 threads, prefix caching on (32-token blocks), cached prompt tokens in usage, the
   hermes tools template and parser (as the `type: vllm` pools launch it); `-ngram` with n-gram
   speculation (γ 5, lookups of 2-4 tokens). Skipped, saying so, when that venv is not there;
-- `policy-inferred`, `off-inferred`: `policy` and `off` again, each its own server, called as agent
-  runtimes call: no X-OpenAlice-* headers, the conversation as `prompt_cache_key` (the sidecar
-  infers the turn types; the summary's `inferred_over_stated` compares the pairs);
+- `policy-inferred`, `off-inferred`: `policy` and `off` again, each its own server, called as Claude
+  Code calls: over the Messages wire, no X-OpenAlice-* headers, the conversation as its session id
+  (the sidecar infers the turn types; the summary's `inferred_over_stated` compares the pairs);
 - `URL=NAME`: any other OpenAI-compatible server, already running.
 """
 

@@ -126,8 +126,8 @@ class Target:
     name: str
     url: str  # the API base, ending in /v1
     model: str | None = None  # None: the first model its GET /models lists
-    # False: the calls carry no X-OpenAlice-* headers, only the conversation as `prompt_cache_key`,
-    # as agent runtimes send them: the sidecar infers the turn types (server/turn_inference.py)
+    # False: the calls go over the Messages wire as Claude Code sends them, with no X-OpenAlice-*
+    # headers, only its session id: the sidecar infers the turn types (bench/loop_messages.py)
     stated: bool = True
 
 
@@ -166,7 +166,7 @@ class CallRecord:
         return self.content if not calls else json.dumps({"content": self.content, "tool_calls": calls})
 
 
-def _sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
     for line in lines:
         if not line.startswith("data:"):
             continue
@@ -184,9 +184,9 @@ def _sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
 
 def stream_call(client, target: Target, messages: list[dict], tools: list[dict], call: Call,
                 headers: dict[str, str], conversation_key: str | None = None) -> CallRecord:
-    """One greedy streamed call; the clock starts before the request is sent. The conversation goes
-    as X-OpenAlice-Conversation-Id where the target states turns, else as prompt_cache_key."""
-    if conversation_key is not None and target.stated:
+    """One greedy streamed Chat Completions call; the clock starts before the request is sent. The
+    conversation goes as X-OpenAlice-Conversation-Id."""
+    if conversation_key is not None:
         headers = {"X-OpenAlice-Conversation-Id": conversation_key, **headers}
     body: dict[str, Any] = {
         "model": target.model,
@@ -200,8 +200,6 @@ def stream_call(client, target: Target, messages: list[dict], tools: list[dict],
         body["tools"] = tools
     if call.tool_choice is not None:
         body["tool_choice"] = call.tool_choice
-    if conversation_key is not None and not target.stated:
-        body["prompt_cache_key"] = conversation_key
     content: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
     usage: dict[str, Any] | None = None
@@ -213,7 +211,7 @@ def stream_call(client, target: Target, messages: list[dict], tools: list[dict],
         if response.status_code != 200:
             response.read()
             raise LoopError(f"{target.name}: HTTP {response.status_code}: {response.text[:500]}")
-        for event in _sse_events(response.iter_lines()):
+        for event in sse_events(response.iter_lines()):
             usage = event.get("usage") or usage
             speculation = event.get("speculation") or speculation
             for choice in event.get("choices") or []:
@@ -271,6 +269,7 @@ def _runnable(call: dict[str, Any]) -> bool:
 
 def run_conversation(client, target: Target, conversation: Conversation, run: int) -> dict[str, Any]:
     """Drive one conversation as a loop does; returns its record (wall time, calls, outputs)."""
+    from openalice_runner.bench.loop_messages import messages_call  # it reads this module's records
     messages = opening_messages(conversation, run)
     key = f"{conversation.id}.{target.name}.{run}"
     records: list[CallRecord] = []
@@ -279,9 +278,11 @@ def run_conversation(client, target: Target, conversation: Conversation, run: in
     for i, step in enumerate(conversation.steps):
         if step.kind == "call":
             call = step.call
-            headers = {"X-OpenAlice-Turn-Type": call.turn_type, "X-OpenAlice-Step": str(len(records))}
-            record = stream_call(client, target, messages, conversation.tools, call,
-                                 headers if target.stated else {}, key)
+            if target.stated:
+                headers = {"X-OpenAlice-Turn-Type": call.turn_type, "X-OpenAlice-Step": str(len(records))}
+                record = stream_call(client, target, messages, conversation.tools, call, headers, key)
+            else:
+                record = messages_call(client, target, messages, conversation.tools, call, key)
             records.append(record)
             reply: dict[str, Any] = {"role": "assistant", "content": record.content or None}
             tool_calls = [dict(c, id=c["id"] or f"call_{len(records)}_{k}")

@@ -36,6 +36,7 @@ from typing import Any
 
 from openalice_runner.bench.loop_targets import free_port
 from openalice_runner.bench.loops import Conversation, load_loops
+from openalice_runner.bench.wire_bodies import messages_body
 from openalice_runner.providers.base import CallContext, Capabilities, Provider
 from openalice_runner.providers.streams import chat_stream
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, ChunkChoice, Usage, new_id
@@ -174,49 +175,7 @@ def as_chat(req: dict[str, Any], model: str, stream: bool) -> dict[str, Any]:
 
 def as_messages(req: dict[str, Any], model: str, stream: bool) -> dict[str, Any]:
     """Anthropic Messages, as Claude Code writes it: `system` blocks, tool_use and tool_result blocks."""
-    system: list[dict[str, Any]] = []
-    turns: list[dict[str, Any]] = []
-    for m in req["messages"]:
-        if m["role"] == "system":
-            system.append({"type": "text", "text": m["content"]})
-        elif m["role"] == "user":
-            turns.append({"role": "user", "content": [{"type": "text", "text": m["content"]}]})
-        elif m["role"] == "assistant":
-            blocks = [{"type": "text", "text": m["content"]}] if m.get("content") else []
-            blocks += [
-                {
-                    "type": "tool_use",
-                    "id": c["id"],
-                    "name": c["function"]["name"],
-                    "input": json.loads(c["function"]["arguments"]),
-                }
-                for c in m.get("tool_calls") or []
-            ]
-            turns.append({"role": "assistant", "content": blocks})
-        elif m["role"] == "tool":
-            block = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}
-            if turns and turns[-1]["role"] == "user" and turns[-1]["content"][-1]["type"] == "tool_result":
-                turns[-1]["content"].append(block)
-            else:
-                turns.append({"role": "user", "content": [block]})
-    body: dict[str, Any] = {
-        "model": model,
-        "system": system,
-        "messages": turns,
-        "max_tokens": 1,
-        "temperature": 0,
-        "stream": stream,
-    }
-    if req["tools"]:
-        body["tools"] = [
-            {
-                "name": t["function"]["name"],
-                "description": t["function"].get("description", ""),
-                "input_schema": t["function"]["parameters"],
-            }
-            for t in req["tools"]
-        ]
-    return body
+    return messages_body(req["messages"], req["tools"], model=model, max_tokens=1, stream=stream)
 
 
 def as_responses(req: dict[str, Any], model: str, stream: bool) -> dict[str, Any]:

