@@ -7,7 +7,9 @@
 # two schema phases (openalice_runner/bench/schema_workloads.py; SCHEMAS=0 skips them), concurrency 4 for DURATION
 # seconds each: `deep-schema` (tool parameters and response formats nested 30 objects deep, validated
 # and compiled per request) and `large-grammar` (eight distinct response formats of 450 optional
-# properties or 1,500 anyOf branches, in turn: the grammar cache keeps compiling and evicting). Writes one JSON report per run
+# properties or 1,500 anyOf branches, in turn: the grammar cache keeps compiling and evicting); then the
+# hostile probe's requests (a 7 MB model name, 8 MB of empty messages, a /metrics scrape; PROBE=0 skips
+# them: openalice_runner/bench/probe_requests.py). Writes one JSON report per run
 # and a Markdown table (sent/ok/429/failed/5xx, latency and time-to-first-token percentiles, the
 # server's peak RSS from /proc/PID/status VmHWM, over every run); exits 1 when that peak is over 1.5 GiB.
 #
@@ -23,6 +25,8 @@ DURATION="${DURATION:-60}"
 CONCURRENCY="${CONCURRENCY:-1 4 16}"
 DEEP_TOOLS="${DEEP_TOOLS:-1}"
 SCHEMAS="${SCHEMAS:-1}"
+PROBE="${PROBE:-1}"
+PROBE_FAILED=0
 DEEP_TIMEOUT="${DEEP_TIMEOUT:-900}"
 PORT="${PORT:-8765}"
 PY="${PY:-$ROOT/.venv/bin/python}"
@@ -65,6 +69,10 @@ if [ "$SCHEMAS" != 0 ]; then
     LEVELS="$LEVELS $phase"
   done
 fi
+if [ "$PROBE" != 0 ]; then
+  echo "== memory check: the probe's requests (a 7 MB model name, 8 MB of empty messages, a /metrics scrape)"
+  "$PY" -m openalice_runner.bench.probe_requests "http://127.0.0.1:$PORT" "$SERVER" "$WORK/probe.json" || PROBE_FAILED=1
+fi
 curl -s "http://127.0.0.1:$PORT/metrics" >"$WORK/metrics.txt"
 
 kill -TERM "$SERVER"
@@ -74,12 +82,13 @@ EXIT=$?
 set -e
 trap - EXIT
 
-"$PY" - "$WORK" "$OUT" "$EXIT" "$LEVELS" <<'EOF'
+"$PY" - "$WORK" "$OUT" "$EXIT" "$LEVELS" "$PROBE_FAILED" <<'EOF'
 import json, sys
 from pathlib import Path
 
 RSS_BOUND = 1.5 * 2**30  # the memory check's bound on the server's peak RSS
 work, out, exit_code, levels = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split()
+probe_failed = sys.argv[5] == "1"
 ms = lambda s, k: f"{s[k] * 1000:.0f}" if s else "-"
 rows, peak = [], 0
 for c in levels:
@@ -91,6 +100,11 @@ for c in levels:
         f"{r['server_errors']} | {ms(lat, 'p50')} / {ms(lat, 'p95')} / {ms(lat, 'p99')} | "
         f"{ms(ttft, 'p50')} / {ms(ttft, 'p95')} / {ms(ttft, 'p99')} | {r['requests_per_s']} | {r['tokens_per_s']} |"
     )
+probe = json.loads((work / "probe.json").read_text()) if (work / "probe.json").is_file() else []
+for p in probe:
+    peak = max(peak, p["peak_rss_mib_after"] * 2**20)
+probe_lines = [f"- {p['request']}: HTTP {p['status']} {(p['error'] or {}).get('param') or ''}, RSS after "
+               f"{p['rss_mib_after']} MiB (peak {p['peak_rss_mib_after']} MiB)" for p in probe]
 metrics = (work / "metrics.txt").read_text().splitlines()
 fivexx = sum(float(l.rsplit(" ", 1)[1]) for l in metrics
              if l.startswith("openalice_http_requests_total{") and 'status="5' in l)
@@ -107,6 +121,8 @@ text = "\n".join([
     "|---|---|---|---|---|---|---|---|---|---|---|",
     *rows,
     "",
+    *(["The probe's requests, after the rows (`openalice_runner/bench/probe_requests.py`):", *probe_lines, ""]
+      if probe else []),
     f"Server peak RSS (VmHWM): {peak / 2**20:.0f} MiB ({peak / 2**30:.2f} GiB; the bound is {RSS_BOUND / 2**30:g} GiB: "
     f"{'within' if peak <= RSS_BOUND else 'OVER'}). "
     f"5xx answered by the server over the whole run (/metrics): {fivexx:.0f}. Exit code after SIGTERM: {exit_code}.",
@@ -114,5 +130,5 @@ text = "\n".join([
 ])
 out.write_text(text)
 print(text)
-sys.exit(0 if peak <= RSS_BOUND else 1)  # the memory check fails the script
+sys.exit(0 if peak <= RSS_BOUND and not probe_failed else 1)  # the memory check (and a probe answered 5xx) fail the script
 EOF
