@@ -3,8 +3,9 @@
 The unified chunk stream carries text, not token ids: a pool's chunk holds whatever its engine step
 produced, and the embedded engine's tool-call parser re-cuts its text. So a token here is a unit of
 the text itself, cut as a BPE pre-tokenizer cuts words (GPT-2's rule: a word with its leading space,
-a number of up to 3 digits, a run of punctuation, whitespace): about one model token on English text
-and code, and the same for every provider. Where a unit ends is a function of the text alone, never
+a number of up to 3 digits, a run of punctuation, whitespace; runs capped at 16 letters and 4
+punctuation or whitespace characters, as a vocabulary has no token for 24 newlines): about one model
+token on English text and code, and the same for every provider. Where a unit ends is a function of the text alone, never
 of where a pass ended: the last unit of what has arrived is held until the text after it (or the end
 of its piece) shows it complete. A tool call's opening (its id and name) is one unit; its arguments
 are cut as text. A chunk with nothing to cut (the last one: finish reason, usage, speculation) is a
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from openalice_runner.types import ChatChunk, ChunkChoice, Delta, FunctionCallDelta, ToolCallDelta
 
 # the last alternative takes any one character, so the units of a text always join back to it
-UNIT = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?[^\s\w]+|\s+(?!\S)|\s+|[\s\S]")
+UNIT = re.compile(r" ?[^\W\d_]{1,16}| ?\d{1,3}| ?[^\s\w]{1,4}|\s{1,4}(?!\S)|\s{1,4}|[\s\S]")
 
 
 def cut(text: str) -> list[str]:
