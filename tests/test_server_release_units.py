@@ -18,7 +18,7 @@ from stand_ins.streams import joined_tool_calls
 from openalice_runner.cli import build_parser
 from openalice_runner.server.release.fixed import fixed
 from openalice_runner.server.release.modes import ReleaseMode, parse_release
-from openalice_runner.server.release.paced import Pacer, PaceRates, paced
+from openalice_runner.server.release.paced import MAX_RATE_KEYS, Pacer, PaceRates, paced
 from openalice_runner.server.release.padding import bucket, padded
 from openalice_runner.server.release.units import Cutter, cut
 from openalice_runner.server.settings import ServerSettings
@@ -245,6 +245,9 @@ def test_paced_learns_the_rate_without_recent_streams_and_records_it():
     rates.record("m", 20.0)
     rates.record("m", 30.0)
     assert rates.pacer("m").prior == pytest.approx(22.0)
+    for i in range(MAX_RATE_KEYS + 10):  # bounded, the oldest dropped, the latest kept
+        rates.record(f"model-{i}", 5.0)
+    assert len(rates.rates) == MAX_RATE_KEYS and "m" not in rates.rates and f"model-{MAX_RATE_KEYS + 9}" in rates.rates
 
 
 def test_paced_is_never_more_than_one_pass_behind():

@@ -32,6 +32,7 @@ from openalice_runner.types import ChatChunk
 PRIOR_WEIGHT_S = 1.0  # recent streams' rate counts as this many seconds of this stream's own
 EMA_ALPHA = 0.2  # a finished stream's weight in the rate of recent streams
 MIN_RATE, MAX_RATE = 1.0, 10_000.0  # tokens a second the clock may run at
+MAX_RATE_KEYS = 256  # PaceRates keeps this many keys (model names), the oldest dropped
 
 
 class Clock(Protocol):
@@ -104,7 +105,9 @@ class Pacer:
 
 @dataclass
 class PaceRates:
-    """Recent streams' decode rates (an EMA a key: the route's model), where a paced stream starts."""
+    """Recent streams' decode rates (an EMA a key: the request's model), where a paced stream starts.
+    Shared by every caller of the server: one caller's streams move where another's start (a second's
+    weight); per-tenant keys belong with the tenants (issue 48)."""
 
     rates: dict[str, float] = field(default_factory=dict)
 
@@ -114,8 +117,10 @@ class PaceRates:
     def record(self, key: str, rate: float | None) -> None:
         if rate is None:
             return
-        old = self.rates.get(key)
+        old = self.rates.pop(key, None)
         self.rates[key] = rate if old is None else (1 - EMA_ALPHA) * old + EMA_ALPHA * rate
+        while len(self.rates) > MAX_RATE_KEYS:  # bounded whatever names requests bring
+            del self.rates[next(iter(self.rates))]
 
 
 _END = object()
