@@ -7,6 +7,7 @@ when its client leaves. tests/test_server_release_units.py has the clock and the
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import threading
@@ -146,7 +147,7 @@ class Read:
     line), and per write its pieces: ("text", s), ("open", call, name), ("args", call, s)."""
 
     def __init__(self, wire: str, body: bytes, padded: bool) -> None:
-        self.wire, self.body = wire, body
+        self.wire, self.body, self.padded = wire, body, padded
         if padded:
             starts = [m.start() for m in re.finditer(rb"(?m)^:[ ]*\n", body)]
             assert starts and starts[0] == 0, body[:200]
@@ -223,9 +224,28 @@ class Read:
         return [tuple(calls[k]) for k in sorted(calls)]
 
     def units(self) -> list[int]:
-        """Tokens in each write that carries any (openings count one; text and arguments as units.py
-        cuts them: each piece is a run of whole units)."""
-        counts = [sum(1 if p[0] == "open" else len(cut(p[-1])) for p in write) for write in self.pieces]
+        """Tokens in each write that carries any: openings count one; text and arguments by where the
+        units of the whole content (of each call's whole arguments) end, as units.py cuts them. A
+        padded stream's pieces each end where a unit ends."""
+        wholes: dict = {}
+        for write in self.pieces:
+            for piece in write:
+                if piece[0] != "open":
+                    wholes[piece[:-1]] = wholes.get(piece[:-1], "") + piece[-1]
+        ends = {key: set(itertools.accumulate(len(unit) for unit in cut(whole))) for key, whole in wholes.items()}
+        at: dict = dict.fromkeys(wholes, 0)
+        counts = []
+        for write in self.pieces:
+            count = 0
+            for piece in write:
+                if piece[0] == "open":
+                    count += 1
+                    continue
+                key, start = piece[:-1], at[piece[:-1]]
+                at[key] = stop = start + len(piece[-1])
+                assert self.padded is False or stop in ends[key], (piece, "ends inside a unit")
+                count += sum(1 for end in ends[key] if start < end <= stop)
+            counts.append(count)
         return [c for c in counts if c]
 
 
@@ -358,3 +378,43 @@ def test_a_paced_stream_stops_when_its_client_leaves(stalls):
         first = next(reply.iter_raw())
         assert first.startswith(b":")
     assert stalls.provider.closed.wait(30)  # the client left on the clock: the generation stopped
+
+
+# ---------------------------------------------------------------- pool streams, re-chunked at the runner
+
+
+@pytest.fixture(scope="module", params=["stream", "tool_call_stream"])
+def pool_served(request):
+    """A vLLM pool whose replica answers with vLLM 0.32's recorded n-gram streams (several tokens a
+    chunk): its chunks are re-chunked at the runner as the engine's are."""
+    from openalice_runner.providers.config import load_routing_text as routing_text
+    from openalice_runner.providers.pools.vllm import VLLMConfig, VLLMProvider
+    from tests.test_providers_vllm import Replay
+
+    answer = request.param.removesuffix("_stream") if request.param != "stream" else "plain"
+    pool = {"type": "vllm", "model": "smollm2", "pools": {"ngram": {"replicas": ["http://replica"]}}}
+    provider = VLLMProvider("cpu", VLLMConfig.model_validate(pool),
+                            client=httpx.AsyncClient(transport=httpx.MockTransport(Replay(answer))))  # fmt: skip
+    routing = routing_text("providers:\n  cpu: {type: vllm, model: smollm2, pools: {ngram: {replicas: [http://replica]}}}\n"
+                           "routes:\n  - {name: default, chain: [cpu]}\n")  # fmt: skip
+    settings = ServerSettings()
+    live = LiveServer(create_app(Runner(routing, {"cpu": provider}), settings=settings)).start()
+    live.settings, live.model, live.tools = settings, "smollm2", request.param == "tool_call_stream"
+    yield live
+    live.stop()
+
+
+@pytest.mark.parametrize("mode", ["fixed:2", "paced"])
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_pool_stream_leaves_as_pass_mode_gives_it(pool_served, wire, mode):
+    control = _stream(pool_served, wire, "pass", tools=pool_served.tools)
+    read = _stream(pool_served, wire, mode, tools=pool_served.tools)
+    assert (read.text, read.calls) == (control.text, control.calls) and (control.text or control.calls)
+    assert read.usage == control.usage  # the tool-call recording has no usage chunk: unknown in both
+    assert read.usage or pool_served.tools
+    counts = read.units()
+    if mode == "fixed:2":
+        assert all(c == 2 for c in counts[:-1]) and 0 < counts[-1] <= 2, counts
+    else:
+        assert max(counts) <= 2 or len(counts) > 1, counts
+    _check_padding(read)
