@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from stand_ins.streams import joined_tool_calls
 
 from openalice_runner.cli import build_parser
+from openalice_runner.providers.base import StreamBroken
 from openalice_runner.server.release.fixed import fixed
 from openalice_runner.server.release.modes import ReleaseMode, parse_release
 from openalice_runner.server.release.paced import MAX_RATE_KEYS, Pacer, PaceRates, paced
@@ -276,6 +277,33 @@ def test_paced_stream_with_tool_calls_loses_nothing():
     content, calls = _joined(script())
     whole = len(cut(content)) + sum(1 + len(cut(call["arguments"])) for call in calls)
     assert sum(units for _, units, _ in events) == whole  # each token once
+
+
+# ---------------------------------------------------------------- a stream that breaks
+
+
+@pytest.mark.parametrize("mode", ["fixed", "paced"])
+def test_a_broken_stream_still_sends_what_it_produced_then_its_error(mode):
+    """As in pass mode, where every chunk before the fault went out: the text produced before it
+    leaves, then the fault ends the stream (the server writes its error event)."""
+    sent = script()[:5]
+
+    async def broken():
+        for chunk in sent:
+            await asyncio.sleep(0)
+            yield chunk
+        raise StreamBroken("upstream cut", provider="p")
+
+    async def run():
+        groups = []
+        stream = fixed(broken(), 4) if mode == "fixed" else paced(broken(), Pacer(prior=1.0), FakeClock())
+        with pytest.raises(StreamBroken):
+            async for group in stream:
+                groups.append(group)
+        return [chunk for group in groups for chunk in group]
+
+    out = asyncio.run(run())
+    assert "".join(c.delta_text for c in out) == "".join(c.delta_text for c in sent)
 
 
 # ---------------------------------------------------------------- padding, modes, the flag

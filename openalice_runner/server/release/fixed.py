@@ -53,11 +53,18 @@ class Groups:
 
 async def fixed(chunks: AsyncIterator[ChatChunk], n: int) -> AsyncGenerator[list[ChatChunk], None]:
     cutter, groups = Cutter(), Groups()
-    async for chunk in chunks:
-        groups.add(cutter.feed(chunk))
-        # a full group followed by markers alone waits: the stream's last chunk goes with it
-        while groups.units >= n and not groups.markers_only_after(n):
-            yield groups.take(n)
+    try:
+        async for chunk in chunks:
+            groups.add(cutter.feed(chunk))
+            # a full group followed by markers alone waits: the stream's last chunk goes with it
+            while groups.units >= n and not groups.markers_only_after(n):
+                yield groups.take(n)
+    except Exception:
+        # the stream broke: what it had produced still leaves, as in pass mode, then its error
+        groups.add(cutter.flush())
+        if groups.units:
+            yield groups.rest()
+        raise
     groups.add(cutter.flush())
     while groups.units > n:
         yield groups.take(n)

@@ -203,6 +203,13 @@ async def paced(
                 starved = not queue.units
                 await clock.wait(pending, due)
                 if pending.done():  # else the tick is due
+                    broke = None if pending.cancelled() else pending.exception()
+                    if broke is not None:  # what was produced still leaves, as in pass mode, then the error
+                        pending = None
+                        queue.add(state.cutter.flush(), state.passes)
+                        if queue.atoms:
+                            yield queue.take(upto=state.passes, ended=True)
+                        raise broke
                     chunk, pending = pending.result(), None
                     catch_up = state.arrived(chunk, clock.now(), starved=starved)
                     if catch_up:
