@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from openalice_runner.server.disclosure import LEVELS
+from openalice_runner.server.release.modes import parse_release
 
 ENV_API_KEY = "OPENALICE_API_KEY"
 
@@ -111,11 +112,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "rule; no per-request counts, which tell about the text) or none; spans and metrics keep all",
     )  # fmt: skip
     p.add_argument(
+        "--stream-release", type=_release, default="pass", metavar="MODE",
+        help="how a stream's tokens leave: pass (one event per engine pass, the default: lowest latency), "
+        "fixed:N (N tokens an event, padded to a size bucket) or paced (one token an event on a steady "
+        "clock from the measured decode rate, padded); see docs/security.md",
+    )  # fmt: skip
+    p.add_argument(
         "--metrics-public", action="store_true",
         help="serve /metrics without the API key (default: /metrics needs it when a key is set)",
     )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
+
+
+def _release(text: str) -> object:
+    try:
+        return parse_release(text)
+    except ValueError as exc:  # argparse names the flag: "argument --stream-release: expected ..."
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
             providers_file=args.providers,
             metrics_public=args.metrics_public,
             speculation_info=args.speculation_info,
+            stream_release=args.stream_release,
         ),
         metrics=metrics,
         on_shutdown=providers.force_flush,

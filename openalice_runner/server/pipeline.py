@@ -35,6 +35,8 @@ from openalice_runner.server.context import (
 from openalice_runner.server.deadline import ClientGone, Deadline, DeadlineExceeded, race, request_deadline
 from openalice_runner.server.mapping import api_error_from
 from openalice_runner.server.metrics import ServerMetrics
+from openalice_runner.server.release.modes import stream_release_for
+from openalice_runner.server.release.paced import PaceRates
 from openalice_runner.server.runner_protocol import ServedRunner
 from openalice_runner.server.settings import ServerSettings
 from openalice_runner.server.streaming import GuardedStreamingResponse, SSEStream
@@ -64,6 +66,7 @@ class RequestPipeline:
         self.tracker = tracker
         self.metrics = metrics
         self.bounds = bounds  # turn types as metric labels
+        self.pace_rates = PaceRates()  # recent streams' decode rates, where a paced stream starts
 
     def handler(self, wire: Wire) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request) -> Response:
@@ -200,6 +203,9 @@ class RequestPipeline:
             metrics=self.metrics,
             to_api_error=api_error_from,
             deadline=deadline,
+            release=stream_release_for(self.settings, request.headers),
+            rates=self.pace_rates,
+            rate_key=body.model or "",
         )
         headers = {"Cache-Control": "no-cache", **call.headers, **budget_header(first)}
         return GuardedStreamingResponse(stream, headers=headers)

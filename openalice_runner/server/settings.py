@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from openalice_runner.server.disclosure import SpeculationInfoLevel
+from openalice_runner.server.release.modes import PASS, ReleaseMode, parse_release
 
 
 @dataclass
@@ -21,3 +22,8 @@ class ServerSettings:
     metrics_public: bool = False  # /metrics without the API key even when one is set
     metrics_max_age_s: float = 0.0  # > 0: scrapes within this long of a render reuse it
     speculation_info: SpeculationInfoLevel = "full"  # what a reply's `speculation` shows (disclosure.py)
+    # how a stream's tokens leave: pass, fixed:N or paced (server/release/); a string is parsed
+    stream_release: ReleaseMode = PASS
+
+    def __post_init__(self) -> None:
+        self.stream_release = parse_release(self.stream_release)

@@ -24,6 +24,10 @@ from openalice_runner.providers.streams import ChatStream
 from openalice_runner.server.deadline import Deadline, DeadlineExceeded
 from openalice_runner.server.errors import APIError
 from openalice_runner.server.metrics import ServerMetrics
+from openalice_runner.server.release.modes import PASS, ReleaseMode
+from openalice_runner.server.release.paced import PaceRates
+from openalice_runner.server.release.padding import padded
+from openalice_runner.server.release.stream import released
 from openalice_runner.server.turns import Step, TurnTracker
 from openalice_runner.types import ChatChunk
 
@@ -52,10 +56,16 @@ class SSEStream:
         metrics: ServerMetrics,
         to_api_error: Callable[[BaseException], APIError],
         deadline: Deadline | None = None,
+        release: ReleaseMode = PASS,
+        rates: PaceRates | None = None,
+        rate_key: str = "",
     ) -> None:
         # `opened` is the provider stream's context, already entered (`chunks` is what it gave): close()
         # leaves it, which stops the generation and frees the provider's slot.
-        self.first, self.opened, self.chunks, self.step = first, opened, chunks, step
+        self.opened, self.step = opened, step
+        # what leaves together, one write each, as the stream's release mode says (server/release/)
+        self.groups = released(release, _chained(first, chunks), rates=rates or PaceRates(), rate_key=rate_key)
+        self.pad: Callable[[bytes], bytes] = padded if release.padded else _as_is
         self.deadline = deadline
         self.format, self.turn_type, self.t0 = format, turn_type, t0
         self.tracker, self.metrics, self.to_api_error = tracker, metrics, to_api_error
@@ -69,22 +79,23 @@ class SSEStream:
         last: ChatChunk | None = None
         first_token = False
         try:
-            chunk = self.first
-            while chunk is not None:
-                last = chunk
-                self._note(chunk)
-                if not first_token and (chunk.delta_text or chunk.tool_call_deltas):
-                    first_token = True
-                    self.metrics.ttft.labels(turn_type=self.turn_type).observe(time.perf_counter() - self.t0)
-                # the events one chunk becomes leave in one write: a send per event cost the Messages and
+            group = await self._next()
+            while group is not None:
+                for chunk in group:
+                    last = chunk
+                    self._note(chunk)
+                    if not first_token and (chunk.delta_text or chunk.tool_call_deltas):
+                        first_token = True
+                        self.metrics.ttft.labels(turn_type=self.turn_type).observe(time.perf_counter() - self.t0)
+                # the events a group becomes leave in one write: a send per event cost the Messages and
                 # Responses wires (3 to 5 events where Chat has 1) ~0.4 ms each (bench/wire_overhead.py)
-                data = b"".join(self.format.chunk(chunk))
+                data = b"".join(event for chunk in group for event in self.format.chunk(chunk))
                 if data:
-                    yield data
-                chunk = await self._next()
+                    yield self.pad(data)
+                group = await self._next()
             data = b"".join(self.format.end(last, self.usage))
             if data:
-                yield data
+                yield self.pad(data)
         except Exception as exc:
             error = exc
             api_error = self.to_api_error(exc)
@@ -92,25 +103,26 @@ class SSEStream:
             # upstream's that might quote the request): what an operator needs to find the fault
             reason = str(exc)[:300] if isinstance(exc, StreamBroken | ProviderBadResponse) else None
             log.warning("stream failed", error_type=type(exc).__name__, status=api_error.status_code, reason=reason)
-            yield self.format.error(api_error)
+            yield self.pad(self.format.error(api_error))
         except BaseException as exc:  # cancelled: the client went away
             error = exc
             raise
         finally:
             await self.close(error)
 
-    async def _next(self) -> ChatChunk | None:
-        """The next chunk, or None at the end; DeadlineExceeded when the request's time is up (the
-        provider's stream is cancelled where it waits, so the engine stops at its next round)."""
+    async def _next(self) -> list[ChatChunk] | None:
+        """The next group of chunks, or None at the end; DeadlineExceeded when the request's time is up
+        (the provider's stream is cancelled where it waits, so the engine stops at its next round; a
+        paced stream's clock is cut where it waits)."""
         if self.deadline is None:
             try:
-                return await self.chunks.__anext__()
+                return await self.groups.__anext__()
             except StopAsyncIteration:
                 return None
         timeout = asyncio.timeout_at(self.deadline.at)
         try:
             async with timeout:
-                return await self.chunks.__anext__()
+                return await self.groups.__anext__()
         except StopAsyncIteration:
             return None
         except TimeoutError:
@@ -133,6 +145,10 @@ class SSEStream:
             return
         self.closed = True
         with anyio.CancelScope(shield=True):  # closing the provider's stream must not be cancelled itself
+            try:  # the release first: a paced stream reads its chunks in a task it ends here
+                await self.groups.aclose()
+            except Exception as exc:
+                log.warning("closing the stream's release failed", error_type=type(exc).__name__)
             try:
                 if error is None:
                     await self.opened.__aexit__(None, None, None)
@@ -159,6 +175,19 @@ class SSEStream:
         if self.usage is not None:
             m.tokens.labels(type="input").inc(self.usage.prompt_tokens)
             m.tokens.labels(type="output").inc(self.usage.completion_tokens)
+
+
+async def _chained(first: ChatChunk | None, chunks: AsyncIterator[ChatChunk]) -> AsyncIterator[ChatChunk]:
+    """The stream's first chunk (already read: None, an empty stream), then the rest."""
+    if first is None:
+        return
+    yield first
+    async for chunk in chunks:
+        yield chunk
+
+
+def _as_is(data: bytes) -> bytes:
+    return data
 
 
 def _is_cancel(exc: BaseException) -> bool:

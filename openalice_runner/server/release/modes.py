@@ -1,0 +1,58 @@
+"""The stream release modes and the one place a request's mode is decided.
+
+    pass      one event per engine or upstream chunk (one target pass): the lowest latency; its rhythm
+              and sizes show how many tokens each pass accepted
+    fixed:N   N tokens an event (the last shorter only at the end), every write padded to a size bucket
+    paced     one token an event on a steady clock set from the measured decode rate, never more than
+              one pass behind what was produced; padded as fixed:N
+
+Imported by the CLI at start-up: nothing heavy here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from openalice_runner.server.settings import ServerSettings
+
+ReleaseKind = Literal["pass", "fixed", "paced"]
+MAX_FIXED_N = 256  # more tokens an event is a buffered reply, not a stream
+USAGE = f"pass, fixed:N (N a whole number from 1 to {MAX_FIXED_N}) or paced"
+
+
+@dataclass(frozen=True)
+class ReleaseMode:
+    kind: ReleaseKind = "pass"
+    n: int = 1  # tokens an event (fixed:N)
+
+    @property
+    def padded(self) -> bool:
+        return self.kind != "pass"
+
+    def __str__(self) -> str:
+        return f"fixed:{self.n}" if self.kind == "fixed" else self.kind
+
+
+PASS = ReleaseMode()
+
+
+def parse_release(text: Any) -> ReleaseMode:
+    """`pass`, `fixed:N` or `paced` as a ReleaseMode; anything else: ValueError saying what is allowed."""
+    if isinstance(text, ReleaseMode):
+        return text
+    value = text.strip() if isinstance(text, str) else text
+    if value in ("pass", "paced"):
+        return ReleaseMode(value)
+    if isinstance(value, str) and value.startswith("fixed:"):
+        digits = value.removeprefix("fixed:")
+        if digits.isascii() and digits.isdigit() and 1 <= int(digits) <= MAX_FIXED_N:
+            return ReleaseMode("fixed", int(digits))
+    raise ValueError(f"expected {USAGE}, got {str(text)[:40]!r}")
+
+
+def stream_release_for(settings: ServerSettings, headers: Any = None) -> ReleaseMode:
+    """The release mode of one streamed request: the server's `--stream-release`. The one place a
+    request's mode is decided: a per-key mode (issue 48, the keys file) plugs in here from the
+    request's headers."""
+    return settings.stream_release
