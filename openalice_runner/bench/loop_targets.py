@@ -60,7 +60,8 @@ class TargetUnavailable(RuntimeError):
 class TargetSpec:
     name: str
     url: str | None = None  # given: a server already running
-    args: list[str] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)  # more `serve` flags of a sidecar target
+    sidecar: str | None = None  # the built-in sidecar (policy, off) a target of the caller's own name runs
 
 
 def parse_targets(text: str) -> list[TargetSpec]:
@@ -106,8 +107,9 @@ class Servers(contextlib.AbstractContextManager):
         if spec.url:
             return Target(spec.name, spec.url)
         port = free_port()
-        if spec.name.removesuffix(INFERRED_SUFFIX) in SIDECARS:
-            command = self._sidecar(spec.name.removesuffix(INFERRED_SUFFIX)) + ["--host", "127.0.0.1", "--port", str(port)]
+        sidecar = spec.sidecar or spec.name.removesuffix(INFERRED_SUFFIX)
+        if sidecar in SIDECARS:
+            command = self._sidecar(sidecar) + spec.args + ["--host", "127.0.0.1", "--port", str(port)]
         elif spec.name.startswith("vllm"):
             command = self._vllm(spec.name == "vllm-ngram", port)
         else:
@@ -121,7 +123,7 @@ class Servers(contextlib.AbstractContextManager):
             proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env)
         self._procs.append((spec.name, proc, log_path))
-        self._wait_ready(spec.name, proc, port, log_path)
+        self._wait_ready(spec.name, proc, port, log_path, "/health" if sidecar in SIDECARS else "/v1/models")
         return Target(spec.name, f"http://127.0.0.1:{port}/v1", stated=not spec.name.endswith(INFERRED_SUFFIX))
 
     def _sidecar(self, name: str) -> list[str]:
@@ -175,11 +177,10 @@ class Servers(contextlib.AbstractContextManager):
             command += ["--speculative-config", json.dumps(VLLM_NGRAM)]
         return command
 
-    def _wait_ready(self, name: str, proc: subprocess.Popen, port: int, log_path: Path) -> None:
+    def _wait_ready(self, name: str, proc: subprocess.Popen, port: int, log_path: Path, health: str) -> None:
         import httpx
 
         deadline = time.monotonic() + self.startup_s
-        health = "/health" if name in ("policy", "off") else "/v1/models"
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 tail = log_path.read_text(errors="replace")[-2000:]

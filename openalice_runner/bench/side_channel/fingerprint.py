@@ -1,0 +1,154 @@
+"""Which prompt was sent, told from the stream alone, under each release mode (issue 48, Build 4).
+
+K prompts x R repeats, at each temperature, with n-gram and with suffix speculation (the policy
+picks the method from the turn type the bench states), through one `serve` per release mode, all
+started here. Calls go one at a time, round-robin over the modes call by call (drift on a shared
+CPU hits every mode alike), the prompts in a new order each repeat. Each stream is recorded as a
+network observer sees it (`observe`), and classified by leave-one-out nearest neighbour
+(`classify`) within its (mode, method, temperature) cell: chance is 1/K.
+
+Every reply is cut by the same budget where it can be: a reply's length is a channel of its own
+(any release mode shows how much was sent), which padding the length would close; the report
+counts the replies that ended before the budget.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from openalice_runner.bench.side_channel.classify import OBSERVERS, accuracy
+from openalice_runner.bench.side_channel.observe import Observation, observe
+
+PROMPTS = (
+    "Repeat this sentence three times: The quick brown fox jumps over the lazy dog.",
+    "Write a short poem about autumn leaves falling in a quiet park.",
+    "List the numbers from one to forty, in words, separated by commas.",
+    "Write a Python function that returns the factorial of n, with a docstring.",
+    "Explain what a hash table is and when to use one.",
+    "Copy this JSON back unchanged: {\"name\": \"Ada\", \"langs\": [\"en\", \"fr\"], \"id\": 1815}",
+    "Give three tips for writing clear emails at work.",
+    "Describe the water cycle to a ten-year-old.",
+)
+METHODS = ("ngram", "suffix")
+MODES = ("pass", "fixed:4", "paced")
+TEMPERATURES = (0.0, 0.7)
+# one rule per method, chosen by the turn type the bench states
+POLICY = """\
+version: 1
+name: side-channel
+description: the fingerprinting bench's methods, one per stated turn type
+rules:
+  - {name: ngram, match: {turn_type: fp-ngram}, method: ngram, gamma: 4}
+  - {name: suffix, match: {turn_type: fp-suffix}, method: suffix, gamma: 4}
+default: {method: "off"}
+"""
+
+
+def run(prompts: tuple[str, ...] = PROMPTS, repeats: int = 6, modes: tuple[str, ...] = MODES,
+        methods: tuple[str, ...] = METHODS, temperatures: tuple[float, ...] = TEMPERATURES,
+        max_tokens: int = 40, providers: str | None = None, seed: int = 0, log=print) -> dict[str, Any]:
+    import httpx
+
+    from openalice_runner.bench.loop_targets import Servers, TargetSpec
+
+    with tempfile.TemporaryDirectory(prefix="side-channel-") as tmp:
+        policy = Path(tmp) / "policy.yaml"
+        policy.write_text(POLICY)
+        with Servers(policy=str(policy), providers=providers, log=log) as servers:
+            urls = {mode: servers.start(TargetSpec(mode, sidecar="policy", args=["--stream-release", mode])).url
+                    for mode in modes}
+            observations = _observe_all(urls, prompts, repeats, methods, temperatures, max_tokens, seed, log,
+                                        httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)))
+    return report(observations, len(prompts), repeats, max_tokens)
+
+
+def _observe_all(urls: dict[str, str], prompts, repeats, methods, temperatures, max_tokens, seed, log,
+                 client) -> list[Observation]:
+    rng = random.Random(seed)
+    modes = list(urls)
+    out: list[Observation] = []
+    with client:
+        for r in range(repeats):
+            for temperature in temperatures:
+                for method in methods:
+                    order = list(range(len(prompts)))
+                    rng.shuffle(order)
+                    for i, k in enumerate(order):
+                        shift = (r + i) % len(modes)  # the first mode rotates call by call
+                        for mode in modes[shift:] + modes[:shift]:
+                            body = {"messages": [{"role": "user", "content": prompts[k]}], "max_tokens": max_tokens,
+                                    "temperature": temperature, "stream": True,
+                                    "stream_options": {"include_usage": True}}
+                            headers = {"X-OpenAlice-Turn-Type": f"fp-{method}"}
+                            obs = Observation(k, mode, method, temperature)
+                            out.append(observe(client, urls[mode], body, headers, obs))
+                log(f"repeat {r + 1}/{repeats}, temperature {temperature}: {len(out)} streams")
+    return out
+
+
+def report(observations: list[Observation], k: int, repeats: int, max_tokens: int) -> dict[str, Any]:
+    cells: dict[tuple[str, str, float], list[Observation]] = {}
+    for o in observations:
+        cells.setdefault((o.mode, o.method, o.temperature), []).append(o)
+    rows = []
+    for (mode, method, temperature), obs in sorted(cells.items()):
+        accepted = [o.speculation.get("accepted") for o in obs if o.speculation and "accepted" in o.speculation]
+        rows.append({
+            "mode": mode, "method": method, "temperature": temperature, "streams": len(obs),
+            "accuracy": {name: round(accuracy(obs, name), 3) for name in OBSERVERS},
+            "reads_per_stream_p50": statistics.median(len(o.reads) for o in obs),
+            "write_sizes": sorted({n for o in obs for n in o.sizes})[:16],  # the distinct sizes seen (16 smallest)
+            "seconds_p50": round(statistics.median(o.reads[-1][0] for o in obs if o.reads), 3),
+            "first_read_s_p50": round(statistics.median(o.reads[0][0] for o in obs if o.reads), 3),
+            "ended_before_budget": sum(o.finish_reason != "length" for o in obs),
+            "accepted_drafts_shown": sum(accepted) if accepted else None,
+        })
+    chance = 1 / k
+    return {"prompts": k, "repeats": repeats, "max_tokens": max_tokens, "chance": round(chance, 3),
+            "rows": rows, "same_output_as_pass": same_output(observations), "summary": summary(rows, chance)}
+
+
+def same_output(observations: list[Observation]) -> dict[str, str]:
+    """At temperature 0 every mode must send the text `pass` sends for the same prompt and method
+    (releasing differently changes no token): mode -> equal/compared."""
+    greedy = [o for o in observations if o.temperature == 0]
+    reference = {(o.label, o.method): o.text for o in greedy if o.mode == "pass"}
+    out = {}
+    for mode in sorted({o.mode for o in greedy} - {"pass"}):
+        pairs = [(o.text, reference.get((o.label, o.method))) for o in greedy if o.mode == mode]
+        out[mode] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+    return out
+
+
+def summary(rows: list[dict[str, Any]], chance: float) -> dict[str, Any]:
+    """Per mode and temperature the best observer's accuracy over both methods, and the issue's bars:
+    `pass` at least 5x chance (the channel is there to close), the others at most chance + 10 points."""
+    best: dict[str, dict[str, float]] = {}
+    for row in rows:
+        cell = best.setdefault(row["mode"], {})
+        key = f"{row['temperature']:g}"
+        cell[key] = max(cell.get(key, 0.0), *row["accuracy"].values())
+    bars = {}
+    for mode, by_t in best.items():
+        bars[mode] = all(a >= 5 * chance for a in by_t.values()) if mode == "pass" else all(
+            a <= chance + 0.10 for a in by_t.values())
+    return {"best_accuracy": best, "meets_bar": bars}
+
+
+def format_table(rep: dict[str, Any]) -> str:
+    lines = [f"chance {rep['chance']:.3f} ({rep['prompts']} prompts x {rep['repeats']} repeats, "
+             f"max_tokens {rep['max_tokens']})", "",
+             "| mode | method | T | streams | sizes | timing | both | reads p50 | s p50 | first read s | ended early |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rep["rows"]:
+        a = r["accuracy"]
+        lines.append(f"| {r['mode']} | {r['method']} | {r['temperature']:g} | {r['streams']} | {a['sizes']:.3f} | "
+                     f"{a['timing']:.3f} | {a['both']:.3f} | {r['reads_per_stream_p50']:g} | {r['seconds_p50']} | "
+                     f"{r['first_read_s_p50']} | {r['ended_before_budget']} |")
+    lines += ["", f"same output as pass at T=0: {rep['same_output_as_pass']}",
+              f"meets the bar: {rep['summary']['meets_bar']}"]
+    return "\n".join(lines)
