@@ -427,3 +427,35 @@ async def test_vllm_pool_request_body_carries_the_tenants_cache_salt():
     assert salts[0] != salts[2] and len(salts[0]) == 43  # 256 bits, base64url, as vLLM asks
     assert [h["x-openalice-conversation-id"] for _, h in sent] == ["a:c1", "a:c1", "b:c1", "c1"]
     await provider.aclose()
+
+
+# ---------------------------------------------------------------- the engine, directly
+
+
+def test_the_serial_engine_reuses_a_prefix_within_its_tenant_only():
+    """max_batch 1 (the serial loop, one held prefix): the tenant that left it reuses it, another not."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from openalice_runner.engine import Engine
+    from openalice_runner.engine.types import SamplingParams
+
+    engine = Engine.tiny_random(seed=0, max_batch=1, prefix_reuse=True)
+    ids = engine.render_chat([{"role": "user", "content": "List the relay's failure modes. " * 6}])
+    sampling = SamplingParams(temperature=0.0, max_tokens=2)
+
+    def cached(tenant):
+        return engine.generate(ids, sampling, tenant=tenant).stats.cached_prompt_tokens
+
+    assert cached("a") == 0
+    assert cached("a") > 40  # the control
+    assert cached("b") == 0
+    assert cached("b") > 40
+
+
+def test_the_suffix_store_is_one_per_tenant_and_bounded():
+    from openalice_runner.engine.drafters.suffix import TenantResponses
+
+    stores = TenantResponses(max_tenants=2)
+    a, b = stores.of("a"), stores.of("b")
+    assert a is stores.of("a") and a is not b and stores.of(None) is not a
+    assert len(stores) == 2  # "b" went first: "a" was used after it
+    assert stores.of("a") is a and stores.of("b") is not b
