@@ -459,3 +459,42 @@ def test_the_suffix_store_is_one_per_tenant_and_bounded():
     assert a is stores.of("a") and a is not b and stores.of(None) is not a
     assert len(stores) == 2  # "b" went first: "a" was used after it
     assert stores.of("a") is a and stores.of("b") is not b
+
+
+# ---------------------------------------------------------------- `serve --keys`, a real process
+
+
+def test_serve_keys_as_a_process_maps_keys_and_reloads_the_file(tmp_path):
+    """The CLI wiring end to end: `serve --keys` lets a listed key in and no other, applies a valid
+    edit of the file while serving and keeps the last good tenants on a broken one."""
+    import time
+
+    from tests.test_server_process_faults import TINY, Serve
+
+    keys = tmp_path / "keys.yaml"
+    _write(keys, _keys_yaml("a"))
+    serve = Serve(tmp_path, TINY + "routes:\n  - {name: default, chain: [local]}\n", "--keys", str(keys),
+                  env={"OPENALICE_API_KEY": ""})  # fmt: skip
+
+    def status(tenant):
+        return httpx.get(f"{serve.url}/v1/models", headers={"x-api-key": KEYS[tenant]}, timeout=5).status_code
+
+    def wait_for(predicate, what):
+        deadline = time.monotonic() + 30
+        while not predicate():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
+
+    try:
+        assert (status("a"), status("e")) == (200, 401)
+        _write(keys, _keys_yaml("a", "e"))
+        wait_for(lambda: status("e") == 200, "the valid edit did not apply")
+        _write(keys, _keys_yaml("a", "e") + "  - name: x\n")
+        wait_for(lambda: "last_error" in httpx.get(f"{serve.url}/health", timeout=5).json()["keys"],
+                 "the broken edit was not reported")  # fmt: skip
+        assert (status("a"), status("e")) == (200, 200)  # the last good tenants
+        assert "keys file rejected" in serve.log() and f"{keys}:6:5: tenants.2.hash: missing required key" in serve.log()
+        assert serve.terminate(timeout=30) == 0
+    finally:
+        if serve.proc.poll() is None:
+            serve.terminate()
