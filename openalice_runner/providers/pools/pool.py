@@ -791,10 +791,11 @@ CACHE_SALT_DOMAIN = b"openalice-runner cache_salt v1\0"
 
 
 def cache_salt(tenant: str) -> str:
-    """The `cache_salt` a tenant's requests carry upstream: from its name (never its key), 256 bits as 43
-    base64url characters, as vLLM's field asks (base64url: vLLM 0.32 refuses a salt with `/`). Derived, not random: every runner in front of the same
-    pool gives a tenant the same salt, so its prefixes are shared across runners and restarts (the salt
-    is a namespace, not a secret: clients reach the runner, never the pools directly)."""
+    """The `cache_salt` a tenant's requests carry upstream: from its name (never its key), 256 bits as
+    43 base64url characters, as vLLM's field asks (base64url: vLLM 0.32 refuses a salt with `/`).
+    Derived, not random: every runner in front of the same pool gives a tenant the same salt, so its
+    prefixes are shared across runners and restarts (the salt is a namespace, not a secret: clients
+    reach the runner, never the pools directly)."""
     digest = hashlib.sha256(CACHE_SALT_DOMAIN + tenant.encode()).digest()
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
