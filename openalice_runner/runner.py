@@ -80,6 +80,7 @@ class SpeculationPolicy(Protocol):
 
     def decide(self, ctx: RequestContext) -> SpeculationPlan: ...
 
+    # PolicyStore also takes `tenant=` (adaptive γ per tenant); it is passed only for requests that have one
     def observe(self, turn_type: str, method: str, provider: str | None, outcome: SpeculationOutcome) -> None: ...
 
 

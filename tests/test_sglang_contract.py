@@ -85,6 +85,7 @@ async def _exercise(stand_in: SGLangStandIn, pool: dict) -> None:
     for req in (plain, tool, auto, allowed):
         await p.chat(req, CallContext())
         _ = await read_all(p.stream(req, CallContext()))
+    await p.chat(plain, CallContext(tenant="team-a"))  # a tenant's body: its cache_salt (issue 48)
     stand_in.faults.fail_next = [400]
     with pytest.raises(ProviderBadRequest):
         await p.chat(plain, CallContext())

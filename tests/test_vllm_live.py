@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -135,6 +136,20 @@ async def test_a_repeated_prompt_reports_its_cached_tokens_plain_and_streamed(po
     for usage in (again.usage, final.usage):
         assert usage.prompt_tokens_details is not None
         assert 0 < usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
+async def test_a_tenants_prefix_is_cached_for_that_tenant_alone(pools):
+    """Each tenant's requests carry its `cache_salt` (issue 48): vLLM then finds none of another tenant's
+    prefix in its cache (cached_tokens 0), while the same tenant's second request finds its own (the
+    control). A prompt of its own, so nothing cached by other tests counts."""
+    request = ChatRequest(messages=[{"role": "user", "content": f"Tenants, {time.time_ns()}:\n\n{CODE}"}], max_tokens=2)
+    async with pools.runner() as runner:
+        first = await runner.chat(request, CallContext(turn_type="chat", tenant="alpha"))
+        other = await runner.chat(request, CallContext(turn_type="chat", tenant="beta"))
+        same = await runner.chat(request, CallContext(turn_type="chat", tenant="alpha"))
+    assert first.usage.prompt_tokens_details is not None and first.usage.prompt_tokens > 200
+    assert other.usage.prompt_tokens_details.cached_tokens == 0, other.usage
+    assert same.usage.prompt_tokens_details.cached_tokens >= 128, same.usage
 
 
 @pytest.mark.parametrize("choice", ["required", "named", "auto"])

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from openalice_runner.providers.base import StreamBroken
+from openalice_runner.providers.base import StreamBroken, scoped_conversation
 from openalice_runner.server.errors import APIError
 from openalice_runner.server.wires.responses.body import parse_responses_request
 from openalice_runner.server.wires.responses.events import ResponseEvents, sse_event
@@ -497,9 +497,8 @@ def test_sdk_forced_tool_then_its_result_sent_back(client, live):
     (call,) = [item for item in r.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id and isinstance(json.loads(call.arguments)["city"], str)
     assert r.model_extra["tools_not_offered"] == ["web_search"]
-    assert (
-        "codex-thread-1" in app.state.tracker._open
-    )  # the turn waits for the tool, keyed by Codex's session
+    # the turn waits for the tool, keyed by Codex's session (scoped by the API key's tenant, "default")
+    assert scoped_conversation("default", "codex-thread-1") in app.state.tracker._open
     back = client.responses.create(
         model="tiny", tools=tools, max_output_tokens=6, extra_headers={"session-id": "codex-thread-1"},
         input=[{"role": "user", "content": "Weather in Paris?"},

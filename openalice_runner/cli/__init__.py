@@ -11,7 +11,7 @@ import sys
 
 # module name under openalice_runner.cli -> registers one or more subcommands
 _COMMAND_MODULES = ("generate", "bench", "bench_concurrency", "bench_follow_up", "bench_loops", "bench_constrained",
-                    "policy", "sglang", "vllm", "serve", "trace", "loadtest", "draft")
+                    "policy", "sglang", "vllm", "serve", "keys", "trace", "loadtest", "draft")
 
 
 def build_parser() -> argparse.ArgumentParser:

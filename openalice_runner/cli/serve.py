@@ -35,6 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="KEY",
         help=f"require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/* (default: ${ENV_API_KEY}; none: open)",
     )
+    p.add_argument(
+        "--keys", metavar="FILE",
+        help="keys file (YAML): one tenant per key, stored hashed, each with its own stream release, "
+        "speculation info and rate limit; watched and applied live (a broken edit keeps the last good "
+        "one). Not with --api-key / $OPENALICE_API_KEY: put that key in the file (docs/security.md)",
+    )  # fmt: skip
     p.add_argument("--trace-file", metavar="F", help="write spans as JSON lines to F (see `trace report`)")
     p.add_argument(
         "--trace-file-max-bytes", type=int, default=128 * 1024 * 1024, metavar="N",
@@ -159,6 +165,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     COMPILE.timeout_s = args.grammar_timeout  # this process's grammar compiles (engine/grammar.py)
     api_key = args.api_key or os.environ.get(ENV_API_KEY) or None
+    if args.keys and api_key:
+        source = "--api-key" if args.api_key else f"${ENV_API_KEY}"
+        print(f"error: --keys and {source} together: one key source only; give that key a tenant in the keys "
+              "file (`openalice-runner keys hash` prints its hash)", file=sys.stderr)
+        return 2
+    if args.keys:
+        from openalice_runner.server.tenants.keys_file import KeysFileError, load_keys_file
+
+        try:
+            load_keys_file(args.keys)  # refused here, at FILE:LINE:COL, before the model loads
+        except KeysFileError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     reader = InMemoryMetricReader()  # /metrics renders the GenAI histograms from it
     try:
         providers = configure_telemetry(
@@ -189,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout,
             max_tokens_limit=args.max_tokens_limit,
             providers_file=args.providers,
+            keys_file=args.keys,
             metrics_public=args.metrics_public,
             speculation_info=args.speculation_info,
             stream_release=args.stream_release,

@@ -16,9 +16,11 @@ Prefix reuse (`prefix_reuse`): an agent loop sends its whole history again with 
 on a CPU prefill is compute-bound. A finished sequence's slot keeps its keys and values until
 the slot is needed; a new request takes the free slot that holds the longest prefix of its
 prompt and prefills only the rest (the cache rows of a position depend only on the tokens up to
-it, so reusing them is exact). Drafters that read the target's hidden states (EAGLE heads) take
-over the finished sequence's drafter state for the shared positions (`Drafter.reuse`); where
-they cannot, the prompt is prefilled in full.
+it, so reusing them is exact). Only a request of the finished one's tenant reuses its prefix: a
+prefill cut short tells the caller that someone sent that prefix before (a time-to-first-token
+channel), so nothing is reused across tenants. Drafters that read the target's hidden states
+(EAGLE heads) take over the finished sequence's drafter state for the shared positions
+(`Drafter.reuse`); where they cannot, the prompt is prefilled in full.
 
 KV-cache budget (`kv_cache_bytes`): the cache is one rectangle, slots x positions, and grows as
 requests write. Each admitted request reserves the positions it may ever need (its prompt, its
@@ -192,6 +194,7 @@ class BatchScheduler:
         # and the drafter that read their hidden states (None for the others)
         self._held: dict[int, list[int]] = {}
         self._held_drafters: dict[int, object] = {}
+        self._held_tenants: dict[int, str | None] = {}  # whose sequence left a held slot's tokens
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -275,7 +278,7 @@ class BatchScheduler:
     def _reset(self) -> None:
         """A fresh, empty cache: nothing it held can be trusted after a fault outside the loop's care."""
         self.cache = self.model.new_cache(0, CACHE_GRANULE)
-        self._free_slots, self._held, self._held_drafters = [], {}, {}
+        self._free_slots, self._held, self._held_drafters, self._held_tenants = [], {}, {}, {}
 
     def _loop(self) -> None:
         while True:
@@ -427,6 +430,8 @@ class BatchScheduler:
         if self.prefix_reuse:
             limit = len(seq.prompt) - 1  # the last prompt token is always fed: its logits start the reply
             for slot in self._free_slots:
+                if self._held_tenants.get(slot) != seq.tenant:
+                    continue  # another tenant's prefix: never reused
                 n = common_prefix(self._held.get(slot, ()), seq.prompt, limit)
                 if n > reused:
                     best, reused = slot, n
@@ -604,6 +609,7 @@ class BatchScheduler:
             # Positions below both the cache length and the token count hold these tokens'
             # entries (the cache may also hold accepted drafts cut off by max_tokens or EOS).
             self._held[seq.slot] = seq.tokens[: min(self.cache.lengths[seq.slot], len(seq.tokens))]
+            self._held_tenants[seq.slot] = seq.tenant
             if seq.drafter is not None and seq.drafter.wants_hidden:
                 self._held_drafters[seq.slot] = seq.drafter
         request.events.put(final_event(seq))

@@ -14,7 +14,7 @@ from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
 from openalice_runner.engine.drafters.ngram import NgramDrafter
-from openalice_runner.engine.drafters.suffix import RecentResponses, SuffixDrafter
+from openalice_runner.engine.drafters.suffix import SuffixDrafter, TenantResponses
 from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence, round_rows, run_sequence
 from openalice_runner.engine.grammar import Grammar, GrammarCompiler
 from openalice_runner.engine.hf_model import HFCausalModel
@@ -102,10 +102,12 @@ class Engine:
         # serial loop with prefix reuse: the tokens whose keys and values `_cache` holds
         self.prefix_reuse = prefix_reuse and isinstance(self.model, LlamaModel)
         self._held: list[int] = []
+        self._held_tenant: str | None = None  # whose request left `_held`: reused by that tenant only
         self._draft_models: dict[int, LlamaModel] = {}
         self._draft_caches: dict[int, KVCache] = {}
         self._eagle_heads: dict[str, object] = {}  # head folder -> EagleRuntime
-        self.recent_responses = RecentResponses()  # what `suffix` drafters look up across requests
+        # what `suffix` drafters look up across requests: one store per tenant, never shared between them
+        self.recent_responses = TenantResponses()
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
 
@@ -210,12 +212,15 @@ class Engine:
         cancel: threading.Event | None = None,
         drafter: Drafter | None = None,
         grammar: Grammar | None = None,
+        tenant: str | None = None,
     ) -> Iterator[StreamEvent]:
         """Generate, yielding text as rounds are accepted; the last event carries the result.
 
         `drafter` overrides the one `spec` names (tests use it for all-accept/all-reject drafters).
         `spec.gamma_by_batch` sets γ at every step of a batched engine from the live batch size.
         `grammar` (from `self.grammars.compile`) constrains the reply (grammar.py).
+        `tenant`: whose request; what it leaves behind (its prefix in the cache, its reply in the
+        suffix drafter's store) serves that tenant's later requests only.
         """
         sampling = sampling or SamplingParams()
         spec = spec or SpecConfig()
@@ -223,9 +228,9 @@ class Engine:
         need = min(len(prompt_ids) + sampling.max_tokens + rows + 1, self.context_length + rows + 1)
         if self.scheduler is not None:
             if drafter is None and spec.method != "off":
-                drafter = self._make_drafter(spec, need, own_cache=True)
+                drafter = self._make_drafter(spec, need, own_cache=True, tenant=tenant)
             constraint = None if grammar is None else grammar.constraint()
-            seq = new_sequence(SequenceRequest(prompt_ids, sampling, spec, drafter, constraint),
+            seq = new_sequence(SequenceRequest(prompt_ids, sampling, spec, drafter, constraint, tenant),
                                self._target(self.scheduler.cache), slot=-1)
             request = self.scheduler.submit(seq, cancel)
             yield from self.scheduler.events(request)
@@ -233,14 +238,16 @@ class Engine:
         with self._lock:
             cache = self._target_cache(need)
             if drafter is None and spec.method != "off":
-                drafter = self._make_drafter(spec, cache.max_len)
+                drafter = self._make_drafter(spec, cache.max_len, tenant=tenant)
             constraint = None if grammar is None else grammar.constraint()
-            seq = new_sequence(SequenceRequest(prompt_ids, sampling, spec, drafter, constraint), self._target(cache))
+            seq = new_sequence(SequenceRequest(prompt_ids, sampling, spec, drafter, constraint, tenant),
+                               self._target(cache))
             reused = 0
-            if self.prefix_reuse and not (seq.drafter is not None and seq.drafter.wants_hidden):
+            same_tenant = self._held_tenant == tenant  # another tenant's prefix is never reused
+            if self.prefix_reuse and same_tenant and not (seq.drafter is not None and seq.drafter.wants_hidden):
                 # a drafter that reads hidden states would miss the reused positions': prefill in full
                 reused = common_prefix(self._held, seq.prompt, len(seq.prompt) - 1)
-            self._held = []  # the cache is rewritten from `reused` on
+            self._held, self._held_tenant = [], tenant  # the cache is rewritten from `reused` on
             try:
                 yield from run_sequence(self.model, seq, cancel, reused)
             except GeneratorExit:  # the caller left between rounds: the cache is whole
@@ -257,9 +264,10 @@ class Engine:
         cancel: threading.Event | None = None,
         drafter: Drafter | None = None,
         grammar: Grammar | None = None,
+        tenant: str | None = None,
     ) -> GenerationResult:
         result = None
-        for event in self.stream(prompt_ids, sampling, spec, cancel, drafter, grammar):
+        for event in self.stream(prompt_ids, sampling, spec, cancel, drafter, grammar, tenant):
             result = event.result or result
         assert result is not None
         return result
@@ -318,13 +326,15 @@ class Engine:
             runtime = self._eagle_heads[folder] = EagleRuntime(head, self.model)
         return runtime
 
-    def _make_drafter(self, spec: SpecConfig, max_len: int, own_cache: bool = False) -> Drafter:
-        """`own_cache`: a fresh draft cache for this request (concurrent requests cannot share one)."""
+    def _make_drafter(self, spec: SpecConfig, max_len: int, own_cache: bool = False,
+                      tenant: str | None = None) -> Drafter:
+        """`own_cache`: a fresh draft cache for this request (concurrent requests cannot share one);
+        `tenant`: whose recent responses a suffix drafter looks up."""
         if spec.method == "ngram":
             return NgramDrafter(spec.ngram_min, spec.ngram_max, costs=self.pass_costs if spec.adaptive_length else None)
         if spec.method == "suffix":
             costs = self.pass_costs if spec.adaptive_length else None
-            return SuffixDrafter(self.recent_responses, spec.ngram_min, spec.ngram_max, costs=costs)
+            return SuffixDrafter(self.recent_responses.of(tenant), spec.ngram_min, spec.ngram_max, costs=costs)
         if spec.method == "draft":
             if not isinstance(self.model, LlamaModel):
                 raise ValueError("method 'draft' needs a Llama-family target (self-draft from its layers)")

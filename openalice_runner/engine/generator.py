@@ -68,6 +68,7 @@ class Sequence:
     started: float = 0.0
     costs: PassCostModel | None = None  # where target pass times are recorded
     constraint: GrammarConstraint | None = None  # the grammar the reply must follow (grammar.py)
+    tenant: str | None = None  # whose request (SequenceRequest.tenant)
     # this round's allowed sets (k+1, V) along the draft, and how many of its tokens were forced
     round_masks: torch.Tensor | None = None
     round_forced: int = 0
@@ -532,6 +533,7 @@ class SequenceRequest:
     spec: SpecConfig
     drafter: Drafter | None = None
     constraint: GrammarConstraint | None = None
+    tenant: str | None = None  # whose request: prefix reuse stays within a tenant (batching.py)
 
 
 @dataclass(frozen=True)
@@ -570,4 +572,5 @@ def new_sequence(request: SequenceRequest, target: Target, slot: int = 0) -> Seq
         draws=draws,
         costs=target.costs,
         constraint=request.constraint,
+        tenant=request.tenant,
     )

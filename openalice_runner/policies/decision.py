@@ -28,6 +28,7 @@ class RequestContext:
     batch_size: int | None = 1
     provider: str | None = None  # provider or SGLang pool name the request will go to
     model: str | None = None
+    tenant: str | None = None  # whose request: adaptive γ learns per tenant (PolicyStore)
 
 
 @dataclass(frozen=True, slots=True)

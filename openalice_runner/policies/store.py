@@ -4,6 +4,10 @@
   goes wrong inside, it answers `off` with the reason, so a request is never failed by the policy.
 * A changed file is fully validated first, then swapped in with one assignment (atomic in CPython);
   a broken file is reported through `last_error` and the log, and the last good policy stays.
+* Adaptive γ learns per tenant (`serve --keys`): one tenant's traffic must neither move γ for another
+  nor let it read, from the γ its own replies run at, what the other's text accepted. The estimates
+  of at most MAX_TENANTS tenants are kept (the oldest made goes first); requests without a tenant
+  share `adaptive`.
 * The watcher polls mtime and size each `interval` seconds and reloads when the content hash changes
   (polling works everywhere, needs no inotify, and an editor's rename-into-place is seen too).
   It runs in its own thread, never on an event loop; the YAML loader's limits (size, depth,
@@ -30,13 +34,17 @@ from openalice_runner.speculation import SpeculationOutcome, SpeculationPlan
 
 log = logging.getLogger(__name__)
 
+MAX_TENANTS = 256  # tenants whose adaptive-γ estimates are kept
+
 
 class PolicyStore:
     def __init__(self, compiled: CompiledPolicy, path: Path | None = None, *, poll_interval: float = 1.0):
         self._compiled = compiled
         self.path = path
         self.poll_interval = poll_interval
-        self.adaptive = AdaptiveGamma(compiled.policy.adaptive)
+        self.adaptive = AdaptiveGamma(compiled.policy.adaptive)  # requests without a tenant
+        self._tenant_adaptive: dict[str, AdaptiveGamma] = {}  # replaced, never mutated: read without a lock
+        self._tenants_lock = threading.Lock()
         self.last_error: PolicyError | None = None
         self._stat: tuple[int, int] | None = None
         self._reload_lock = threading.Lock()  # one reload at a time; decisions never take it
@@ -76,18 +84,39 @@ class PolicyStore:
     def compiled(self) -> CompiledPolicy:
         return self._compiled
 
+    def adaptive_for(self, tenant: str | None) -> AdaptiveGamma:
+        """The adaptive-γ estimates of `tenant` (made on first use); `adaptive` without a tenant."""
+        if tenant is None:
+            return self.adaptive
+        found = self._tenant_adaptive.get(tenant)
+        if found is not None:
+            return found
+        with self._tenants_lock:
+            table = self._tenant_adaptive
+            found = table.get(tenant)
+            if found is None:
+                found = AdaptiveGamma(self._compiled.policy.adaptive)
+                table = {**table, tenant: found}
+                while len(table) > MAX_TENANTS:
+                    del table[next(iter(table))]
+                self._tenant_adaptive = table
+            return found
+
     def decide(self, ctx: RequestContext) -> SpeculationPlan:
         compiled = self._compiled  # one read: a concurrent reload cannot mix two policies
         try:
-            return compiled.decide(ctx, self.adaptive)
+            return compiled.decide(ctx, self.adaptive_for(ctx.tenant))
         except Exception as exc:  # never fail a request because of the policy
             log.exception("policy decision failed; speculating off")
             return SpeculationPlan("off", 0, "error", f"policy error: {exc!r}", compiled.version)
 
-    def observe(self, turn_type: str, method: str, provider: str | None, outcome: SpeculationOutcome) -> None:
-        """Feed a finished request's outcome into the adaptive-γ estimates. Never raises."""
+    def observe(
+        self, turn_type: str, method: str, provider: str | None, outcome: SpeculationOutcome,
+        tenant: str | None = None,
+    ) -> None:
+        """Feed a finished request's outcome into its tenant's adaptive-γ estimates. Never raises."""
         try:
-            self.adaptive.observe(turn_type, method, provider, outcome)
+            self.adaptive_for(tenant).observe(turn_type, method, provider, outcome)
         except Exception:
             log.exception("policy observe failed; estimate not updated")
 
@@ -119,7 +148,8 @@ class PolicyStore:
             except Exception as exc:  # a bug in the loader must not stop the watcher either
                 self._fail(PolicyError([]), exc)
                 return False
-            self.adaptive.configure(compiled.policy.adaptive)
+            for adaptive in (self.adaptive, *self._tenant_adaptive.values()):
+                adaptive.configure(compiled.policy.adaptive)
             self._compiled = compiled
             self.last_error = None
             log.info("policy %s reloaded: version %s", self.path, compiled.version)

@@ -56,6 +56,23 @@ class CallContext:
     decision: SpeculationPlan | None = None  # γ by batch size included (`per_batch`)
     model: str | None = None
     attributes: dict[str, Any] = field(default_factory=dict)
+    # whose key the request came with (`serve --keys`/`--api-key`); None: an open server, one shared
+    # tenant. Providers keep what one request leaves behind (drafter stores, prefix caches,
+    # histories, γ statistics) per tenant, and a conversation id is scoped by it (`scoped_conversation`).
+    tenant: str | None = None
+
+    @property
+    def scoped_conversation(self) -> str | None:
+        """The conversation id as a state key: the same id from two tenants names two conversations."""
+        return scoped_conversation(self.tenant, self.conversation_id)
+
+
+def scoped_conversation(tenant: str | None, conversation_id: str | None) -> str | None:
+    if conversation_id is None or tenant is None:
+        return conversation_id
+    # unambiguous: a tenant name holds no ':' (server/tenants/tenant.py); and a server with keys gives
+    # every request a tenant, so an unscoped id never meets a scoped one
+    return f"{tenant}:{conversation_id}"
 
 
 # ---------------------------------------------------------------- errors

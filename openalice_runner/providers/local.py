@@ -56,7 +56,8 @@ class LocalProvider(Provider):
         self._engine = engine
         self._engine_lock = threading.Lock()
         self._template_tools: bool | None = None
-        self._histories = ConversationHistories()  # conversation id -> its last call's token ids
+        # (tenant, conversation id) -> its last call's token ids: one tenant's id never reads another's
+        self._histories = ConversationHistories()
         # the context is None while the engine is not loaded (nothing to check against yet)
         self._bounds = ContextBounds(name, lambda: getattr(self._engine, "context_length", None),
                                      lambda: self.engine.tokenizer, lambda: self.engine)
@@ -206,7 +207,8 @@ class _EngineRuns:
         provider = self._provider
         reuse = provider.config.prefix_reuse
         prompt = provider.build_prompt(request)
-        history = self._histories.get(ctx.conversation_id) if reuse else None
+        conversation = ctx.scoped_conversation  # the id scoped by its tenant
+        history = self._histories.get(conversation) if reuse else None
         if history:
             # the history re-rendered may split into other tokens than the engine holds (histories.py)
             prompt.ids = align_prompt(provider.engine.tokenizer, history, prompt.ids)
@@ -218,13 +220,16 @@ class _EngineRuns:
             sampling = replace(sampling, max_tokens=prompt.budget)
         yield prompt
         held = 0
+        # the tenant, where there is one: what the request leaves in the engine serves it alone
+        # (engines stood in by tests take no tenant)
+        whose = {} if ctx.tenant is None else {"tenant": ctx.tenant}
         try:
-            for event in provider.engine.stream(prompt.ids, sampling, spec, cancel, grammar=prompt.grammar):
+            for event in provider.engine.stream(prompt.ids, sampling, spec, cancel, grammar=prompt.grammar, **whose):
                 grown = len(event.token_ids) + (len(prompt.ids) if held == 0 else 0)
                 held += grown
                 self._add_kv(grown)
                 if event.result is not None and reuse:
-                    self._histories.put(ctx.conversation_id, prompt.ids + event.result.token_ids)
+                    self._histories.put(conversation, prompt.ids + event.result.token_ids)
                 yield event
         finally:
             self._add_kv(-held)  # the engine's generator has closed: its positions are free

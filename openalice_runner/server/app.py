@@ -33,6 +33,9 @@ from openalice_runner.server.read_only import ReadOnlyEndpoints
 from openalice_runner.server.routing_watch import RoutingWatcher
 from openalice_runner.server.runner_protocol import ServedRunner
 from openalice_runner.server.settings import ServerSettings
+from openalice_runner.server.tenants.keys_file import load_keys_file
+from openalice_runner.server.tenants.registry import RateLimiter, TenantKeys
+from openalice_runner.server.tenants.watch import KeysWatcher
 from openalice_runner.server.turn_types import ConfiguredTurnTypes
 from openalice_runner.server.turns import TurnTracker
 from openalice_runner.server.wires import CHAT, MESSAGES
@@ -60,6 +63,7 @@ def create_app(
     (the CLI flushes the trace exporters there). `tracer_provider`/`meter_provider`: for FastAPI's own
     HTTP server spans and metrics (None: the global ones)."""
     settings = settings or ServerSettings()
+    tenants, limiter, keys_watch = _tenants(settings)  # first: a keys file that cannot be used stops here
     telemetry = telemetry or RunnerTelemetry()
     metrics = metrics or ServerMetrics()
     metrics.track_runner(runner)
@@ -82,6 +86,7 @@ def create_app(
         metrics=metrics,
         routing_watch=watch,
         on_shutdown=on_shutdown,
+        keys_watch=keys_watch,
     )
     routes = RouteNames()  # request paths as bounded names: labels, the access log, the server span
     app = FastAPI(
@@ -101,12 +106,16 @@ def create_app(
         },
     )
     app.state.runner, app.state.tracker, app.state.metrics = runner, tracker, metrics
+    app.state.keys_watch, app.state.tenant_limiter = keys_watch, limiter
     install_error_handlers(app)
     app.state.drain = Drain()  # set by DrainingServer on SIGTERM (server/connections.py)
     app.add_middleware(
         GuardMiddleware,
         drain=app.state.drain,
         api_key=settings.api_key,
+        tenants=tenants,
+        limiter=limiter,
+        bounds=bounds,
         max_body_bytes=settings.max_body_bytes,
         metrics=metrics,
         public_paths=PUBLIC_PATHS | {"/metrics"} if settings.metrics_public else PUBLIC_PATHS,
@@ -120,13 +129,27 @@ def create_app(
     # its own store of recent responses (previous_response_id), one per app
     app.post("/v1/responses", openapi_extra=RESPONSES_BODY_DOC)(pipeline.handler(ResponsesWire()))
     read_only = ReadOnlyEndpoints(
-        runner, settings=settings, tracker=tracker, metrics=metrics, routing_watch=watch
+        runner, settings=settings, tracker=tracker, metrics=metrics, routing_watch=watch, keys_watch=keys_watch
     )
     read_only.add_to(app)
     with_chat_schemas(app)
     with_responses_schemas(app)
     routes.learn(app.routes)
     return app
+
+
+def _tenants(settings: ServerSettings) -> tuple[TenantKeys | None, RateLimiter, KeysWatcher | None]:
+    """The keys in force, the tenants' rate limits and the keys file's watcher: from `keys_file`
+    (KeysFileError at FILE:LINE:COL when it cannot be used), else `api_key` as the one tenant "default",
+    else none (an open server)."""
+    limiter = RateLimiter()
+    if settings.keys_file is None:
+        return (TenantKeys.single(settings.api_key) if settings.api_key else None), limiter, None
+    if settings.api_key:
+        raise ValueError("an API key and a keys file together: give the key a tenant in the keys file "
+                         "(`openalice-runner keys hash` prints its hash) and drop --api-key / $OPENALICE_API_KEY")
+    keys = TenantKeys(load_keys_file(settings.keys_file))
+    return keys, limiter, KeysWatcher(keys, limiter, settings.keys_file, settings.watch_interval_s)
 
 
 def _version() -> str:

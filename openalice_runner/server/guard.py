@@ -1,4 +1,5 @@
-"""GuardMiddleware: API key, body size limit, access log and HTTP metrics, before any route runs.
+"""GuardMiddleware: API key (and the tenant it names), the tenant's rate limit, body size limit, access
+log and HTTP metrics, before any route runs.
 
 Pure ASGI (not BaseHTTPMiddleware) so streamed responses pass through untouched and cancellation
 reaches the route when a client disconnects.
@@ -7,7 +8,6 @@ reaches the route when a client disconnects.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import secrets
 import time
@@ -19,7 +19,10 @@ from fastapi import HTTPException
 from openalice_runner.server.error_log import ERRORS, REQUEST_ID
 from openalice_runner.server.errors import APIError
 from openalice_runner.server.metrics import ServerMetrics
+from openalice_runner.server.tenants.registry import RateLimiter, TenantKeys, retry_after_header
+from openalice_runner.server.tenants.tenant import Tenant
 from openalice_runner.server.wires import error_parts, wire_for_path
+from openalice_runner.tracing.labels import LabelBounds
 
 log = structlog.get_logger("openalice_runner.server.access")
 
@@ -98,12 +101,19 @@ class GuardMiddleware:
         public_paths: frozenset[str] = PUBLIC_PATHS,
         drain: Any = None,
         routes: RouteNames | None = None,
+        tenants: TenantKeys | None = None,
+        limiter: RateLimiter | None = None,
+        bounds: LabelBounds | None = None,
     ) -> None:
+        """`tenants`: the keys in force (`serve --keys`, hot-reloaded); without it `api_key` is the one
+        key (tenant "default"); with neither, the server is open and requests have no tenant."""
         self.app = app
         self.routes = routes or RouteNames()
         self.drain = drain  # server/connections.py Drain: after SIGTERM, new requests get 503
         self.public_paths = public_paths
-        self.api_key = api_key.encode() if api_key else None
+        self.tenants = tenants if tenants is not None else TenantKeys.single(api_key) if api_key else None
+        self.limiter = limiter or RateLimiter()
+        self.bounds = bounds or LabelBounds()  # tenant names as metric labels
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
 
@@ -161,6 +171,10 @@ class GuardMiddleware:
             status = status_holder["status"]
             elapsed = time.perf_counter() - t0
             method = scope.get("method", "")
+            tenant = state.get("tenant")
+            if tenant is not None:
+                self.metrics.tenant_requests.labels(tenant=self.bounds.tenant(tenant.name), status=str(status)).inc()
+                extra["tenant"] = tenant.name
             self.metrics.http_requests.labels(
                 route=route, method=method if method in KNOWN_METHODS else "other", status=str(status)
             ).inc()
@@ -180,13 +194,25 @@ class GuardMiddleware:
 
     def _check(self, scope: dict, path: str) -> APIError | None:
         headers = _headers(scope)
-        if self.api_key is not None and path not in self.public_paths and not self._key_matches(headers):
-            return APIError(
-                401,
-                "missing or invalid API key (send Authorization: Bearer <key>, or x-api-key: <key>)",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        if self.tenants is not None and path not in self.public_paths:
+            tenant = self._tenant(headers)
+            if tenant is None:
+                return APIError(
+                    401,
+                    "missing or invalid API key (send Authorization: Bearer <key>, or x-api-key: <key>)",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            scope["state"]["tenant"] = tenant  # request.state.tenant: the pipeline reads it
+            wait = self.limiter.check(tenant)
+            if wait is not None:
+                return APIError(
+                    429,
+                    f"rate limit of {tenant.requests_per_minute} requests per minute reached for this key; "
+                    "retry after the Retry-After header's seconds",
+                    code="rate_limit_exceeded",
+                    headers=retry_after_header(wait),
+                )
         length = headers.get(b"content-length")
         if length is not None:
             try:
@@ -196,9 +222,10 @@ class GuardMiddleware:
                 return APIError(400, "invalid Content-Length header", code="invalid_header")
         return None
 
-    def _key_matches(self, headers: dict[bytes, bytes]) -> bool:
-        """The key as OpenAI's clients send it (Authorization: Bearer) or Anthropic's (x-api-key): either
-        header that is sent must hold it, so a wrong one is never outvoted by a right one."""
+    def _tenant(self, headers: dict[bytes, bytes]) -> Tenant | None:
+        """The tenant of the key as OpenAI's clients send it (Authorization: Bearer) or Anthropic's
+        (x-api-key): every header that is sent must name the same tenant, so a wrong key is never
+        outvoted by a right one."""
         sent: list[bytes] = []
         auth = headers.get(b"authorization")
         if auth is not None:
@@ -206,9 +233,12 @@ class GuardMiddleware:
             sent.append(token.strip() if scheme.lower() == b"bearer" else b"")
         if b"x-api-key" in headers:
             sent.append(headers[b"x-api-key"].strip())
-        assert self.api_key is not None
-        # Constant-time compare: the time taken must not tell how much of a guess was right.
-        return bool(sent) and all([hmac.compare_digest(token, self.api_key) for token in sent])
+        assert self.tenants is not None
+        # Hashes compared in constant time (TenantKeys.find): the time taken tells nothing of a guess.
+        found = [self.tenants.find(token) if token else None for token in sent]
+        if not found or any(t is None or t is not found[0] for t in found):
+            return None
+        return found[0]
 
     def _limited(self, receive: Any) -> Any:
         """Counts body bytes as they arrive (chunked bodies carry no Content-Length)."""

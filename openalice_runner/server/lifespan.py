@@ -1,7 +1,7 @@
 """What the sidecar does around serving: before the first request and after the last.
 
 Startup: the policy file's watcher, the embedded models loaded (the first request should not pay for
-that), the idle-turn reaper and the providers file's watcher. Shutdown, in reverse: open turns closed,
+that), the idle-turn reaper and the providers and keys files' watchers. Shutdown, in reverse: open turns closed,
 watchers stopped, the runner closed, then `on_shutdown` (the CLI flushes the trace exporters there).
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from openalice_runner.server.file_watch import WatchedFile
 from openalice_runner.server.metrics import ServerMetrics
 from openalice_runner.server.routing_watch import RoutingWatcher
 from openalice_runner.server.runner_protocol import ServedRunner, policy_store
@@ -33,6 +34,7 @@ class ServingLifespan:
         metrics: ServerMetrics,
         routing_watch: RoutingWatcher | None,
         on_shutdown: Callable[[], Any] | None,
+        keys_watch: WatchedFile | None = None,
     ) -> None:
         self.runner = runner
         self.settings = settings
@@ -40,6 +42,7 @@ class ServingLifespan:
         self.metrics = metrics
         self.routing_watch = routing_watch
         self.on_shutdown = on_shutdown
+        self.keys_watch = keys_watch
 
     @asynccontextmanager
     async def run(self, _app: FastAPI) -> AsyncIterator[None]:
@@ -49,12 +52,12 @@ class ServingLifespan:
         for provider in self.runner.providers.values():
             await provider.ensure_loaded()
         reaper = asyncio.create_task(_reap_idle_turns(self.tracker, self.metrics))
-        watcher = asyncio.create_task(self.routing_watch.run()) if self.routing_watch is not None else None
+        watchers = [asyncio.create_task(w.run()) for w in (self.routing_watch, self.keys_watch) if w is not None]
         try:
             yield
         finally:
             reaper.cancel()
-            if watcher is not None:
+            for watcher in watchers:
                 watcher.cancel()
             self.tracker.close_all("shutdown")
             if policy is not None:

@@ -201,6 +201,12 @@ class ServerMetrics:
         self.tokens = Counter(
             "openalice_tokens", "Tokens processed, by type (input, output).", ["type"], registry=r
         )
+        self.tenant_requests = Counter(
+            "openalice_tenant_requests",
+            "Requests with a key, by tenant (`serve --keys`; past the first 64 names: other) and HTTP status.",
+            ["tenant", "status"],
+            registry=r,
+        )
         self.cancelled = Counter(
             "openalice_requests_cancelled",
             "Chat completions stopped before their end, by reason (client_gone, deadline).",

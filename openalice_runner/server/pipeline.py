@@ -35,11 +35,11 @@ from openalice_runner.server.context import (
 from openalice_runner.server.deadline import ClientGone, Deadline, DeadlineExceeded, race, request_deadline
 from openalice_runner.server.mapping import api_error_from
 from openalice_runner.server.metrics import ServerMetrics
-from openalice_runner.server.release.modes import stream_release_for
 from openalice_runner.server.release.paced import PaceRates
 from openalice_runner.server.runner_protocol import ServedRunner
 from openalice_runner.server.settings import ServerSettings
 from openalice_runner.server.streaming import GuardedStreamingResponse, SSEStream
+from openalice_runner.server.tenants import RequestSettings, request_settings
 from openalice_runner.server.turns import Step, TurnTracker
 from openalice_runner.server.validation import ServerChatRequest
 from openalice_runner.server.wires.base import Wire, WireCall
@@ -83,6 +83,9 @@ class RequestPipeline:
     async def run(self, request: Request, wire: Wire, call: WireCall) -> Response:
         """`call`, read by `wire`, served and answered in the wire's shape."""
         body = call.body
+        # the request's tenant (its key: server/guard.py) and what it runs under: its tenant's settings,
+        # else serve's
+        served = request_settings(getattr(request.state, "tenant", None), self.settings)
         # stated (headers, metadata), else inferred from the wire's session keys and the body's shape
         tc = turn_context(request.headers, body.metadata, body, session=call.conversation_id,
                           session_key=call.conversation_source)
@@ -99,6 +102,7 @@ class RequestPipeline:
             parent=_turn_parent(request, tracked=tc.conversation_id is not None),
             messages=body.messages,
             step=tc.step,
+            tenant=served.tenant,
         )
         self.metrics.open_turns.set(len(self.tracker))
         mark_sources(step.turn.span, tc)
@@ -109,12 +113,13 @@ class RequestPipeline:
             agent=tc.agent,
             model=body.model,
             attributes={OTEL_CONTEXT_KEY: step.turn.context},
+            tenant=served.tenant,
         )
         span_ctx = step.turn.span.get_span_context()
         request.state.trace_ids = (format(span_ctx.trace_id, "032x"), format(span_ctx.span_id, "016x"))
         if body.stream:
-            return await self._stream(wire, call, ctx, step, deadline, request, tc)
-        return await self._complete(wire, call, ctx, step, deadline, request, tc)
+            return await self._stream(wire, call, ctx, step, deadline, request, tc, served)
+        return await self._complete(wire, call, ctx, step, deadline, request, tc, served)
 
     def _refusal(self, turn_type: str, model: str | None) -> Exception | None:
         try:
@@ -134,7 +139,7 @@ class RequestPipeline:
 
     async def _complete(
         self, wire: Wire, call: WireCall, ctx: CallContext, step: Step, deadline: Deadline, request: Request,
-        tc: TurnContext,
+        tc: TurnContext, served: RequestSettings,
     ) -> Response:
         body: ServerChatRequest = call.body
         labels = {"turn_type": self.bounds.turn_type(ctx.turn_type), "stream": "false"}
@@ -168,11 +173,11 @@ class RequestPipeline:
             metrics.tokens.labels(type="input").inc(result.usage.prompt_tokens)
             metrics.tokens.labels(type="output").inc(result.usage.completion_tokens)
         call.headers.update(budget_header(result))
-        return wire.reply(with_sources(result, tc, self.settings.speculation_info), call)
+        return wire.reply(with_sources(result, tc, served.speculation_info), call)
 
     async def _stream(
         self, wire: Wire, call: WireCall, ctx: CallContext, step: Step, deadline: Deadline, request: Request,
-        tc: TurnContext,
+        tc: TurnContext, served: RequestSettings,
     ) -> Response:
         body: ServerChatRequest = call.body
         labels = {"turn_type": self.bounds.turn_type(ctx.turn_type), "stream": "true"}
@@ -192,9 +197,9 @@ class RequestPipeline:
                 raise
             raise api_error_from(exc) from exc
         stream = SSEStream(
-            first=first and with_sources(first, tc, self.settings.speculation_info),
+            first=first and with_sources(first, tc, served.speculation_info),
             opened=opened,
-            chunks=stamped(chunks, tc, self.settings.speculation_info),
+            chunks=stamped(chunks, tc, served.speculation_info),
             step=step,
             format=wire.stream_format(call),
             turn_type=labels["turn_type"],  # the stream's metric label
@@ -203,9 +208,9 @@ class RequestPipeline:
             metrics=self.metrics,
             to_api_error=api_error_from,
             deadline=deadline,
-            release=stream_release_for(self.settings, request.headers),
+            release=served.stream_release,
             rates=self.pace_rates,
-            rate_key=body.model or "",
+            rate_key=f"{served.tenant or ''}\x00{body.model or ''}",  # per tenant (paced.py, PaceRates)
         )
         headers = {"Cache-Control": "no-cache", **call.headers, **budget_header(first)}
         return GuardedStreamingResponse(stream, headers=headers)

@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from openalice_runner.server.errors import APIError
+from openalice_runner.server.file_watch import WatchedFile
 from openalice_runner.server.health import authenticated, file_status
 from openalice_runner.server.metrics import ServerMetrics
 from openalice_runner.server.routing_watch import RoutingWatcher
@@ -32,12 +33,14 @@ class ReadOnlyEndpoints:
         tracker: TurnTracker,
         metrics: ServerMetrics,
         routing_watch: RoutingWatcher | None,
+        keys_watch: WatchedFile | None = None,
     ) -> None:
         self.runner = runner
         self.settings = settings
         self.tracker = tracker
         self.metrics = metrics
         self.routing_watch = routing_watch  # None: no providers file is watched
+        self.keys_watch = keys_watch  # None: no keys file (`serve --keys`)
 
     def add_to(self, app: FastAPI) -> None:
         app.get("/v1/models")(self.list_models)
@@ -76,7 +79,8 @@ class ReadOnlyEndpoints:
 
     async def health(self, request: Request) -> dict[str, Any]:
         store = policy_store(self.runner)
-        full = authenticated(request.headers.get("authorization"), self.settings.api_key)
+        # With a keys file every key is a tenant's, a client's: the files' paths and problems stay in the log.
+        full = self.keys_watch is None and authenticated(request.headers.get("authorization"), self.settings.api_key)
         out: dict[str, Any] = {
             "status": "ok",
             "models": self.runner.model_names(),
@@ -89,6 +93,8 @@ class ReadOnlyEndpoints:
             watched = self.routing_watch.status()
             out["providers"] = file_status(watched["source"], watched.get("last_error"), full=full,
                                            needs_restart=watched.get("needs_restart"))  # fmt: skip
+        if self.keys_watch is not None:
+            out["keys"] = file_status(self.keys_watch.path, self.keys_watch.last_error, full=False)
         return out
 
     async def prometheus_metrics(self) -> Response:

@@ -21,6 +21,9 @@ class ServerSettings:
     watch_interval_s: float = 1.0
     metrics_public: bool = False  # /metrics without the API key even when one is set
     metrics_max_age_s: float = 0.0  # > 0: scrapes within this long of a render reuse it
+    # `serve --keys`: the keys file, one tenant per key (server/tenants/), watched and applied live when
+    # it validates; `api_key` and it are exclusive (create_app refuses both)
+    keys_file: str | None = None
     speculation_info: SpeculationInfoLevel = "full"  # what a reply's `speculation` shows (disclosure.py)
     # how a stream's tokens leave: pass, fixed:N or paced (server/release/); a string is parsed
     stream_release: ReleaseMode = PASS

@@ -23,6 +23,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
+from openalice_runner.providers.base import scoped_conversation
+from openalice_runner.tracing import attributes as A
 from openalice_runner.tracing.telemetry import RunnerTelemetry
 
 
@@ -38,6 +40,7 @@ class OpenTurn:
     last_active: float = field(default_factory=time.monotonic)
     busy: bool = False  # a request of this turn is running
     ended: bool = False
+    key: str | None = None  # where the tracker keeps it: the conversation id scoped by its tenant
 
     @property
     def context(self) -> otel_context.Context:
@@ -84,11 +87,13 @@ class TurnTracker:
         parent: otel_context.Context | None,
         messages: Sequence[Any],
         step: int | None = None,
+        tenant: str | None = None,
     ) -> Step:
-        """Place a request in its turn (starting one if needed) and record the tool steps it answers."""
+        """Place a request in its turn (starting one if needed) and record the tool steps it answers.
+        The same conversation id from two tenants names two conversations."""
         now_ns = time.time_ns()
         parent_trace = trace.get_current_span(parent).get_span_context() if parent is not None else None
-        key = conversation_id  # where the tracker keeps the turn; None: a turn of one request
+        key = scoped_conversation(tenant, conversation_id)  # where the tracker keeps the turn; None: one request
         turn = self._open.get(key) if key else None
         if turn is not None and turn.busy:
             # A second request of the conversation while one runs: traced as a turn of its own.
@@ -120,7 +125,9 @@ class TurnTracker:
             span = self.telemetry.start_turn(
                 agent, conversation_id, turn_type, parent=parent, start_time_ns=now_ns
             )
-            turn = OpenTurn(span, conversation_id, turn_type, span.get_span_context().trace_id)
+            if tenant is not None:
+                span.set_attribute(A.TENANT, tenant)
+            turn = OpenTurn(span, conversation_id, turn_type, span.get_span_context().trace_id, key=key)
             if key is not None:
                 self._open[key] = turn
                 self._evict()
@@ -146,7 +153,7 @@ class TurnTracker:
             turn.pending_tools = dict(tool_calls)
             turn.pending_since_ns = time.time_ns()
             return
-        key = turn.conversation_id
+        key = turn.key
         if step.tracked and key is not None and self._open.get(key) is turn:
             del self._open[key]
         reason = (

@@ -62,6 +62,7 @@ TURN_TYPE_INFERRED_BY = "openalice.turn.type.inferred_by"  # the inference table
 CONVERSATION_SOURCE = "openalice.conversation.source"  # stated | inferred (a session key the wire sent)
 CONVERSATION_INFERRED_FROM = "openalice.conversation.inferred_from"  # that key: prompt_cache_key, a header, ...
 STEP = "openalice.step"
+TENANT = "openalice.tenant"  # the tenant a request's key names (`serve --keys`; server/tenants/)
 PROVIDER = "openalice.provider"  # our provider entry's name (local, sglang-eagle, hosted-...)
 POOL = "openalice.pool"  # SGLang server pool, when routed to one
 SPEC_METHOD = "openalice.speculation.method"

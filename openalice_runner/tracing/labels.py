@@ -3,8 +3,8 @@
 Every distinct label value is a time series held in memory for the life of the process and
 rendered on every scrape, so a value a client picks (a turn type header, a model name, a tool
 name) must not become a label as is: 1,500 requests with made-up turn types once grew /metrics
-from 52 KB to 21.5 MB. Turn types outside the known set are recorded as `other`; so are model and
-tool names past the first MAX_DISTINCT seen, and any value longer than MAX_VALUE_CHARS. Spans keep the values as sent (they are not held).
+from 52 KB to 21.5 MB. Turn types outside the known set are recorded as `other`; so are model,
+tool and tenant names past the first MAX_DISTINCT seen, and any value longer than MAX_VALUE_CHARS. Spans keep the values as sent (they are not held).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ MAX_DISTINCT = 64  # per label key, for names with no configured set (models, to
 # value is rendered on every line of its series at every scrape (a 7 MB model name: 535 MB a scrape).
 MAX_VALUE_CHARS = 128
 
-# Label keys a client's request decides, besides the turn type.
-_CAPPED_KEYS = frozenset({A.GEN_AI_REQUEST_MODEL, A.GEN_AI_TOOL_NAME})
+# Label keys a client's request decides, besides the turn type; and the tenant, which the operator's
+# keys file names, but a file of thousands of keys must not make thousands of series either.
+_CAPPED_KEYS = frozenset({A.GEN_AI_REQUEST_MODEL, A.GEN_AI_TOOL_NAME, A.TENANT})
 
 
 class LabelBounds:
@@ -49,6 +50,10 @@ class LabelBounds:
         if self.turn_types is None:
             return self._capped(A.TURN_TYPE, value)
         return value if value in self.turn_types() else OTHER
+
+    def tenant(self, value: Any) -> str:
+        """A tenant's name as a label: the first MAX_DISTINCT names seen, then "other"."""
+        return self._capped(A.TENANT, str(value))
 
     def bound(self, labels: dict[str, Any]) -> dict[str, Any]:
         """`labels` with client-chosen values bounded (a copy when anything changed)."""

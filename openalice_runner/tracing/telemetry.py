@@ -436,8 +436,10 @@ class RunnerTelemetry:
         request: ChatRequest | None = None,
         stream: bool = False,
         parent: otel_context.Context | None = None,
+        tenant: str | None = None,
     ) -> ChatCall:
-        """Open a `chat {model}` CLIENT span for one call of a turn (`decision`: the policy's plan)."""
+        """Open a `chat {model}` CLIENT span for one call of a turn (`decision`: the policy's plan;
+        `tenant`: whose key the request came with, a span attribute and a bounded metric label)."""
         attrs: dict[str, Any] = {
             A.GEN_AI_OPERATION_NAME: A.OP_CHAT,
             A.GEN_AI_PROVIDER_NAME: gen_ai_provider or provider or "openalice",
@@ -458,6 +460,8 @@ class RunnerTelemetry:
             metric_attrs[A.TURN_TYPE] = turn_type
         if decision is not None:
             metric_attrs[A.SPEC_METHOD] = decision.method
+        if tenant:
+            attrs[A.TENANT] = metric_attrs[A.TENANT] = tenant
         name = f"{A.OP_CHAT} {model}" if model else A.OP_CHAT
         # What sampling may look at goes in at creation; the rest only when the span records
         # (with the no-op global API it does not, and the call then costs next to nothing).

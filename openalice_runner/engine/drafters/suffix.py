@@ -3,8 +3,11 @@
 An agent loop's calls copy their own history (tool results, earlier replies: prompt lookup finds
 those) and also what other calls of the same kind produced: the same JSON keys, the same code
 scaffolding, the same phrasing of a summary. So besides this request's own tokens the drafter
-looks the current suffix up in the recent responses of all requests (`RecentResponses`, one per
-engine, fed as tokens are accepted, so concurrent requests see each other's output too). The
+looks the current suffix up in the recent responses of all requests of its tenant
+(`RecentResponses`, one per tenant: `TenantResponses`, fed as tokens are accepted, so concurrent
+requests see each other's output too). Never across tenants: an accepted draft is one more token
+in that pass, which a stream's rhythm shows, so a store shared by tenants would let one read the
+other's replies (arXiv 2411.01076 leaks a REST datastore this way). The
 longer match wins; the draft's length follows the match's confidence, learnt separately for
 own and cross-request matches (per matched length: `AcceptanceByMatch`) and weighed against the
 pass's cost exactly as the n-gram drafter does. Drafts are plain token chains, verified like any
@@ -17,7 +20,7 @@ about what follows in another conversation.
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 
@@ -96,6 +99,32 @@ class RecentResponses:
             for end in range(1, len(response)):
                 for n in range(self.n_min, min(self.n_max, end) + 1):
                     self._add(tuple(response[end - n : end]), handle, end)
+
+
+MAX_TENANT_STORES = 64  # tenants whose stores are kept, the least recently used dropped first
+
+
+class TenantResponses:
+    """One RecentResponses per tenant (None: requests without one), at most `max_tenants` of them."""
+
+    def __init__(self, max_tenants: int = MAX_TENANT_STORES, **store_args) -> None:
+        self.max_tenants = max_tenants
+        self._store_args = store_args
+        self._stores: OrderedDict[str | None, RecentResponses] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def of(self, tenant: str | None) -> RecentResponses:
+        with self._lock:
+            store = self._stores.get(tenant)
+            if store is None:
+                store = self._stores[tenant] = RecentResponses(**self._store_args)
+                while len(self._stores) > self.max_tenants:
+                    self._stores.popitem(last=False)
+            self._stores.move_to_end(tenant)
+            return store
+
+    def __len__(self) -> int:
+        return len(self._stores)
 
 
 class SuffixDrafter(NgramDrafter):

@@ -27,6 +27,7 @@ worker, which is where the gateway's reading says the request goes.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import json
@@ -319,8 +320,12 @@ class PoolProvider(Provider):
     def load_readers(self) -> dict[str, LoadReader]:
         raise NotImplementedError
 
-    def body(self, request: ChatRequest, stream: bool) -> dict[str, Any]:
+    def body(self, request: ChatRequest, stream: bool, ctx: CallContext | None = None) -> dict[str, Any]:
         body = wire.request_body(request, self.config.model)
+        if ctx is not None and ctx.tenant is not None:
+            # vLLM's and SGLang's own per-request prefix-cache isolation: a tenant's cached prefixes
+            # serve that tenant only (docs/security.md, "Tenants")
+            body["cache_salt"] = cache_salt(ctx.tenant)
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
@@ -456,7 +461,7 @@ class PoolProvider(Provider):
         calls (one item) and streams (chunks)."""
         errors: list[str] = []
         timed_out = False
-        ranked = await self.ranked_replicas(pool, ctx.conversation_id)
+        ranked = await self.ranked_replicas(pool, ctx.scoped_conversation)  # affinity per tenant's conversation
         if not ranked:
             raise self._all_suspect(pool)
         for replica in ranked:
@@ -550,7 +555,7 @@ class PoolProvider(Provider):
 
     async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
         pool = self.choose_pool(ctx)
-        body = self.body(request, stream=False)
+        body = self.body(request, stream=False, ctx=ctx)
 
         async def attempt(replica: Replica) -> AsyncGenerator[ChatResult, None]:
             resp = await self._client.post(f"{replica.url}/v1/chat/completions", json=body, timeout=self._timeout(),
@@ -621,7 +626,7 @@ class PoolProvider(Provider):
 
     async def _stream(self, request: ChatRequest, ctx: CallContext) -> AsyncGenerator[ChatChunk, None]:
         pool = self.choose_pool(ctx)
-        body = self.body(request, stream=True)
+        body = self.body(request, stream=True, ctx=ctx)
 
         async def attempt(replica: Replica) -> AsyncGenerator[ChatChunk, None]:
             async with self._client.stream(
@@ -782,8 +787,23 @@ async def _drain(lines: AsyncIterator[str]) -> None:
                 pass
 
 
+CACHE_SALT_DOMAIN = b"openalice-runner cache_salt v1\0"
+
+
+def cache_salt(tenant: str) -> str:
+    """The `cache_salt` a tenant's requests carry upstream: from its name (never its key), 256 bits as
+    43 base64url characters, as vLLM's field asks (base64url: vLLM 0.32 refuses a salt with `/`).
+    Derived, not random: every runner in front of the same pool gives a tenant the same salt, so its
+    prefixes are shared across runners and restarts (the salt is a namespace, not a secret: clients
+    reach the runner, never the pools directly)."""
+    digest = hashlib.sha256(CACHE_SALT_DOMAIN + tenant.encode()).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
 def _upstream_headers(ctx: CallContext) -> dict[str, str]:
     """The conversation id, sent on: a gateway in front of a pool's workers (smg `--policy
     consistent_hashing --routing-key-headers x-openalice-conversation-id`) keys each conversation
-    to the worker that holds its prefix cache."""
-    return {CONVERSATION_HEADER: ctx.conversation_id} if ctx.conversation_id else {}
+    to the worker that holds its prefix cache. Scoped by the tenant: the same id from two tenants is two
+    conversations."""
+    conversation = ctx.scoped_conversation
+    return {CONVERSATION_HEADER: conversation} if conversation else {}

@@ -26,6 +26,7 @@ import httpx
 from pydantic import Field
 
 from openalice_runner.providers import openai_wire as wire
+from openalice_runner.providers.base import CallContext
 from openalice_runner.providers.pools.pool import (
     Figures,
     LoadReader,
@@ -122,8 +123,8 @@ class SGLangProvider(PoolProvider):
     def load_readers(self) -> dict[str, LoadReader]:
         return _LOAD_READERS
 
-    def body(self, request: ChatRequest, stream: bool) -> dict[str, Any]:
-        body = super().body(request, stream)
+    def body(self, request: ChatRequest, stream: bool, ctx: CallContext | None = None) -> dict[str, Any]:
+        body = super().body(request, stream, ctx)
         # SGLang 0.5.23 returns the per-request speculation counters as `sglext.spec_tokens_details`
         # (protocol.py SpecTokensDetails), on the response or, streaming, on a chunk of their own
         # after the finish chunk (serving_chat.py `_generate_chat_stream`). Nothing when off.

@@ -44,6 +44,7 @@ class InstrumentedProvider(WrapperProvider):
             request=request,
             stream=stream,
             parent=parent,
+            tenant=ctx.tenant,
         )
         return call
 

@@ -52,6 +52,7 @@ class PolicyProvider(WrapperProvider):
                     batch_size=_batch(load),
                     provider=self.provider_name,
                     model=request.model or ctx.model,
+                    tenant=ctx.tenant,
                 )
             )
 
@@ -66,7 +67,9 @@ class PolicyProvider(WrapperProvider):
 
     def observe(self, ctx: CallContext, outcome: SpeculationOutcome | None) -> None:
         if outcome is not None:
-            self.policy.observe(ctx.turn_type, outcome.method, self.provider_name, outcome)
+            # per tenant where there is one (a policy of the caller's own may not take `tenant`)
+            whose = {} if ctx.tenant is None else {"tenant": ctx.tenant}
+            self.policy.observe(ctx.turn_type, outcome.method, self.provider_name, outcome, **whose)
 
     async def chat(self, request: ChatRequest, ctx: CallContext) -> ChatResult:
         ctx = await self.decide(request, ctx)

@@ -6,15 +6,13 @@
     paced     one token an event on a steady clock set from the measured decode rate, never more than
               one pass behind what was produced; padded as fixed:N
 
-Imported by the CLI at start-up: nothing heavy here."""
+A request's mode is its tenant's where the keys file gives one, else `serve --stream-release`
+(server/tenants/tenant.py, `request_settings`). Imported by the CLI at start-up: nothing heavy here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    from openalice_runner.server.settings import ServerSettings
+from typing import Any, Literal
 
 ReleaseKind = Literal["pass", "fixed", "paced"]
 MAX_FIXED_N = 256  # more tokens an event is a buffered reply, not a stream
@@ -49,10 +47,3 @@ def parse_release(text: Any) -> ReleaseMode:
         if digits.isascii() and digits.isdigit() and 1 <= int(digits) <= MAX_FIXED_N:
             return ReleaseMode("fixed", int(digits))
     raise ValueError(f"expected {USAGE}, got {str(text)[:40]!r}")
-
-
-def stream_release_for(settings: ServerSettings, headers: Any = None) -> ReleaseMode:
-    """The release mode of one streamed request: the server's `--stream-release`. The one place a
-    request's mode is decided: a per-key mode (issue 48, the keys file) plugs in here from the
-    request's headers."""
-    return settings.stream_release

@@ -105,9 +105,8 @@ class Pacer:
 
 @dataclass
 class PaceRates:
-    """Recent streams' decode rates (an EMA a key: the request's model), where a paced stream starts.
-    Shared by every caller of the server: one caller's streams move where another's start (a second's
-    weight); per-tenant keys belong with the tenants (issue 48)."""
+    """Recent streams' decode rates (an EMA a key: the request's tenant and model), where a paced
+    stream starts: keyed by tenant, so one tenant's texts never set where another's streams start."""
 
     rates: dict[str, float] = field(default_factory=dict)
 
