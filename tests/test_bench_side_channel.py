@@ -60,3 +60,20 @@ def test_a_run_through_serve_changes_no_output_and_pads_every_write_to_a_bucket(
     assert rows["fixed:4"]["write_sizes"] and all(n == bucket(n) for n in rows["fixed:4"]["write_sizes"])
     assert any(n != bucket(n) for n in rows["pass"]["write_sizes"])
     assert rows["pass"]["reads_per_stream_p50"] > rows["fixed:4"]["reads_per_stream_p50"]
+
+
+def test_cross_tenant_summary_calls_isolation_only_when_b_drafts_as_an_empty_store_and_finds_no_prefix():
+    from openalice_runner.bench.side_channel.cross_tenant import format_table, summary
+
+    def row(b_accepted, b_cached):
+        call = {"completion_tokens": 40, "cached_tokens": 0, "text": "t"}
+        return {"prompt": 0, "writer": {**call, "accepted": 5}, "other_tenant": {**call, "accepted": b_accepted},
+                "fresh_tenant": {**call, "accepted": 5}, "same_tenant": {**call, "accepted": 30}, "same_text": True,
+                "follow_up_cached": {"other_tenant": b_cached, "same_tenant": 90}}
+
+    isolated = summary([row(5, 0), row(5, 0)])
+    assert isolated["isolated"] and isolated["accepted"] == {"other_tenant": 10, "fresh_tenant": 10, "same_tenant": 60}
+    assert isolated["follow_up_cached_tokens"] == {"other_tenant": 0, "same_tenant": 180}
+    assert not summary([row(5, 0), row(30, 0)])["isolated"]  # b drafted from a's reply
+    assert not summary([row(5, 64), row(5, 0)])["isolated"]  # b found a's prefix
+    assert "| 0 | 40 | 5 | 5 | 30 | 0 | 90 |" in format_table({"rows": [row(5, 0)], "summary": isolated})

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from openalice_runner.bench.side_channel import cost, fingerprint
+from openalice_runner.bench.side_channel import cost, cross_tenant, fingerprint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--repeat", type=int, default=3, help="odd: the median run is kept (default 3)")
     c.add_argument("--modes", default=",".join(fingerprint.MODES))
     c.add_argument("--conversations", default=None, help="comma-separated conversation ids (default: all)")
-    for p in (fp, c):
+    x = sub.add_parser("cross-tenant", help="whether one tenant's reply drafts for another (suffix speculation)")
+    x.add_argument("--max-tokens", type=int, default=96)
+    for p in (fp, c, x):
         p.add_argument("--providers", default=None, help="providers YAML for the servers (default: the embedded engine)")
         p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     args = parser.parse_args(argv)
@@ -31,13 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    modes = tuple(m.strip() for m in getattr(args, "modes", "").split(",") if m.strip())
     if args.part == "fingerprint":
         if not 2 <= args.prompts <= len(fingerprint.PROMPTS) or args.repeats < 2:
             parser.error(f"--prompts must be 2..{len(fingerprint.PROMPTS)} and --repeats at least 2")
         report = fingerprint.run(fingerprint.PROMPTS[:args.prompts], args.repeats, modes,
                                  max_tokens=args.max_tokens, providers=args.providers, log=say)
         table = fingerprint.format_table(report)
+    elif args.part == "cross-tenant":
+        report = cross_tenant.run(max_tokens=args.max_tokens, providers=args.providers, log=say)
+        table = cross_tenant.format_table(report)
     else:
         ids = args.conversations.split(",") if args.conversations else None
         report = cost.run(args.workload, modes, repeat=args.repeat, providers=args.providers,
