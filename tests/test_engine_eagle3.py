@@ -125,6 +125,14 @@ def test_round_trip_and_layout_detection(tiny_engine, eagle3_head, tmp_path):
     for name, tensor in load_file(str(again / "model.safetensors")).items():
         assert torch.equal(tensor, saved[name]), name
     assert isinstance(load_runtime(folder, tiny_engine.model_name, tiny_engine.model), Eagle3Runtime)
+    # over the whole vocabulary no d2t/t2d (vLLM then has no draft_id_to_target_id to load them into)
+    from openalice_runner.engine.eagle.eagle3 import Eagle3Config, Eagle3Head
+
+    model = tiny_engine.model
+    full = Eagle3Head(Eagle3Config.for_target(tiny_engine.model_name, model, list(range(model.cfg.vocab_size))))
+    full.save(tmp_path / "full")
+    assert "d2t" not in load_file(str(tmp_path / "full" / "model.safetensors"))
+    assert load_eagle3(tmp_path / "full", tiny_engine.model_name, model).cfg.draft_vocab == list(range(model.cfg.vocab_size))
 
 
 def test_old_layout_still_loads(tiny_engine, tmp_path):

@@ -351,6 +351,9 @@ class Eagle3Head(nn.Module):
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous()
                    for k, v in self.state_dict().items()}
+        if len(self.cfg.draft_vocab) == self.cfg.vocab_size:
+            # the whole vocabulary: vLLM makes no draft_id_to_target_id to load d2t into
+            del tensors["d2t"], tensors["t2d"]
         save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
         (folder / CONFIG_FILE).write_text(json.dumps(self.cfg.hf_config(), indent=1))
         return folder
