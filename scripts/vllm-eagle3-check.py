@@ -9,8 +9,10 @@ The server is scripts/vllm-cpu-serve.sh on the engine's converted SmolLM2 folder
 `--speculative-config {"method":"eagle3","model":HEAD_DIR,"num_speculative_tokens":K}`, eager mode
 and a small context (this runs on a 2-core machine). Greedy chat completions on built-in prompts;
 prints one JSON object: the architecture vLLM resolved for the draft, its spec-decode counters from
-/metrics, and per-position acceptance (accepted at position i / drafts) of vLLM and of the embedded
-engine (chains of K drafts every round, no adaptive length).
+/metrics, and per-position acceptance (accepted at position i / drafts) of vLLM and, with
+--embedded, of the embedded engine (chains of K drafts every round, no adaptive length) on the same
+prompt tokens (rendered by the embedded engine, sent to /v1/completions), with the number of
+prompts whose greedy replies were the same text.
 """
 
 from __future__ import annotations
@@ -90,16 +92,15 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 6
     sys.exit(f"vLLM not ready in {timeout_s} s: {log.read_text(errors='replace')[-3000:]}")
 
 
-def embedded(head: Path, prompts: list[list[dict]], k: int, max_tokens: int) -> dict:
-    """The embedded engine with the same head: chains of k drafts every round."""
-    from openalice_runner.engine import Engine, SamplingParams, SpecConfig
+def embedded(engine, head: Path, prompts: list[list[int]], k: int, max_tokens: int) -> tuple[dict, list[str]]:
+    """The embedded engine with the same head: chains of k drafts every round; (figures, replies)."""
+    from openalice_runner.engine import SamplingParams, SpecConfig
 
-    engine = Engine.load(None)
     hist = [0] * (k + 1)
     proposed = accepted = 0
     replies = []
-    for messages in prompts:
-        out = engine.generate(engine.render_chat(messages), SamplingParams(max_tokens=max_tokens),
+    for ids in prompts:
+        out = engine.generate(ids, SamplingParams(max_tokens=max_tokens),
                               SpecConfig(method="eagle", gamma=k, eagle_head=str(head), adaptive_length=False))
         replies.append(out.token_ids)
         proposed += out.stats.proposed
@@ -108,8 +109,9 @@ def embedded(head: Path, prompts: list[list[dict]], k: int, max_tokens: int) -> 
             hist[n] += count
     rounds = sum(hist)
     per_pos = [sum(hist[i + 1 :]) / max(1, rounds) for i in range(k)]
-    return {"dtype": engine.dtype, "rounds": rounds, "proposed": proposed, "accepted": accepted,
-            "acceptance_per_position": [round(x, 3) for x in per_pos], "reply_tokens": sum(map(len, replies))}
+    figures = {"dtype": engine.dtype, "rounds": rounds, "proposed": proposed, "accepted": accepted,
+               "acceptance_per_position": [round(x, 3) for x in per_pos], "reply_tokens": sum(map(len, replies))}
+    return figures, [engine.tokenizer.decode(r, skip_special_tokens=True) for r in replies]
 
 
 def main() -> int:
@@ -125,6 +127,13 @@ def main() -> int:
     from openalice_runner.training.data import builtin_prompts
 
     prompts = [[{"role": "user", "content": r["prompt"]}] for r in builtin_prompts(200, seed=101)[: args.prompts]]
+    engine = None
+    if args.embedded:  # the same prompt tokens for both engines: the embedded engine renders them
+        from openalice_runner.engine import Engine
+
+        engine = Engine.load(None)
+        prompts = [engine.render_chat(m) for m in prompts]
+    texts = []
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = serve(head, args.k, port, args.log)
@@ -132,11 +141,16 @@ def main() -> int:
     try:
         report["startup_s"] = round(wait_ready(proc, url, args.log), 1)
         completion = 0
-        for messages in prompts:
-            r = httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
-                "model": str(model_dir()), "messages": messages, "temperature": 0, "max_tokens": args.max_tokens})
+        for prompt in prompts:
+            body = {"model": str(model_dir()), "temperature": 0, "max_tokens": args.max_tokens}
+            if engine is None:
+                r = httpx.post(f"{url}/v1/chat/completions", timeout=600, json={**body, "messages": prompt})
+            else:
+                r = httpx.post(f"{url}/v1/completions", timeout=600, json={**body, "prompt": prompt})
             r.raise_for_status()
             completion += r.json()["usage"]["completion_tokens"]
+            choice = r.json()["choices"][0]
+            texts.append(choice["text"] if "text" in choice else choice["message"]["content"])
         m = metrics(url)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -150,8 +164,10 @@ def main() -> int:
         "accepted_tokens": m.get("vllm:spec_decode_num_accepted_tokens_total", 0),
         "acceptance_per_position": [round(m["per_pos"].get(i, 0) / max(1, drafts), 3) for i in range(args.k)],
     }
-    if args.embedded:
-        report["embedded"] = embedded(head, prompts, args.k, args.max_tokens)
+    if engine is not None:
+        report["embedded"], replies = embedded(engine, head, prompts, args.k, args.max_tokens)
+        # acceptance compares like with like only where both engines wrote the same greedy reply
+        report["same_replies"] = sum(a == b for a, b in zip(texts, replies, strict=True))
     print(json.dumps(report, indent=1))
     ok = "LlamaForCausalLMEagle3" in " ".join(report["vllm"]["resolved_architectures"]) and drafts > 0
     return 0 if ok else 1
