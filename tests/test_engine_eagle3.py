@@ -146,7 +146,7 @@ def test_old_layout_still_loads(tiny_engine, tmp_path):
     assert isinstance(load_runtime(tmp_path, tiny_engine.model_name, tiny_engine.model), EagleRuntime)
 
 
-def test_head_for_another_target_or_a_variant_layout_is_an_error(eagle3_head, tmp_path):
+def test_head_for_another_target_or_a_variant_layout_is_an_error(tiny_engine, eagle3_head, tmp_path):
     from openalice_runner.engine import Engine
 
     folder, _, _ = eagle3_head
@@ -162,6 +162,17 @@ def test_head_for_another_target_or_a_variant_layout_is_an_error(eagle3_head, tm
         (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(ValueError, match=key):
             load_eagle3(tmp_path, other.model_name, other.model)
+    # a folder from elsewhere (no runner entry): layer ids in SpecForge's meaning, else its defaults
+    foreign = {k: v for k, v in cfg.items() if k != "openalice_runner"}
+    tiny = tiny_engine
+    for extra, layers in (({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 3]}}, [0, 2, 3]),
+                          ({}, default_taps(tiny.model.cfg.n_layers))):
+        (tmp_path / "config.json").write_text(json.dumps({**foreign, **extra}))
+        head = load_eagle3(tmp_path, tiny.model_name, tiny.model)
+        assert (head.cfg.feature_layers, head.cfg.target) == (layers, None)
+    (tmp_path / "config.json").write_text(json.dumps({**foreign, "vocab_size": 100}))
+    with pytest.raises(ValueError, match="vocab_size"):
+        load_eagle3(tmp_path, tiny.model_name, tiny.model)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="model.safetensors"):
         load_eagle3(tmp_path)

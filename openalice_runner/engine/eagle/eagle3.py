@@ -163,8 +163,8 @@ def config_from_hf(raw: dict, draft_vocab: list[int], n_layers: int | None, wher
     if need("num_hidden_layers") != 1:
         raise ValueError(f"eagle_head: {where}: num_hidden_layers is {raw['num_hidden_layers']}; "
                          "this runner runs EAGLE-3 heads of one layer")
+    eagle_config = raw.get("eagle_config") or {}
     for key in _VARIANTS:
-        eagle_config = raw.get("eagle_config") or {}
         if raw.get(key) or eagle_config.get(key):
             raise ValueError(f"eagle_head: {where}: {key} is set; this runner runs the plain EAGLE-3 layout")
     if raw.get("tie_word_embeddings"):
@@ -180,8 +180,7 @@ def config_from_hf(raw: dict, draft_vocab: list[int], n_layers: int | None, wher
                          f"this runner reads {FORMAT_VERSION}")
     layers = own.get("feature_layers")
     if layers is None:
-        layers = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
-            or raw.get("eagle_aux_hidden_state_layer_ids")
+        layers = eagle_config.get("eagle_aux_hidden_state_layer_ids") or raw.get("eagle_aux_hidden_state_layer_ids")
     if layers is None:
         if n_layers is None:
             raise ValueError(f"eagle_head: {where}: names no target layers; load it with its target")

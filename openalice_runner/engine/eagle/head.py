@@ -314,7 +314,7 @@ class HeadRuntime:
     head_dim, max_positions) and attention over it. A row attends the cache up to its own
     position, so rolling back is simply writing later positions again."""
 
-    cfg: HeadConfig
+    cfg: HeadConfig  # or eagle3.Eagle3Config: both have n_kv_heads, head_dim and max_positions
     attention_kernels = None
     scale: float = 1.0
 
