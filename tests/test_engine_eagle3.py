@@ -383,7 +383,8 @@ def test_draft_train_layout_option(tiny_engine, capsys):
     from openalice_runner.training.pipeline import BuildSettings, build_head
 
     parser = build_parser()
-    assert parser.parse_args(["draft", "train", "--data", "p.jsonl"]).layout == "eagle"
+    args = parser.parse_args(["draft", "train", "--data", "p.jsonl"])
+    assert (args.layout, args.unroll) == ("eagle", None)  # unroll: 1 for eagle, EAGLE3_UNROLL for eagle3
     args = parser.parse_args(["draft", "train", "--data", "p.jsonl", "--layout", "eagle3"])
     assert args.layout == "eagle3" and not hasattr(args, "feature_layers")
     args = parser.parse_args(["draft", "train", "--data", "p.jsonl", "--layout", "eagle3", "--feature-layers", "1,2"])

@@ -35,9 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--max-new-tokens", type=positive_int, default=192, help="reply length distilled per prompt")
     t.add_argument("--batch", type=positive_int, default=24, help="prompts decoded together while distilling")
     t.add_argument("--draft-vocab", type=positive_int, default=4096, help="draft vocabulary size (top-N tokens)")
-    t.add_argument("--unroll", type=positive_int, default=1,
+    t.add_argument("--unroll", type=positive_int, default=None,
                    help="draft steps trained per position (default 1: more steps in a CPU budget; "
-                        "more than 1 trains later chain steps on the head's own features, as EAGLE-3)")
+                        "more than 1 trains later chain steps on the head's own features, as EAGLE-3; "
+                        "default 3 for --layout eagle3, whose fed-back state is trained by unrolling alone)")
     t.add_argument("--tokens-per-step", type=positive_int, default=256,
                    help="training tokens per optimizer step (default 256, about one reply: more steps per CPU second)")
     t.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (default 0.001)")

@@ -37,8 +37,9 @@ class BuildSettings:
     draft_vocab: int = 4096
     # draft steps trained per position. 1 on a CPU budget: three times the optimizer steps of
     # unroll 3 in the same minutes (1,247 against 473 in 20 minutes), held-out acc@1 0.67 against
-    # 0.56, and more tokens per pass in `bench` even on chained drafts (README, EAGLE draft head)
-    unroll: int = 1
+    # 0.56, and more tokens per pass in `bench` even on chained drafts (README, EAGLE draft head).
+    # None: that 1 for `eagle`, EAGLE3_UNROLL for `eagle3`
+    unroll: int | None = None
     tokens_per_step: int = TrainSettings.tokens_per_step  # per optimizer step (that field says why)
     lr: float = TrainSettings.lr
     # target layers fused with f_t: None (f_t alone), "eagle3" (low, middle, high) or indices
@@ -53,6 +54,13 @@ class BuildSettings:
     seed: int = 0
     progress: bool = True
     data_dir: Path | None = None  # distilled-sample cache (default: the runner cache's eagle-data/)
+
+
+# An eagle3 head has no feature loss: the hidden state it feeds back is trained by the unrolled
+# steps alone (SpecForge unrolls 7). A head trained with --unroll 2 accepted next to nothing at
+# draft position 3 (0.000 in vLLM, 0.003 embedded, against 0.078 at position 2; docs/eagle.md), so
+# an eagle3 head unrolls as many steps as the 3 speculative tokens the docs serve it with.
+EAGLE3_UNROLL = 3
 
 
 def default_out(model_name: str, layout: str = "eagle") -> Path:
@@ -149,7 +157,8 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
     else:
         cfg = HeadConfig.for_target(engine.model_name, model, vocab, feature_layers=list(taps) or None)
     seconds = max(1.0, deadline - time.monotonic() - 5.0)  # leave time to save
-    tset = TrainSettings(seconds=seconds, unroll=s.unroll, tokens_per_step=s.tokens_per_step, lr=s.lr,
+    unroll = s.unroll or (EAGLE3_UNROLL if s.layout == "eagle3" else 1)
+    tset = TrainSettings(seconds=seconds, unroll=unroll, tokens_per_step=s.tokens_per_step, lr=s.lr,
                          seed=s.seed, max_steps=s.max_steps,
                          eval_every_s=max(10.0, seconds / 10))
     bar = _bar(round(seconds), "training", "s", s.progress)
@@ -167,7 +176,7 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
     figures.update(
         minutes_total=round((time.monotonic() - t0) / 60.0, 2),
         prompts_read=n_read, prompts_used=len(unique), train_samples=len(train), heldout_samples=len(heldout),
-        train_tokens=n_tokens, reply_tokens=reply_tokens, draft_vocab=len(vocab), unroll=s.unroll,
+        train_tokens=n_tokens, reply_tokens=reply_tokens, draft_vocab=len(vocab), unroll=unroll,
         tokens_per_step=s.tokens_per_step, lr=s.lr,
         max_new_tokens=s.max_new_tokens, dtype=engine.dtype, feature_layers=head_layers or None, layout=s.layout,
     )
