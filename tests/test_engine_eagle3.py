@@ -304,6 +304,24 @@ def test_greedy_eagle3_equals_off_with_accepted_drafts(tiny_engine, eagle3_head)
     assert accepted > 0
 
 
+def test_eagle3_requests_share_a_batch(tiny_engine, eagle3_head):
+    """The batching scheduler taps the head's layers (a repeated one among them) in shared passes;
+    every request still equals its `off` output."""
+    from stand_ins.engines import run_concurrently
+
+    folder = str(eagle3_head[0])
+    sampling = SamplingParams(max_tokens=24)
+    prompts = [tiny_engine.encode(t) for t in ("one two three four one two", "def g(y):\n    return y")]
+    prompts.append(tiny_engine.render_chat([{"role": "user", "content": builtin_prompts(8, seed=11)[0]["prompt"]}]))
+    reference = [tiny_engine.generate(p, sampling) for p in prompts]
+    specs = [SpecConfig(method="eagle", gamma=3, eagle_head=folder),
+             SpecConfig(method="eagle", gamma=4, eagle_head=folder, eagle_lookup=True),
+             SpecConfig(method="ngram", gamma=4)]
+    jobs = [(p, sampling, spec, None) for p in prompts for spec in specs]
+    for (prompt, _, spec, _), got in zip(jobs, run_concurrently(tiny_engine, jobs), strict=True):
+        assert got.token_ids == reference[prompts.index(prompt)].token_ids, spec
+
+
 def test_layer_choice_and_names_match_vllms_loader():
     """The folder's names, mapped as vLLM 0.32's llama_eagle3.py load_weights maps them, are the
     parameters its modules make; the draft step's data flow and the default taps are as eagle3.py says."""
