@@ -30,6 +30,7 @@ from stand_ins.pair_chain import (
     grammar_drafts,
     moved_rows,
     plain_probs,
+    random_eagle3_runtime,
     random_eagle_runtime,
     random_pair_chain,
     reference_rows,
@@ -202,6 +203,27 @@ def test_eagle_drafts_of_every_length_keep_the_target(gamma, top_k, feature_laye
         assert run.rounds.full(2) > N // 4 and run.rounds.full(gamma) > N // 20, run.rounds.by_depth  # γ: 3, 4
         assert run.rounds.accepted_at_least(2) > N // 20, run.rounds.by_depth
         assert run.rounds.late_rejections() > N // 20, run.rounds.by_depth
+    else:
+        check_lengths(run, gamma, N)
+    result = sequential_chi_square(run.replies, reference_rows(target, sampling))
+    report(result, run, gamma)
+    assert result.p > 1e-3, (result, run.rounds.by_depth)
+
+
+@pytest.mark.parametrize(("gamma", "top_k", "tree"), [(4, 0, 0), (3, 3, 8)], ids=["chain4", "tree8-depth3-topk3"])
+def test_eagle3_layout_drafts_of_every_length_keep_the_target(gamma, top_k, tree):
+    """A head in the EAGLE-3 layout (issue 47): three taps, its own LM head over a draft vocabulary
+    that leaves a token out, the pre-norm output fed back; chains and trees stay exact."""
+    from openalice_runner.engine.drafters.eagle import EagleDrafter
+
+    target = random_pair_chain(1)
+    runtime = random_eagle3_runtime(gamma + tree)
+    sampling = SamplingParams(temperature=0.9, top_k=top_k, max_tokens=gamma + 3)
+    run = sample_serial(PairModel(target), lambda: EagleDrafter(runtime, 128, VOCAB, tree_nodes=tree), sampling,
+                        SpecConfig(method="eagle", gamma=gamma), N, seed=70 + gamma + tree)
+    if tree:
+        assert max(run.rounds.by_depth) <= gamma
+        assert run.rounds.accepted_at_least(2) > N // 20, run.rounds.by_depth
     else:
         check_lengths(run, gamma, N)
     result = sequential_chi_square(run.replies, reference_rows(target, sampling))

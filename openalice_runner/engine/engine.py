@@ -313,7 +313,7 @@ class Engine:
     def eagle_runtime(self, folder: str | None):
         """The head in `folder`, loaded once; ValueError (naming the field) where it is missing or
         belongs to another target."""
-        from openalice_runner.engine.eagle.head import EagleRuntime, load_head
+        from openalice_runner.engine.eagle.folder import load_runtime
 
         if not folder:
             raise ValueError("method 'eagle' needs eagle_head (policy options.eagle_head, CLI --eagle-head): "
@@ -322,8 +322,7 @@ class Engine:
             raise ValueError("method 'eagle' needs a Llama-family target")
         runtime = self._eagle_heads.get(folder)
         if runtime is None:
-            head = load_head(folder, self.model_name, self.model)
-            runtime = self._eagle_heads[folder] = EagleRuntime(head, self.model)
+            runtime = self._eagle_heads[folder] = load_runtime(folder, self.model_name, self.model)
         return runtime
 
     def _make_drafter(self, spec: SpecConfig, max_len: int, own_cache: bool = False,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from openalice_runner.engine.eagle.eagle3 import Eagle3Config, default_taps
 from openalice_runner.engine.eagle.head import (
     HeadConfig,
     check_feature_layers,
@@ -36,12 +37,16 @@ class BuildSettings:
     draft_vocab: int = 4096
     # draft steps trained per position. 1 on a CPU budget: three times the optimizer steps of
     # unroll 3 in the same minutes (1,247 against 473 in 20 minutes), held-out acc@1 0.67 against
-    # 0.56, and more tokens per pass in `bench` even on chained drafts (README, EAGLE draft head)
-    unroll: int = 1
+    # 0.56, and more tokens per pass in `bench` even on chained drafts (README, EAGLE draft head).
+    # None: that 1 for `eagle`, EAGLE3_UNROLL for `eagle3`
+    unroll: int | None = None
     tokens_per_step: int = TrainSettings.tokens_per_step  # per optimizer step (that field says why)
     lr: float = TrainSettings.lr
     # target layers fused with f_t: None (f_t alone), "eagle3" (low, middle, high) or indices
     feature_layers: list[int] | str | None = "eagle3"
+    # "eagle": the runner's own layout (head.py); "eagle3": SpecForge's folder, which vLLM and SGLang
+    # load (eagle3.py), at SpecForge's default layers, the only ones both engines read alike
+    layout: str = "eagle"
     heldout_every: int = 20  # one prompt in this many (by hash) is held out
     max_heldout: int = 24
     max_prompts: int | None = None
@@ -51,8 +56,15 @@ class BuildSettings:
     data_dir: Path | None = None  # distilled-sample cache (default: the runner cache's eagle-data/)
 
 
-def default_out(model_name: str) -> Path:
-    return cache_root() / "eagle-heads" / model_name
+# An eagle3 head has no feature loss: the hidden state it feeds back is trained by the unrolled
+# steps alone (SpecForge unrolls 7). A head trained with --unroll 2 accepted next to nothing at
+# draft position 3 (0.000 in vLLM, 0.003 embedded, against 0.078 at position 2; docs/eagle.md), so
+# an eagle3 head unrolls as many steps as the 3 speculative tokens the docs serve it with.
+EAGLE3_UNROLL = 3
+
+
+def default_out(model_name: str, layout: str = "eagle") -> Path:
+    return cache_root() / "eagle-heads" / (model_name if layout == "eagle" else f"{model_name}-{layout}")
 
 
 def data_folder(fingerprint: dict) -> Path:
@@ -65,6 +77,24 @@ def _bar(total: float, desc: str, unit: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
+def _head_layers(s: BuildSettings, n_layers: int) -> list[int]:
+    """The target layers the head reads, in its order (none: f_t alone)."""
+    layers = s.feature_layers
+    if s.layout not in ("eagle", "eagle3"):
+        raise ValueError(f"layout: {s.layout!r} is not 'eagle' or 'eagle3'")
+    if s.layout == "eagle3":
+        if layers != "eagle3":
+            raise ValueError(f"feature_layers: {layers!r} with layout 'eagle3', whose layers are SpecForge's "
+                             "default (vLLM and SGLang read an explicit list one layer apart)")
+        layers = default_taps(n_layers)
+    elif layers == "eagle3":
+        layers = default_feature_layers(n_layers)
+    elif isinstance(layers, str):
+        raise ValueError(f"feature_layers: {layers!r} is not None, 'eagle3' or a list of layer indices")
+    check_feature_layers(layers, n_layers)
+    return list(layers or ())
+
+
 def build_head(engine, data: list[str | Path], out: str | Path | None = None,
                exclude: list[str | Path] | None = None, settings: BuildSettings | None = None) -> tuple[Path, dict]:
     """Train a head for `engine`'s model on prompts from `data` (JSON lines), excluding the
@@ -73,13 +103,8 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
     t0 = time.monotonic()
     deadline = t0 + s.minutes * 60.0
     model = engine.model
-    layers = s.feature_layers
-    if layers == "eagle3":
-        layers = default_feature_layers(model.cfg.n_layers)
-    elif isinstance(layers, str):
-        raise ValueError(f"feature_layers: {layers!r} is not None, 'eagle3' or a list of layer indices")
-    check_feature_layers(layers, model.cfg.n_layers)
-    taps = tuple(layers or ())
+    head_layers = _head_layers(s, model.cfg.n_layers)
+    taps = tuple(sorted(set(head_layers)))  # as a pass taps them: distinct, ascending
     fingerprint = target_fingerprint(engine.model_name, model)
     prompts = read_prompts(data)
     n_read = len(prompts)
@@ -127,9 +152,13 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
     reply_tokens = sum(x.feats.shape[0] - x.prompt_len for x in train)
 
     vocab = draft_vocabulary(train, min(s.draft_vocab, model.cfg.vocab_size), always=set(engine.eos_token_ids))
-    cfg = HeadConfig.for_target(engine.model_name, model, vocab, feature_layers=list(taps) or None)
+    if s.layout == "eagle3":
+        cfg = Eagle3Config.for_target(engine.model_name, model, vocab, feature_layers=head_layers)
+    else:
+        cfg = HeadConfig.for_target(engine.model_name, model, vocab, feature_layers=list(taps) or None)
     seconds = max(1.0, deadline - time.monotonic() - 5.0)  # leave time to save
-    tset = TrainSettings(seconds=seconds, unroll=s.unroll, tokens_per_step=s.tokens_per_step, lr=s.lr,
+    unroll = s.unroll or (EAGLE3_UNROLL if s.layout == "eagle3" else 1)
+    tset = TrainSettings(seconds=seconds, unroll=unroll, tokens_per_step=s.tokens_per_step, lr=s.lr,
                          seed=s.seed, max_steps=s.max_steps,
                          eval_every_s=max(10.0, seconds / 10))
     bar = _bar(round(seconds), "training", "s", s.progress)
@@ -147,10 +176,10 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
     figures.update(
         minutes_total=round((time.monotonic() - t0) / 60.0, 2),
         prompts_read=n_read, prompts_used=len(unique), train_samples=len(train), heldout_samples=len(heldout),
-        train_tokens=n_tokens, reply_tokens=reply_tokens, draft_vocab=len(vocab), unroll=s.unroll,
+        train_tokens=n_tokens, reply_tokens=reply_tokens, draft_vocab=len(vocab), unroll=unroll,
         tokens_per_step=s.tokens_per_step, lr=s.lr,
-        max_new_tokens=s.max_new_tokens, dtype=engine.dtype, feature_layers=list(taps) or None,
+        max_new_tokens=s.max_new_tokens, dtype=engine.dtype, feature_layers=head_layers or None, layout=s.layout,
     )
     head.cfg.trained = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}
-    folder = head.save(out or default_out(engine.model_name))
+    folder = head.save(out or default_out(engine.model_name, s.layout))
     return folder, head.cfg.trained

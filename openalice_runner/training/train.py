@@ -5,7 +5,8 @@ its whole reply after as much of the prompt as fits, runs the head unrolled for 
 steps (step s > 1 reads step s-1's predicted feature, as the drafter does) and minimises, per
 step, the cross-entropy between the head's draft-vocabulary distribution and the target's
 (soft targets from the true next feature), plus a small smooth-L1 term on the predicted
-feature. The learning rate warms up and then decays linearly with the time left, so a run of
+feature (an EAGLE-3 head, whose hidden state is its own, has the cross-entropy alone, as
+SpecForge trains it). The learning rate warms up and then decays linearly with the time left, so a run of
 any length ends annealed. Held-out acceptance is the share of reply positions (where the head
 drafts) at which its first draft equals the target's greedy token, and `tokens/pass` estimates
 the mean tokens per target pass of a chain of `EVAL_DRAFTS` drafts (or `unroll`, if more) on
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from openalice_runner.engine.eagle.eagle3 import Eagle3Config, Eagle3Head
 from openalice_runner.engine.eagle.head import EagleHead, HeadConfig
 from openalice_runner.training.data import Sample
 
@@ -64,7 +66,7 @@ def draft_vocabulary(samples: list[Sample], size: int, always: set[int] | frozen
 
 
 class Trainer:
-    def __init__(self, model, head: EagleHead, settings: TrainSettings):
+    def __init__(self, model, head: EagleHead | Eagle3Head, settings: TrainSettings):
         self.model = model
         self.head = head
         self.s = settings
@@ -73,6 +75,9 @@ class Trainer:
         self.lm_sub = model.lm_head.weight.detach()[vocab].float()  # (N, H) frozen
         self.embed = model.embed
         self.opt = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0, betas=(0.9, 0.95))
+        # an EAGLE-3 head (eagle3.py) reads its taps alone, predicts tokens through its own LM head
+        # and has no feature target; the `eagle` head predicts f_{t+1}, read by the target's LM head
+        self.predicts_features = getattr(head, "predicts_features", True)
         self.rng = random.Random(settings.seed)
         self.step = 0
 
@@ -92,6 +97,14 @@ class Trainer:
         nxt = self.embed[s.tokens[start + 1 : end + 1]].float()
         return feats, nxt, start, max(0, s.prompt_len - 1 - start)
 
+    def head_inputs(self, feats: torch.Tensor) -> torch.Tensor:
+        """A window's stored feature rows -> what the head's unrolled forward reads."""
+        return self.head.training_rows(feats) if hasattr(self.head, "training_rows") else feats
+
+    def draft_logits(self, pred: torch.Tensor) -> torch.Tensor:
+        """The head's outputs -> logits over the draft vocabulary."""
+        return pred @ self.lm_sub.t() if self.predicts_features else self.head.logits(pred)
+
     def row_weights(self, length: int, first_reply: int) -> torch.Tensor:
         """Loss weight of rows 0..length-2: 1 where the head drafts (the row before the reply's
         first token onwards), `prompt_weight` inside the prompt."""
@@ -102,7 +115,7 @@ class Trainer:
     def losses(self, feats: torch.Tensor, nxt: torch.Tensor, start: int, first_reply: int = 0) -> tuple[torch.Tensor, float]:
         """The window's loss (weighted mean over rows, summed over unrolled steps) and its
         weight (rows that count)."""
-        outs = self.head.forward_unrolled(feats, nxt, self.s.unroll, start)
+        outs = self.head.forward_unrolled(self.head_inputs(feats), nxt, self.s.unroll, start)
         length = feats.shape[0]
         weights = self.row_weights(length, first_reply)
         final = feats[:, -self.head.cfg.hidden :]  # f_t; taps (if any) come before it
@@ -116,10 +129,11 @@ class Trainer:
             if lo >= length - 1 or float(w.sum()) <= 0:
                 break
             p = pred[lo : length - 1]
-            logq = torch.log_softmax(p @ self.lm_sub.t(), dim=-1)
-            ce = -(target_p[lo:] * logq).sum(-1)
-            reg = F.smooth_l1_loss(p, final[lo + 1 :], reduction="none").mean(-1)
-            per_row = ce + self.s.feature_weight * reg
+            logq = torch.log_softmax(self.draft_logits(p), dim=-1)
+            per_row = -(target_p[lo:] * logq).sum(-1)
+            if self.predicts_features:
+                reg = F.smooth_l1_loss(p, final[lo + 1 :], reduction="none").mean(-1)
+                per_row = per_row + self.s.feature_weight * reg
             total = total + (0.8 ** (s - 1)) * (w * per_row).sum() / w.sum()
         return total, float(weights.sum())
 
@@ -159,12 +173,12 @@ class Trainer:
         chain_sum = chains = 0
         for s, top1 in zip(heldout, truth, strict=True):
             feats, nxt, start, first = self._window(s, 1024, start=max(0, s.feats.shape[0] - 1024))
-            outs = self.head.forward_unrolled(feats, nxt, max(self.s.unroll, EVAL_DRAFTS), start)
+            outs = self.head.forward_unrolled(self.head_inputs(feats), nxt, max(self.s.unroll, EVAL_DRAFTS), start)
             length = feats.shape[0]
             want = top1[start + 1 : start + length]  # target's greedy token after f_{t+1}, rows t = 0..L-2
             correct = []
             for pred in outs:
-                ids = self.vocab[(pred[: length - 1] @ self.lm_sub.t()).argmax(-1)]
+                ids = self.vocab[self.draft_logits(pred[: length - 1]).argmax(-1)]
                 correct.append(ids == want)
             # rows where the head drafts: the reply (a prompt's rows are the user's text, not the model's)
             hits += int(correct[0][first:].sum())
@@ -192,12 +206,18 @@ def target_top1(model, samples: list[Sample]) -> list[torch.Tensor]:
     return out
 
 
-def train_head(model, cfg: HeadConfig, train: list[Sample], heldout: list[Sample], settings: TrainSettings,
-               progress: Callable[[dict], None] | None = None, head: EagleHead | None = None) -> tuple[EagleHead, dict]:
+def new_head(cfg: HeadConfig | Eagle3Config) -> EagleHead | Eagle3Head:
+    """An untrained head of the config's layout."""
+    return Eagle3Head(cfg) if isinstance(cfg, Eagle3Config) else EagleHead(cfg)
+
+
+def train_head(model, cfg: HeadConfig | Eagle3Config, train: list[Sample], heldout: list[Sample],
+               settings: TrainSettings, progress: Callable[[dict], None] | None = None,
+               head: EagleHead | Eagle3Head | None = None) -> tuple[EagleHead | Eagle3Head, dict]:
     """Train within `settings.seconds`; returns the head and its final figures."""
     torch.manual_seed(settings.seed)
     if head is None:
-        head = EagleHead(cfg)
+        head = new_head(cfg)
         head.init_from_target(model)
     start = time.monotonic()  # the budget covers the held-out evaluations too
     trainer = Trainer(model, head, settings)

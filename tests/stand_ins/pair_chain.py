@@ -168,6 +168,23 @@ def random_eagle_runtime(seed: int, feature_layers: list[int] | None = None):
     return EagleRuntime(head, target)
 
 
+def random_eagle3_runtime(seed: int, draft_vocab: tuple[int, ...] = (0, 1, 3)):
+    """A random head in the EAGLE-3 layout (eagle3.py: what vLLM and SGLang run) reading three taps
+    (stand-ins: scaled rows), its pre-norm output fed back; by default its draft vocabulary leaves
+    a token out (q is 0 there, p is not)."""
+    from openalice_runner.engine.eagle.eagle3 import Eagle3Config, Eagle3Head, Eagle3Runtime
+
+    torch.manual_seed(seed)
+    cfg = Eagle3Config(hidden=HIDDEN, n_heads=2, n_kv_heads=1, head_dim=8, intermediate=32, eps=1e-5,
+                       rope_theta=10000.0, max_positions=128, vocab_size=VOCAB, draft_vocab=list(draft_vocab),
+                       feature_layers=[0, 1, 2], target=None)
+    head = Eagle3Head(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.5)
+    return Eagle3Runtime(head, SimpleNamespace(weight_dtype=torch.float32, embed=torch.randn(VOCAB, HIDDEN)))
+
+
 # ---- the independent reference ------------------------------------------------------------------
 def plain_probs(logits: list[float], temperature: float, top_k: int = 0, top_p: float = 1.0,
                 allowed: list[bool] | None = None) -> list[float]:

@@ -231,28 +231,14 @@ class EagleHead(nn.Module):
         out = [self._finish(x, attn)]
         extra_k: list[torch.Tensor] = []  # keys/values of steps 2..s, row-aligned
         extra_v: list[torch.Tensor] = []
-        for s in range(2, steps + 1):
+        for _ in range(2, steps + 1):  # step s = len(extra_k) + 2
             prev = out[-1]
             shifted = torch.cat([feats[:1], prev[:-1]], dim=0)  # row t: step s-1's prediction of f_t
             x = self.fc(torch.cat([next_emb, shifted], dim=-1))
             q, k, v = self._qkv(x, pos)
             extra_k.append(k)
             extra_v.append(v)
-            # scores against true keys j <= t-s+1
-            scores = torch.einsum("thd,jhd->htj", q, k1) * scale
-            mask = pos.view(1, -1) <= (pos - (s - 1)).view(-1, 1)
-            scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
-            # scores against steps r = 2..s at rows t-s+r (shift by s-r)
-            diag = []
-            for r, kr in enumerate(extra_k, start=2):
-                kr_shift = _shift_rows(kr, s - r)
-                diag.append((q * kr_shift).sum(-1).transpose(0, 1) * scale)  # (heads, L)
-            all_scores = torch.cat([scores, torch.stack(diag, dim=-1)], dim=-1)
-            probs = torch.softmax(all_scores, dim=-1).nan_to_num(0.0)
-            attn = torch.einsum("htj,jhd->thd", probs[..., :length], v1)
-            for i, (r, vr) in enumerate(zip(range(2, s + 1), extra_v, strict=True)):
-                attn = attn + probs[..., length + i].transpose(0, 1).unsqueeze(-1) * _shift_rows(vr, s - r)
-            out.append(self._finish(x, attn))
+            out.append(self._finish(x, ttt_attention(q, k1, v1, extra_k, extra_v, pos, scale)))
         return out
 
     # ---- persistence ---------------------------------------------------------------------------
@@ -265,6 +251,29 @@ class EagleHead(nn.Module):
         save_file(tensors, str(folder / HEAD_FILE))
         (folder / CONFIG_FILE).write_text(json.dumps(asdict(self.cfg), indent=1))
         return folder
+
+
+def ttt_attention(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor, extra_k: list[torch.Tensor],
+                  extra_v: list[torch.Tensor], pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of unrolled step s = len(extra_k) + 1 >= 2 (training-time test): row t attends the
+    true keys k1 at rows j <= t-s+1 and the keys of steps r = 2..s (extra_k[r-2]) at row t-s+r,
+    the entries the drafter's chain wrote before it. q, k, v: (L, heads, D) (KV heads repeated)."""
+    s = len(extra_k) + 1
+    length = q.shape[0]
+    # scores against true keys j <= t-s+1
+    scores = torch.einsum("thd,jhd->htj", q, k1) * scale
+    mask = pos.view(1, -1) <= (pos - (s - 1)).view(-1, 1)
+    scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    # scores against steps r = 2..s at rows t-s+r (shift by s-r)
+    diag = []
+    for r, kr in enumerate(extra_k, start=2):
+        diag.append((q * _shift_rows(kr, s - r)).sum(-1).transpose(0, 1) * scale)  # (heads, L)
+    all_scores = torch.cat([scores, torch.stack(diag, dim=-1)], dim=-1)
+    probs = torch.softmax(all_scores, dim=-1).nan_to_num(0.0)
+    attn = torch.einsum("htj,jhd->thd", probs[..., :length], v1)
+    for i, (r, vr) in enumerate(zip(range(2, s + 1), extra_v, strict=True)):
+        attn = attn + probs[..., length + i].transpose(0, 1).unsqueeze(-1) * _shift_rows(vr, s - r)
+    return attn
 
 
 def _shift_rows(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -300,7 +309,44 @@ def load_head(folder: str | Path, model_name: str | None = None, model: LlamaMod
     return head.eval()
 
 
-class EagleRuntime:
+class HeadRuntime:
+    """What every head layout's runtime shares: a one-slot KV cache (`cfg` has n_kv_heads,
+    head_dim, max_positions) and attention over it. A row attends the cache up to its own
+    position, so rolling back is simply writing later positions again."""
+
+    cfg: HeadConfig  # or eagle3.Eagle3Config: both have n_kv_heads, head_dim and max_positions
+    attention_kernels = None
+    scale: float = 1.0
+
+    def new_cache(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (1, n_kv, max_len, D) for one sequence. Rows are written in position
+        order before any row reads them, so the memory needs no clearing."""
+        shape = (1, self.cfg.n_kv_heads, min(max_len, self.cfg.max_positions), self.cfg.head_dim)
+        return torch.empty(shape), torch.empty(shape)
+
+    def attend(self, cache: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: list[int], tree: TreeMask | None) -> torch.Tensor:
+        """Write the rows' keys and values at their places in the head's cache, then attend: each
+        row sees the cache up to its own position (with `tree`, the keys the mask gives it)."""
+        keys, values = cache
+        rows = len(positions)
+        pos_t = torch.tensor(positions)
+        keys[0, :, pos_t] = k.transpose(0, 1)
+        values[0, :, pos_t] = v.transpose(0, 1)
+        if self.attention_kernels is not None:
+            return self.attention_kernels.attention(q, keys, values, torch.zeros(rows, dtype=torch.long),
+                                                    pos_t, self.scale, tree)
+        if tree is not None:
+            return attention_visible(q, keys, values, [0] * rows, positions, tree)
+        start, span = positions[0], positions[-1] + 1
+        mask = torch.arange(span).view(1, -1) <= (start + torch.arange(rows)).view(-1, 1)
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys[:, :, :span], values[:, :, :span],
+            attn_mask=mask, enable_gqa=True,
+        )[0].transpose(0, 1)
+
+
+class EagleRuntime(HeadRuntime):
     """Inference over a head's weights: rows of (feature, next token, position) -> predicted features.
 
     Weights are cast to the target's weight dtype and run through the engine's linear kernel
@@ -337,12 +383,6 @@ class EagleRuntime:
         self.scale = c.head_dim**-0.5
         self.draft_step_s: float | None = None  # EMA of one `step` of one row (the drafters time it)
 
-    def new_cache(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (1, n_kv, max_len, D) for one sequence. Rows are written in position
-        order before any row reads them, so the memory needs no clearing."""
-        shape = (1, self.cfg.n_kv_heads, min(max_len, self.cfg.max_positions), self.cfg.head_dim)
-        return torch.empty(shape), torch.empty(shape)
-
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.eps))
 
@@ -353,7 +393,6 @@ class EagleRuntime:
         Features are the target's (feature_width wide) or the head's own predictions (H wide).
         With `tree`, `positions` are cache places and the mask gives each row's rotary position
         and the keys it sees (the nodes of a draft tree, each seeing its own ancestors)."""
-        keys, values = cache
         c = self.cfg
         rows = len(positions)
         pos_t = torch.tensor(positions)
@@ -368,20 +407,7 @@ class EagleRuntime:
         cos, sin = self.rotary.cos[rope_t].unsqueeze(1), self.rotary.sin[rope_t].unsqueeze(1)
         qk = RotaryTable.rotate(qkv[:, :n_qk], cos, sin)
         q, k, v = qk[:, : c.n_heads], qk[:, c.n_heads :], qkv[:, n_qk:]
-        keys[0, :, pos_t] = k.transpose(0, 1)
-        values[0, :, pos_t] = v.transpose(0, 1)
-        if self.attention_kernels is not None:
-            attn = self.attention_kernels.attention(q, keys, values, torch.zeros(rows, dtype=torch.long),
-                                                    pos_t, self.scale, tree)
-        elif tree is not None:
-            attn = attention_visible(q, keys, values, [0] * rows, positions, tree)
-        else:
-            start, span = positions[0], positions[-1] + 1
-            mask = torch.arange(span).view(1, -1) <= (start + torch.arange(rows)).view(-1, 1)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0), keys[:, :, :span], values[:, :, :span],
-                attn_mask=mask, enable_gqa=True,
-            )[0].transpose(0, 1)
+        attn = self.attend(cache, q, k, v, positions, tree)
         x = x + self.o(attn.reshape(rows, -1))
         gate, up = self.gate_up(self._norm(x, self.mlp_norm)).chunk(2, dim=-1)
         x = x + self.down(F.silu(gate) * up)
