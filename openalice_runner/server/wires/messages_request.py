@@ -252,9 +252,15 @@ class ThinkingOther(_Model):
     display: Literal["summarized", "omitted"] | None = None
 
 
+def _thinking_kind(value: Any) -> str:
+    # any value (a float, a list): the union's tag only picks which model's error names the field
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "enabled" if kind == "enabled" else "other"
+
+
 Thinking = Annotated[
     Annotated[ThinkingEnabled, Tag("enabled")] | Annotated[ThinkingOther, Tag("other")],
-    Discriminator(lambda v: "enabled" if (v.get("type") if isinstance(v, dict) else v.type) == "enabled" else "other"),
+    Discriminator(_thinking_kind),
 ]
 
 
