@@ -218,20 +218,33 @@ def test_a_scheduler_thread_that_dies_answers_its_requests_and_the_next_gets_a_f
     scheduler = engine.scheduler
     expected = _alone(engine, [24, 24, 24])
     old_thread = scheduler._thread
-    real = scheduler._step
+    real, real_submit = scheduler._step, scheduler.submit
     died = []
+    submitted, all_in = [], threading.Event()
+
+    def submit(*args, **kwargs):
+        request = real_submit(*args, **kwargs)
+        submitted.append(request)
+        if len(submitted) == 3:
+            all_in.set()
+        return request
 
     def step():
+        # no step before all three are submitted: on a loaded machine the first could otherwise finish
+        # before the others arrive, and the thread would die with one request where the test sends three
+        assert all_in.wait(RESULT_S), "the three requests were not submitted"
         if not died and any(not r.prefilling for r in scheduler._running):
             died.append(True)
             raise SystemExit("not an Exception: escapes the loop's handlers")
         return real()
 
+    monkeypatch.setattr(scheduler, "submit", submit)
     monkeypatch.setattr(scheduler, "_step", step)
     out = _together(engine, [24, 24, 24])
     assert died and all(isinstance(r, SchedulerStopped) for r in out), out
     old_thread.join(RESULT_S)
     assert not old_thread.is_alive()
+    monkeypatch.setattr(scheduler, "submit", real_submit)
     assert _answered(lambda: _alone(engine, [24, 24, 24])) == expected
     assert scheduler._thread is not old_thread and scheduler._thread.is_alive()
 
