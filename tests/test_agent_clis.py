@@ -301,21 +301,28 @@ def _claude(served, tmp_path, *, fit: bool) -> tuple[subprocess.CompletedProcess
     return out, proxy.since(n)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "on SmolLM2-135M Claude Code's turn does not end: every /v1/messages call is served (200, streamed), "
-    "but the model repeats itself to max_tokens (1,024 or 64 alike, prompt 'Say hello' or 'Reply with one "
-    "word: hello'); Claude Code answers stop_reason max_tokens by resuming three times, then exits 1 with "
-    "api_error max_output_tokens. Codex and opencode on the same server end their turns."))
-def test_claude_code_completes_a_turn(served, tmp_path):
+def test_claude_code_turn_ends_completed_or_at_the_models_output_limit(served, tmp_path):
+    """`claude -p` against serve: every /v1/messages call is served (200, streamed, keyed by Claude
+    Code's session), and the turn ends in one of the two ways the model allows. On SmolLM2-135M
+    Claude Code samples (its own temperature), and the model often repeats itself to max_tokens:
+    Claude Code then resumes three times and exits 1 with api_error max_output_tokens; sometimes the
+    reply ends and the turn completes (exit 0, a result). Seen both ways here (CI 2026-12-05: completed
+    after one resume). Anything else (a refused call, a stream it cannot read, another error) fails."""
     out, exchanges = _claude(served, tmp_path, fit=True)
     rows = _summary(exchanges)
     messages = [e for e in exchanges if e.path == "/v1/messages"]
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert messages and all(e.status == 200 for e in messages), rows
-    result = json.loads(out.stdout)
-    assert result.get("is_error") is False and isinstance(result.get("result"), str), result
     # Claude Code's session is the conversation the runner keys the turn by
     assert all("x-claude-code-session-id" in e.headers for e in messages)
+    shown = (out.stdout + out.stderr)[-3000:]
+    if out.returncode == 0:
+        result = json.loads(out.stdout)
+        assert result.get("is_error") is False and isinstance(result.get("result"), str), result
+        print("Claude Code completed the turn after", len(messages), "calls")
+    else:
+        assert out.returncode == 1 and "max_output_tokens" in shown, shown
+        assert len(messages) >= 2, rows  # it resumed after stop_reason max_tokens before giving up
+        print("Claude Code stopped at the model's output limit after", len(messages), "calls")
 
 
 def test_claude_code_full_default_prompt_gets_the_context_error(served, tmp_path):
