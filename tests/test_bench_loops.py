@@ -343,3 +343,33 @@ def test_inferred_over_stated_is_the_twins_speedup_over_the_pairs():
               "policy-inferred/off-inferred": {"all": 1.35, "copy_heavy": 1.8, "chat": None},
               "policy/policy-inferred": {"all": 1.0, "copy_heavy": 1.0, "chat": 1.0}}
     assert inferred_over_stated(ratios) == {"policy/off": {"all": 0.9, "copy_heavy": 0.9, "chat": None}}
+
+
+def test_a_loop_sends_back_only_the_call_its_tool_result_answers():
+    """The model calls tools where the workload has no result for them: the loop sends those calls
+    back to no one (a real API refuses a call without its result), and of two calls before a tool
+    result only the one that result answers."""
+    import httpx
+
+    from openalice_runner.bench.loops import Conversation, Step, run_conversation
+
+    seen: list[dict] = []
+
+    def call(i: int) -> dict:
+        return {"index": i, "id": f"c{i}", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        events = [{"choices": [{"delta": {"tool_calls": [call(0), call(1)]}}]},
+                  {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]}]
+        return httpx.Response(200, text="".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n")
+
+    conversation = Conversation("c", [], [{"role": "user", "content": "Hi"}],
+                                [Step("call", Call("tool_call", 8)), Step("tool_result", text="x = 1"),
+                                 Step("call", Call("chat", 8)), Step("user", text="More."), Step("call", Call("chat", 8))])
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        run_conversation(client, Target("policy", "http://x/v1", "m"), conversation, 0)
+    last = seen[-1]["messages"]
+    assert [m["role"] for m in last] == ["user", "assistant", "tool", "assistant", "user"]
+    assert [c["id"] for c in last[1]["tool_calls"]] == ["c1"] and last[2]["tool_call_id"] == "c1"
+    assert "tool_calls" not in last[3] and last[3]["content"] == ""

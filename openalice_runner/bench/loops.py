@@ -288,6 +288,10 @@ def run_conversation(client, target: Target, conversation: Conversation, run: in
             tool_calls = [dict(c, id=c["id"] or f"call_{len(records)}_{k}")
                           for k, c in enumerate(record.tool_calls) if _runnable(c)]
             following = conversation.steps[i + 1].kind if i + 1 < len(conversation.steps) else None
+            # the workload answers one call, where a tool result follows: a loop sends back only the
+            # calls it answers (Anthropic's API refuses a tool_use without its tool_result, OpenAI's a
+            # tool call without its tool message)
+            tool_calls = tool_calls[-1:] if following == "tool_result" else []
             if not tool_calls and following == "tool_result" and call.expect_tool_call:
                 # the loop needs a call to answer: the one the workload expects
                 expected = call.expect_tool_call

@@ -25,7 +25,7 @@ def messages_body(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *
             blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                         "input": json.loads(c["function"]["arguments"] or "{}")}
                        for c in m.get("tool_calls") or []]
-            turns.append({"role": "assistant", "content": blocks})
+            turns.append({"role": "assistant", "content": blocks or m.get("content") or ""})
         elif m["role"] == "tool":
             block = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}
             if turns and turns[-1]["role"] == "user" and turns[-1]["content"][-1]["type"] == "tool_result":
