@@ -73,7 +73,9 @@ def test_cross_tenant_summary_calls_isolation_only_when_b_drafts_as_an_empty_sto
 
     isolated = summary([row(5, 0), row(5, 0)])
     assert isolated["isolated"] and isolated["accepted"] == {"other_tenant": 10, "fresh_tenant": 10, "same_tenant": 60}
-    assert isolated["follow_up_cached_tokens"] == {"other_tenant": 0, "same_tenant": 180}
+    assert isolated["leaked_share"] == 0 and isolated["follow_up_cached_tokens"] == {"other_tenant": 0, "same_tenant": 180}
+    assert summary([row(6, 0), row(5, 0)])["isolated"]  # a draft length's noise: 1 of a 50-token gain
     assert not summary([row(5, 0), row(30, 0)])["isolated"]  # b drafted from a's reply
+    assert summary([row(5, 0), row(30, 0)])["leaked_share"] == 0.5
     assert not summary([row(5, 64), row(5, 0)])["isolated"]  # b found a's prefix
     assert "| 0 | 40 | 5 | 5 | 30 | 0 | 90 |" in format_table({"rows": [row(5, 0)], "summary": isolated})

@@ -25,6 +25,7 @@ PROMPTS = (
     "Describe the rules of a made-up board game called Lantern Harbor in one paragraph.",
     "Write a product description for a waterproof notebook named the Tidewriter 9.",
 )
+ISOLATED_SHARE = 0.1  # b's gain over an empty store, as a share of the writer's own gain, isolation allows
 POLICY = 'version: 1\nname: suffix\ndescription: cross-tenant bench\ndefault: {method: suffix, gamma: 4}\n'
 
 
@@ -88,13 +89,18 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return sum(r[role][field] or 0 for r in rows)
 
     cached = {role: sum(r["follow_up_cached"][role] or 0 for r in rows) for role in ("other_tenant", "same_tenant")}
+    accepted = {role: total(role, "accepted") for role in ("other_tenant", "fresh_tenant", "same_tenant")}
+    # what b gained over an empty store, as a share of what the writer's own store gave it: 0 isolated,
+    # 1 shared. Not exactly 0 even so: draft lengths follow the measured pass costs (timing)
+    gain = accepted["same_tenant"] - accepted["fresh_tenant"]
+    leak = round((accepted["other_tenant"] - accepted["fresh_tenant"]) / gain, 3) if gain > 0 else None
     return {
-        "accepted": {role: total(role, "accepted") for role in ("other_tenant", "fresh_tenant", "same_tenant")},
+        "accepted": accepted,
+        "leaked_share": leak,
         "follow_up_cached_tokens": cached,
         "completion_tokens": total("writer", "completion_tokens"),
         "same_text": f"{sum(r['same_text'] for r in rows)}/{len(rows)}",
-        "isolated": total("other_tenant", "accepted") == total("fresh_tenant", "accepted")
-        and cached["other_tenant"] == 0,
+        "isolated": leak is not None and abs(leak) <= ISOLATED_SHARE and cached["other_tenant"] == 0,
     }
 
 

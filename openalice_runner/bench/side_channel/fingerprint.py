@@ -24,16 +24,20 @@ from openalice_runner.bench.side_channel.classify import OBSERVERS, accuracy
 from openalice_runner.bench.side_channel.observe import Observation, observe
 
 PROMPTS = (
-    "Repeat this sentence three times: The quick brown fox jumps over the lazy dog.",
+    "Repeat this sentence five times: The quick brown fox jumps over the lazy dog.",
     "Write a short poem about autumn leaves falling in a quiet park.",
     "List the numbers from one to forty, in words, separated by commas.",
     "Write a Python function that returns the factorial of n, with a docstring.",
     "Explain what a hash table is and when to use one.",
-    "Copy this JSON back unchanged: {\"name\": \"Ada\", \"langs\": [\"en\", \"fr\"], \"id\": 1815}",
+    "Copy this JSON back unchanged: {\"name\": \"Ada Lovelace\", \"born\": 1815, \"langs\": [\"en\", \"fr\", "
+    "\"it\"], \"works\": [\"Notes on the Analytical Engine\", \"Sketch of the Analytical Engine\"], \"id\": 1815}",
     "Give three tips for writing clear emails at work.",
     "Describe the water cycle to a ten-year-old.",
 )
-METHODS = ("ngram", "suffix")
+# `off` is the control: what an observer tells from a stream with no speculation at all (the
+# prompt's length in the time to the first write, the reply's in the number of writes) is the floor
+# no release mode goes below; the speculation's own channel is what the other methods add to it
+METHODS = ("off", "ngram", "suffix")
 MODES = ("pass", "fixed:4", "paced")
 TEMPERATURES = (0.0, 0.7)
 # one rule per method, chosen by the turn type the bench states
@@ -42,6 +46,7 @@ version: 1
 name: side-channel
 description: the fingerprinting bench's methods, one per stated turn type
 rules:
+  - {name: "off", match: {turn_type: fp-off}, method: "off"}
   - {name: ngram, match: {turn_type: fp-ngram}, method: ngram, gamma: 4}
   - {name: suffix, match: {turn_type: fp-suffix}, method: suffix, gamma: 4}
 default: {method: "off"}
@@ -128,15 +133,19 @@ def summary(rows: list[dict[str, Any]], chance: float) -> dict[str, Any]:
     """Per mode and temperature the best observer's accuracy over both methods, and the issue's bars:
     `pass` at least 5x chance (the channel is there to close), the others at most chance + 10 points."""
     best: dict[str, dict[str, float]] = {}
+    floor: dict[str, dict[str, float]] = {}  # the `off` control's best observer
     for row in rows:
-        cell = best.setdefault(row["mode"], {})
+        cells = floor if row["method"] == "off" else best
+        cell = cells.setdefault(row["mode"], {})
         key = f"{row['temperature']:g}"
         cell[key] = max(cell.get(key, 0.0), *row["accuracy"].values())
     bars = {}
     for mode, by_t in best.items():
         bars[mode] = all(a >= 5 * chance for a in by_t.values()) if mode == "pass" else all(
             a <= chance + 0.10 for a in by_t.values())
-    return {"best_accuracy": best, "meets_bar": bars}
+    over_off = {mode: {t: round(a - floor.get(mode, {}).get(t, 0.0), 3) for t, a in by_t.items()}
+                for mode, by_t in best.items()}
+    return {"best_accuracy": best, "off_accuracy": floor, "speculation_over_off": over_off, "meets_bar": bars}
 
 
 def format_table(rep: dict[str, Any]) -> str:
@@ -149,6 +158,10 @@ def format_table(rep: dict[str, Any]) -> str:
         lines.append(f"| {r['mode']} | {r['method']} | {r['temperature']:g} | {r['streams']} | {a['sizes']:.3f} | "
                      f"{a['timing']:.3f} | {a['both']:.3f} | {r['reads_per_stream_p50']:g} | {r['seconds_p50']} | "
                      f"{r['first_read_s_p50']} | {r['ended_before_budget']} |")
+    summ = rep["summary"]
     lines += ["", f"same output as pass at T=0: {rep['same_output_as_pass']}",
-              f"meets the bar: {rep['summary']['meets_bar']}"]
+              f"best observer, speculation on (ngram, suffix): {summ['best_accuracy']}",
+              f"best observer, speculation off (the control): {summ['off_accuracy']}",
+              f"speculation's own share (on minus off): {summ['speculation_over_off']}",
+              f"meets the bar: {summ['meets_bar']}"]
     return "\n".join(lines)
