@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"how many of the {len(fingerprint.PROMPTS)} built-in prompts (default all)")
     fp.add_argument("--max-tokens", type=int, default=40)
     fp.add_argument("--modes", default=",".join(fingerprint.MODES))
+    fp.add_argument("--equal-prompts", action="store_true",
+                    help="pad the prompts to one token count first (the first write's time then says nothing "
+                    "of a prompt's length, a channel of its own)")
     c = sub.add_parser("cost", help="the agent loops under each release mode, side by side")
     c.add_argument("--workload", required=True, help="agent-loops JSON-lines workload")
     c.add_argument("--repeat", type=int, default=3, help="odd: the median run is kept (default 3)")
@@ -38,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 2 <= args.prompts <= len(fingerprint.PROMPTS) or args.repeats < 2:
             parser.error(f"--prompts must be 2..{len(fingerprint.PROMPTS)} and --repeats at least 2")
         report = fingerprint.run(fingerprint.PROMPTS[:args.prompts], args.repeats, modes,
-                                 max_tokens=args.max_tokens, providers=args.providers, log=say)
+                                 max_tokens=args.max_tokens, providers=args.providers,
+                                 equal_prompts=args.equal_prompts, log=say)
         table = fingerprint.format_table(report)
     elif args.part == "cross-tenant":
         report = cross_tenant.run(max_tokens=args.max_tokens, providers=args.providers, log=say)

@@ -55,7 +55,11 @@ default: {method: "off"}
 
 def run(prompts: tuple[str, ...] = PROMPTS, repeats: int = 6, modes: tuple[str, ...] = MODES,
         methods: tuple[str, ...] = METHODS, temperatures: tuple[float, ...] = TEMPERATURES,
-        max_tokens: int = 40, providers: str | None = None, seed: int = 0, log=print) -> dict[str, Any]:
+        max_tokens: int = 40, providers: str | None = None, seed: int = 0, equal_prompts: bool = False,
+        log=print) -> dict[str, Any]:
+    """`equal_prompts`: each prompt padded (" x" words) to the longest one's token count first, so
+    the time to the first write no longer tells prompts apart by their length (a channel of its own,
+    with or without speculation)."""
     import httpx
 
     from openalice_runner.bench.loop_targets import Servers, TargetSpec
@@ -63,12 +67,39 @@ def run(prompts: tuple[str, ...] = PROMPTS, repeats: int = 6, modes: tuple[str, 
     with tempfile.TemporaryDirectory(prefix="side-channel-") as tmp:
         policy = Path(tmp) / "policy.yaml"
         policy.write_text(POLICY)
-        with Servers(policy=str(policy), providers=providers, log=log) as servers:
+        with Servers(policy=str(policy), providers=providers, log=log) as servers, \
+                httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
             urls = {mode: servers.start(TargetSpec(mode, sidecar="policy", args=["--stream-release", mode])).url
                     for mode in modes}
+            lengths = prompt_tokens(client, urls[modes[0]], prompts)
+            if equal_prompts:
+                prompts = equalised(client, urls[modes[0]], prompts, lengths)
+                lengths = prompt_tokens(client, urls[modes[0]], prompts)
             observations = _observe_all(urls, prompts, repeats, methods, temperatures, max_tokens, seed, log,
-                                        httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)))
-    return report(observations, len(prompts), repeats, max_tokens)
+                                        client)
+    rep = report(observations, len(prompts), repeats, max_tokens)
+    rep["prompt_tokens"], rep["equal_prompts"] = lengths, equal_prompts
+    return rep
+
+
+def prompt_tokens(client, url: str, prompts: tuple[str, ...]) -> list[int]:
+    """Each prompt's token count as the server counts it (a one-token call's usage)."""
+    counts = []
+    for prompt in prompts:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "temperature": 0}
+        response = client.post(f"{url}/chat/completions", json=body)
+        response.raise_for_status()
+        counts.append(response.json()["usage"]["prompt_tokens"])
+    return counts
+
+
+def equalised(client, url: str, prompts: tuple[str, ...], counts: list[int]) -> tuple[str, ...]:
+    """Each prompt padded with " x" (one token a word in the SmolLM2 and GPT-2 vocabularies) to the
+    longest one's count; a pad that the tokenizer merges otherwise is corrected once."""
+    target = max(counts)
+    padded = tuple(p + " x" * (target - n) for p, n in zip(prompts, counts, strict=True))
+    again = prompt_tokens(client, url, padded)
+    return tuple(p + " x" * max(0, target - n) for p, n in zip(padded, again, strict=True))
 
 
 def _observe_all(urls: dict[str, str], prompts, repeats, methods, temperatures, max_tokens, seed, log,
@@ -76,22 +107,21 @@ def _observe_all(urls: dict[str, str], prompts, repeats, methods, temperatures, 
     rng = random.Random(seed)
     modes = list(urls)
     out: list[Observation] = []
-    with client:
-        for r in range(repeats):
-            for temperature in temperatures:
-                for method in methods:
-                    order = list(range(len(prompts)))
-                    rng.shuffle(order)
-                    for i, k in enumerate(order):
-                        shift = (r + i) % len(modes)  # the first mode rotates call by call
-                        for mode in modes[shift:] + modes[:shift]:
-                            body = {"messages": [{"role": "user", "content": prompts[k]}], "max_tokens": max_tokens,
-                                    "temperature": temperature, "stream": True,
-                                    "stream_options": {"include_usage": True}}
-                            headers = {"X-OpenAlice-Turn-Type": f"fp-{method}"}
-                            obs = Observation(k, mode, method, temperature)
-                            out.append(observe(client, urls[mode], body, headers, obs))
-                log(f"repeat {r + 1}/{repeats}, temperature {temperature}: {len(out)} streams")
+    for r in range(repeats):
+        for temperature in temperatures:
+            for method in methods:
+                order = list(range(len(prompts)))
+                rng.shuffle(order)
+                for i, k in enumerate(order):
+                    shift = (r + i) % len(modes)  # the first mode rotates call by call
+                    for mode in modes[shift:] + modes[:shift]:
+                        body = {"messages": [{"role": "user", "content": prompts[k]}], "max_tokens": max_tokens,
+                                "temperature": temperature, "stream": True,
+                                "stream_options": {"include_usage": True}}
+                        headers = {"X-OpenAlice-Turn-Type": f"fp-{method}"}
+                        obs = Observation(k, mode, method, temperature)
+                        out.append(observe(client, urls[mode], body, headers, obs))
+            log(f"repeat {r + 1}/{repeats}, temperature {temperature}: {len(out)} streams")
     return out
 
 
@@ -150,7 +180,8 @@ def summary(rows: list[dict[str, Any]], chance: float) -> dict[str, Any]:
 
 def format_table(rep: dict[str, Any]) -> str:
     lines = [f"chance {rep['chance']:.3f} ({rep['prompts']} prompts x {rep['repeats']} repeats, "
-             f"max_tokens {rep['max_tokens']})", "",
+             f"max_tokens {rep['max_tokens']}); prompt tokens {rep.get('prompt_tokens')}"
+             f"{' (padded to one length)' if rep.get('equal_prompts') else ''}", "",
              "| mode | method | T | streams | sizes | timing | both | reads p50 | s p50 | first read s | ended early |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["rows"]:
