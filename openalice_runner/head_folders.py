@@ -89,7 +89,7 @@ def model_shape(model: str) -> ModelShape:
     """The model a pool serves (`--model`/`--model-path`): its names, and its sizes where it is a
     local folder (a text model's config.json, or its `text_config`). ValueError where that
     config.json cannot be read."""
-    path = Path(model).expanduser()
+    path = Path(model)  # as the engine opens it
     if path.is_dir() and (path / CONFIG_FILE).is_file():
         raw = _read_json(path / CONFIG_FILE)
         text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw

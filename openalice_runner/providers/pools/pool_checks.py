@@ -280,7 +280,7 @@ def head_problems(deployed: DeployedPool, loc: Located, notes: list[Problem]) ->
     if found is None:
         return []
     key, head_path, model = found
-    folder = Path(head_path).expanduser()
+    folder = Path(head_path)  # as the engine opens it: no ~ expansion in its flags
     if not folder.is_dir():
         return []  # a hub id or a path on the serving host: the engine resolves it
     at = (*deployed.path, "launch", key)
