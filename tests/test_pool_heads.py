@@ -183,3 +183,16 @@ def test_read_head_target_layouts(tmp_path):
     (tmp_path / "c" / "config.json").write_text("{")
     with pytest.raises(ValueError, match="is not JSON"):
         read_head_target(tmp_path / "c")
+
+
+def test_loading_the_files_refuses_a_head_for_another_model(tmp_path, smol):
+    """Runner.from_config (and so `serve`) runs the same check at load."""
+    from openalice_runner import Runner
+    from openalice_runner.config_files import ConfigError
+
+    head = folder(tmp_path / "head", eagle3_config({**FINGERPRINT, "n_layers": 24}))
+    policy, providers = tmp_path / "policy.yaml", tmp_path / "providers.yaml"
+    policy.write_text(POLICY)
+    providers.write_text(vllm_routing(head, smol))
+    with pytest.raises(ConfigError, match=r"providers.yaml:15:24: .*openalice_runner.target.n_layers is 24"):
+        Runner.from_config(providers, policy, telemetry=False)

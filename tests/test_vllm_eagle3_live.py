@@ -101,11 +101,11 @@ class Eagle3Pools:
         self.policy.write_text(POLICY)
         policy = PolicyStore.from_file(self.policy).policy
         self.servers: dict[str, vllm_servers.VLLMServer] = {}
+        self.trained = self._train()  # first: both cores for it (a server's start-up would share them)
+        assert main(["policy", "check", str(self.policy), "--providers", str(self.routing)]) == 0
         try:
-            self._start("plain", ports, policy)  # starts while the head trains
-            self.trained = self._train()
-            assert main(["policy", "check", str(self.policy), "--providers", str(self.routing)]) == 0
-            self._start("eagle3", ports, policy)
+            for name in ports:
+                self._start(name, ports, policy)
             for server in self.servers.values():
                 server.wait_ready()
         except BaseException:
@@ -198,7 +198,7 @@ def test_the_embedded_engine_and_vllm_accept_the_same_drafts_with_the_same_head(
     position agrees within ACCEPTANCE_TOLERANCE, and the replies are the same."""
     from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 
-    engine = Engine.load(None, dtype="fp32")
+    engine = Engine.load(None, dtype="fp32", prefill="fp32")
     ids = [engine.render_chat(m) for m in prompts()]
     url = eagle3.servers["eagle3"].url
     drafts0, pos0 = _per_position(url)
