@@ -146,6 +146,25 @@ def test_old_layout_still_loads(tiny_engine, tmp_path):
     assert isinstance(load_runtime(tmp_path, tiny_engine.model_name, tiny_engine.model), EagleRuntime)
 
 
+def test_policy_check_reads_the_saved_fingerprint_without_torch(tiny_engine, eagle3_head, tmp_path):
+    """head_folders.py (json alone, for `policy check --providers`) reads the target each layout saves,
+    and names the default model as the engine does."""
+    from openalice_runner.engine.eagle.head import EagleHead, HeadConfig, target_fingerprint
+    from openalice_runner.engine.model_loading import DEFAULT_MODEL_NAME
+    from openalice_runner.head_folders import DEFAULT_MODEL_NAME as NAME_WITHOUT_TORCH
+    from openalice_runner.head_folders import read_head_target
+
+    assert NAME_WITHOUT_TORCH == DEFAULT_MODEL_NAME
+    fingerprint = target_fingerprint(tiny_engine.model_name, tiny_engine.model)
+    folder, _, _ = eagle3_head
+    got = read_head_target(folder)
+    assert (got.layout, got.fingerprint) == ("eagle3", fingerprint)
+    assert (got.hidden, got.vocab_size) == (tiny_engine.model.cfg.hidden, tiny_engine.model.cfg.vocab_size)
+    old = EagleHead(HeadConfig.for_target(tiny_engine.model_name, tiny_engine.model, list(range(64))))
+    old.save(tmp_path)
+    assert (read_head_target(tmp_path).layout, read_head_target(tmp_path).fingerprint) == ("eagle", fingerprint)
+
+
 def test_head_for_another_target_or_a_variant_layout_is_an_error(tiny_engine, eagle3_head, tmp_path):
     from openalice_runner.engine import Engine
 

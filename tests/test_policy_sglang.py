@@ -176,7 +176,8 @@ def test_flags_parse_with_sglang_parser(policy_file, pool, tmp_path):
     assert parsed["model_path"] == MODEL[1]
     assert parsed["speculative_algorithm"] == a[a.index("--speculative-algorithm") + 1]
     assert parsed["speculative_num_draft_tokens"] == int(a[a.index("--speculative-num-draft-tokens") + 1])
-    if pool == "eagle3":
+    if pool == "eagle3":  # the head folder SGLang loads as the EAGLE-3 draft
+        assert parsed["speculative_draft_model_path"] == a[a.index("--speculative-draft-model-path") + 1]
         assert parsed["speculative_adaptive"] is True
         assert parsed["speculative_num_steps"] in parsed["candidate_steps"]
         assert parsed["speculative_eagle_topk"] == 1

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import vllm_servers
+import yaml
 from tiers import needs_install
 
 from openalice_runner.cli import main
@@ -205,8 +206,36 @@ def test_vllm_args_serves_the_embedded_model_folder_of_this_install(capsys):
 needs_venv = needs_install(vllm_servers.venv_problem())
 
 
+def eagle3_pool_line(model: Path, tmp_path: Path) -> list[str]:
+    """The flags of a routing file's `method: eagle3` pool (chat routed there at γ 3) serving a head
+    folder as `draft train --layout eagle3` writes it (its config.json: vLLM's config step reads no
+    weights), after `policy check --providers` passed the two files."""
+    from openalice_runner.engine.eagle.eagle3 import Eagle3Config, default_taps
+
+    head = tmp_path / "head"
+    head.mkdir()
+    fingerprint = {"name": "SmolLM2-135M-Instruct", "vocab_size": 49152, "hidden": 576, "n_layers": 30,
+                   "lm_head_sha256": "0"}  # fmt: skip
+    cfg = Eagle3Config(hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, intermediate=1536, eps=1e-5,
+                       rope_theta=100000.0, max_positions=8192, vocab_size=49152, draft_vocab=list(range(1024)),
+                       feature_layers=default_taps(30), target=fingerprint)  # fmt: skip
+    (head / "config.json").write_text(json.dumps(cfg.hf_config()))
+    routing, policy = tmp_path / "eagle3.yaml", tmp_path / "eagle3-policy.yaml"
+    routing.write_text(yaml.safe_dump({
+        "providers": {"cpu": {"type": "vllm", "model": "smollm2", "default_pool": "eagle3", "pools": {"eagle3": {
+            "replicas": ["http://127.0.0.1:1"],
+            "launch": {"model_path": str(model), "method": "eagle3", "draft_model": str(head),
+                       "max_model_len": 2048, "tool_call_parser": "hermes"}}}}},
+        "routes": [{"name": "d", "chain": ["cpu"]}]}))  # fmt: skip
+    policy.write_text("version: 1\nrules:\n  - {name: chat, match: {turn_type: chat}, method: eagle, gamma: 3, "
+                      "pool: eagle3}\ndefault: {method: \"off\", pool: eagle3}\n")
+    assert check_pool_files(policy, routing) == []
+    deployed = find_pool(load_routing_file(routing), "eagle3", dialect="vllm")
+    return vllm_pool_launch(deployed, PolicyStore.from_file(policy).policy).args
+
+
 @needs_venv
-def test_every_generated_line_is_one_vllm_0_32_accepts():
+def test_every_generated_line_is_one_vllm_0_32_accepts(tmp_path):
     model = vllm_servers.ensure_model_dir()
     policy = PolicyStore.from_file(POLICY).policy
     routing = load_routing_file(ROUTING)
@@ -222,6 +251,7 @@ def test_every_generated_line_is_one_vllm_0_32_accepts():
         "default: {method: off}\n"
     ).policy
     lines.append(compile_vllm_pool(VLLMLaunch(model_path=str(model), method="ngram", max_num_seqs=6), "s", schedule, "m").args)
+    lines.append(eagle3_pool_line(model, tmp_path))
     broken = ["--model", str(model), "--speculative-config",
               '{"method":"ngram","num_speculative_tokens":3,"num_speculative_tokens_per_batch_size":[[2,3,1]]}']  # fmt: skip
     proc = subprocess.run(
@@ -230,8 +260,13 @@ def test_every_generated_line_is_one_vllm_0_32_accepts():
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ngram, plain, ranged, bad = json.loads(proc.stdout.strip().splitlines()[-1])["results"]
-    assert ngram["ok"] and plain["ok"] and ranged["ok"], (ngram, plain, ranged)
+    ngram, plain, ranged, eagle3, bad = json.loads(proc.stdout.strip().splitlines()[-1])["results"]
+    assert ngram["ok"] and plain["ok"] and ranged["ok"] and eagle3["ok"], (ngram, plain, ranged, eagle3)
+    # the eagle3 pool line: vLLM reads the head folder the runner writes as its EAGLE-3 draft, γ from the rule
+    assert eagle3["spec"]["method"] == "eagle3" and eagle3["spec"]["num_speculative_tokens"] == 3
+    assert eagle3["spec"]["model"] == str(tmp_path / "head")
+    assert eagle3["spec"]["draft_architectures"] == ["LlamaForCausalLMEagle3"], eagle3
+    assert eagle3["per_request_spec_decode_metrics"] == "summary"
     assert ngram["spec"]["table"] == [[1, 2, 5], [3, 4, 3], [5, 8, 1]]
     assert ngram["spec"]["dense"][1:] == [5, 5, 3, 3, 1, 1, 1, 1]  # what vLLM's scheduler looks up
     assert (ngram["spec"]["prompt_lookup_min"], ngram["spec"]["prompt_lookup_max"]) == (2, 5)

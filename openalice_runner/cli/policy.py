@@ -27,8 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--providers",
         metavar="FILE",
         default=None,
-        help="also check the policy's rules against the SGLang pools this routing file deploys "
-        "(pool names, methods, tool-call parsers, batch ranges, launch flags)",
+        help="also check the policy's rules against the SGLang and vLLM pools this routing file deploys "
+        "(pool names, methods, tool-call parsers, batch ranges, launch flags, EAGLE heads' targets)",
     )
     check.set_defaults(func=_check)
 
@@ -108,15 +108,18 @@ def _check(args: argparse.Namespace) -> int:
     from openalice_runner.config_files import ConfigError
     from openalice_runner.policies import load_policy_file
 
+    notes: list = []
     try:
         load_policy_file(args.file)
         problems = []
         if args.providers:
             from openalice_runner.providers.pools.pool_checks import check_pool_files
 
-            problems = check_pool_files(args.file, args.providers)
+            problems = check_pool_files(args.file, args.providers, notes)
     except ConfigError as exc:  # the policy (PolicyError) or the routing file on its own
         problems = exc.problems
+    for note in notes:  # what was checked less than fully: said, not refused
+        print(note, file=sys.stderr)
     if problems:
         for problem in problems:
             print(problem)

@@ -36,6 +36,9 @@ for args in json.load(sys.stdin)["lines"]:
                 "num_speculative_tokens": spec.num_speculative_tokens,
                 "prompt_lookup_min": spec.prompt_lookup_min,
                 "prompt_lookup_max": spec.prompt_lookup_max,
+                "model": spec.model,
+                "draft_architectures": list(spec.draft_model_config.architectures or [])
+                if spec.draft_model_config is not None else None,
                 "table": [list(r) for r in table] if table else None,
                 "dense": build_dynamic_sd_schedule_lookup(
                     table, config.scheduler_config.max_num_seqs, spec.num_speculative_tokens

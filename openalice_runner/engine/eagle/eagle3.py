@@ -64,12 +64,13 @@ from openalice_runner.engine.eagle.head import (
 )
 from openalice_runner.engine.llama import Linear, LlamaModel, RotaryTable
 from openalice_runner.engine.tree import TreeMask
+from openalice_runner.head_folders import EAGLE3_ARCHITECTURES, OWN_KEY
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
-# names vLLM's registry maps to llama_eagle3's Eagle3LlamaForCausalLM (SGLang registers the first)
-ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
+# names vLLM's registry maps to llama_eagle3's Eagle3LlamaForCausalLM (SGLang registers the first);
+# read without torch by `policy check` (head_folders.py), hence defined there
+ARCHITECTURES = EAGLE3_ARCHITECTURES
+ARCHITECTURE = ARCHITECTURES[0]
 WEIGHTS_FILE = "model.safetensors"
-OWN_KEY = "openalice_runner"
 FORMAT_VERSION = 1
 # config switches of variant layouts (vLLM's and SGLang's llama_eagle3.py): this runner runs none of them
 _VARIANTS = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_before_residual", "norm_output", "attention_bias",

@@ -14,7 +14,13 @@ at the offending value (FILE:LINE:COL):
   picks the adaptive slot from its running requests, which never pass it); on a vLLM pool with
   max_num_seqs, a rule's range neither starts nor ends past it (its running batch never does);
 - the flags of a pool the rules route to can be generated (policies/sglang_args.py,
-  policies/vllm_args.py), e.g. an adaptive pool's num_steps among the rules' candidates.
+  policies/vllm_args.py), e.g. an adaptive pool's num_steps among the rules' candidates;
+- an EAGLE pool's head (SGLang `draft_model_path`, vLLM `draft_model` of an eagle/eagle3 pool),
+  where it is a folder on this machine, was trained for the model the pool serves
+  (head_folders.py): the runner's fingerprint against the model's name, and where the model is a
+  local folder its hidden size, vocabulary and layer count; a head from elsewhere (no fingerprint)
+  against the hidden and vocabulary sizes alone, which a note says. A path that is no folder here
+  (a hub id, a path on the serving host) is the engine's to resolve.
 """
 
 from __future__ import annotations
@@ -24,6 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from openalice_runner.config_files import ConfigError, Located, Problem, load_located
+from openalice_runner.head_folders import (
+    DEFAULT_MODEL_NAME,
+    OWN_KEY,
+    HeadTarget,
+    ModelShape,
+    model_shape,
+    read_head_target,
+)
 from openalice_runner.policies.errors import PolicyError
 from openalice_runner.policies.loader import parse_policy
 from openalice_runner.policies.schema import Policy
@@ -34,8 +48,8 @@ from openalice_runner.providers.pools.pool import PoolConfigBase
 from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangPool
 from openalice_runner.providers.pools.sglang_launch import SERVES, SGLangLaunch
 from openalice_runner.providers.pools.vllm import VLLMConfig, VLLMPool
+from openalice_runner.providers.pools.vllm_launch import EMBEDDED_MODEL, VLLMLaunch
 from openalice_runner.providers.pools.vllm_launch import SERVES as VLLM_SERVES
-from openalice_runner.providers.pools.vllm_launch import VLLMLaunch
 
 ENGINE = {"sglang": "SGLang", "vllm": "vLLM"}
 
@@ -109,22 +123,29 @@ def _compile(deployed: DeployedPool, policy: Policy) -> None:
         pool_launch(deployed, policy, "adaptive.json")
 
 
-def check_pool_files(policy_file: str | Path, routing_file: str | Path) -> list[Problem]:
+def check_pool_files(
+    policy_file: str | Path, routing_file: str | Path, notes: list[Problem] | None = None
+) -> list[Problem]:
     """Problems between the two files; raises ConfigError (PolicyError, RoutingConfigError) if
-    either is invalid on its own."""
+    either is invalid on its own. `notes` gets what was checked less than fully (a head from
+    elsewhere: its sizes only)."""
     policy_text = _read(policy_file, PolicyError)
     routing_text = _read(routing_file, RoutingConfigError)
     policy = parse_policy(policy_text, str(policy_file))
     routing = load_routing_text(routing_text, str(routing_file))
     policy_loc = load_located(policy_text, str(policy_file), empty="a policy")
     routing_loc = load_located(routing_text, str(routing_file), empty="a routing file")
-    return check_pools(policy, policy_loc, routing, routing_loc)
+    return check_pools(policy, policy_loc, routing, routing_loc, notes)
 
 
-def check_pools(policy: Policy, policy_loc: Located, routing: RoutingConfig, routing_loc: Located) -> list[Problem]:
+def check_pools(
+    policy: Policy, policy_loc: Located, routing: RoutingConfig, routing_loc: Located,
+    notes: list[Problem] | None = None,
+) -> list[Problem]:
     pools = deployed_pools(routing)
     if not pools:
         return []  # no pool provider: the rules' pools never come into play
+    head_notes: list[Problem] = notes if notes is not None else []
     sglang_providers = {p.provider for p in pools}
     problems: list[Problem] = []
     named_pools: set[tuple[str, str]] = set()  # (provider, pool) some rule sends requests to
@@ -168,6 +189,7 @@ def check_pools(policy: Policy, policy_loc: Located, routing: RoutingConfig, rou
                     "calls as text unless launched with --tool-call-parser",
                 )
             )
+        problems += head_problems(target, routing_loc, head_notes)
         if (target.provider, target.name) not in named_pools:
             continue  # no rule of this policy routes there: its flags come from the launch alone
         try:
@@ -237,6 +259,74 @@ def _vllm_batch_problems(path: tuple, match, name: str, launch: VLLMLaunch, loc:
                 )
             ]
     return []
+
+
+def _head_of(deployed: DeployedPool) -> tuple[str, str, str] | None:
+    """(launch key, head path, served model) of an EAGLE pool; None for any other."""
+    launch = deployed.pool.launch
+    if isinstance(launch, VLLMLaunch):
+        if launch.method not in ("eagle", "eagle3") or not launch.draft_model:
+            return None
+        model = launch.model_path or deployed.model
+        return "draft_model", launch.draft_model, DEFAULT_MODEL_NAME if model == EMBEDDED_MODEL else model
+    if not launch.eagle or not launch.draft_model_path:
+        return None
+    return "draft_model_path", launch.draft_model_path, deployed.model
+
+
+def head_problems(deployed: DeployedPool, loc: Located, notes: list[Problem]) -> list[Problem]:
+    """An EAGLE pool's head held against the model the pool serves, at the head's line."""
+    found = _head_of(deployed)
+    if found is None:
+        return []
+    key, head_path, model = found
+    folder = Path(head_path)  # as the engine opens it: no ~ expansion in its flags
+    if not folder.is_dir():
+        return []  # a hub id or a path on the serving host: the engine resolves it
+    at = (*deployed.path, "launch", key)
+    say = f"pool {deployed.name!r}: {key} {head_path}"
+    try:
+        head = read_head_target(folder)
+        shape = model_shape(model)
+    except ValueError as exc:
+        return [loc.problem(at, f"{say}: {exc}")]
+    if head.layout == "eagle":
+        return [loc.problem(at, f"{say} is the runner's own eagle layout, which {deployed.engine} does not "
+                                "load: train it with `draft train --layout eagle3`")]
+    if head.fingerprint is not None:
+        wrong = _fingerprint_mismatch(head.fingerprint, shape)
+    else:
+        wrong = _size_mismatch(head, shape)
+        if wrong is None:
+            checked = (f"checked against {model!r} on hidden and vocabulary sizes only" if shape.config is not None
+                       else f"not checked ({model!r} is no local model folder whose sizes could be read)")
+            notes.append(loc.problem(at, f"note: {say} has no {OWN_KEY} target fingerprint (a head trained "
+                                         f"elsewhere): {checked}"))
+    if wrong is None:
+        return []
+    return [loc.problem(at, f"{say} was trained for another target than {model!r}, the model the pool "
+                            f"serves: {wrong}")]
+
+
+def _fingerprint_mismatch(fp: dict, shape: ModelShape) -> str | None:
+    if fp.get("name") not in shape.names:
+        return (f"its config.json's {OWN_KEY}.target.name is {fp.get('name')!r}, the pool's model "
+                f"is {' or '.join(repr(n) for n in shape.names)}")
+    for key, mine, theirs in (("hidden", "hidden_size", shape.hidden), ("vocab_size", "vocab_size", shape.vocab_size),
+                              ("n_layers", "num_hidden_layers", shape.n_layers)):
+        if theirs is not None and fp.get(key) != theirs:
+            return (f"its config.json's {OWN_KEY}.target.{key} is {fp.get(key)!r}, {mine} is {theirs} "
+                    f"in {shape.config}")
+    return None
+
+
+def _size_mismatch(head: HeadTarget, shape: ModelShape) -> str | None:
+    for key, mine, theirs in (("hidden_size", head.hidden, shape.hidden),
+                              ("vocab_size", head.vocab_size, shape.vocab_size)):
+        if theirs is not None and mine != theirs:
+            return (f"its config.json's {key} is {mine!r}, {theirs} in {shape.config} (a head from elsewhere, "
+                    f"with no {OWN_KEY} fingerprint: checked on hidden and vocabulary sizes only)")
+    return None
 
 
 def _read(path: str | Path, error: type[ConfigError]) -> str:
