@@ -40,8 +40,10 @@ def parse_release(text: Any) -> ReleaseMode:
     if isinstance(text, ReleaseMode):
         return text
     value = text.strip() if isinstance(text, str) else text
-    if value in ("pass", "paced"):
-        return ReleaseMode(value)
+    if value == "pass":
+        return PASS
+    if value == "paced":
+        return ReleaseMode("paced")
     if isinstance(value, str) and value.startswith("fixed:"):
         digits = value.removeprefix("fixed:")
         if digits.isascii() and digits.isdigit() and 1 <= int(digits) <= MAX_FIXED_N:
