@@ -423,18 +423,8 @@ class Eagle3Runtime(HeadRuntime):
         self.input_norm = m.input_layernorm.weight.detach().float().clone()
         self.post_norm = m.post_attention_layernorm.weight.detach().float().clone()
         self.out_norm = head.norm.weight.detach().float().clone()
-        self.vocab = torch.tensor(c.draft_vocab, dtype=torch.long)
+        self.share(model, kernels)
         self.tap_width = len(c.taps) * c.hidden
-        self.embed = model.embed
-        self.attention_kernels = (
-            kernels if kernels is not None and kernels.attention_supports(c.n_heads, c.n_kv_heads, c.head_dim) else None
-        )
-        self.rotary = RotaryTable(c.head_dim, c.rope_theta, c.max_positions, torch.float32)
-        self.scale = c.head_dim**-0.5
-        self.draft_step_s: float | None = None  # EMA of one `step` of one row (the drafters time it)
-
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.eps))
 
     @torch.inference_mode()
     def step(self, cache: tuple[torch.Tensor, torch.Tensor], feats: torch.Tensor, next_tokens: list[int],

@@ -318,6 +318,22 @@ class HeadRuntime:
     attention_kernels = None
     scale: float = 1.0
 
+    def share(self, model: LlamaModel, kernels) -> None:
+        """What both layouts' runtimes take alike from the config and the target: the draft
+        vocabulary's ids, the target's embedding, attention kernels, rotary table and scale."""
+        c = self.cfg
+        self.vocab = torch.tensor(c.draft_vocab, dtype=torch.long)
+        self.embed = model.embed
+        self.attention_kernels = (
+            kernels if kernels is not None and kernels.attention_supports(c.n_heads, c.n_kv_heads, c.head_dim) else None
+        )
+        self.rotary = RotaryTable(c.head_dim, c.rope_theta, c.max_positions, torch.float32)
+        self.scale = c.head_dim**-0.5
+        self.draft_step_s: float | None = None  # EMA of one `step` of one row (the drafters time it)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.eps))
+
     def new_cache(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (1, n_kv, max_len, D) for one sequence. Rows are written in position
         order before any row reads them, so the memory needs no clearing."""
@@ -373,18 +389,8 @@ class EagleRuntime(HeadRuntime):
         self.attn_norm = head.attn_norm.weight.detach().float().clone()
         self.mlp_norm = head.mlp_norm.weight.detach().float().clone()
         self.out_norm = head.out_norm.weight.detach().float().clone()
-        self.vocab = torch.tensor(c.draft_vocab, dtype=torch.long)
+        self.share(model, kernels)
         self.lm_sub = Linear(model.lm_head.weight[self.vocab].contiguous(), None, dtype == torch.bfloat16, kernels)
-        self.embed = model.embed
-        self.attention_kernels = (
-            kernels if kernels is not None and kernels.attention_supports(c.n_heads, c.n_kv_heads, c.head_dim) else None
-        )
-        self.rotary = RotaryTable(c.head_dim, c.rope_theta, c.max_positions, torch.float32)
-        self.scale = c.head_dim**-0.5
-        self.draft_step_s: float | None = None  # EMA of one `step` of one row (the drafters time it)
-
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.eps))
 
     @torch.inference_mode()
     def step(self, cache: tuple[torch.Tensor, torch.Tensor], feats: torch.Tensor, next_tokens: list[int],
