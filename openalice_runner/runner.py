@@ -28,9 +28,9 @@ from contextlib import AbstractAsyncContextManager
 from contextvars import Token
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
-from openalice_runner.providers.base import CallContext, Provider
+from openalice_runner.providers.base import OTEL_CONTEXT_KEY, CallContext, Provider
 from openalice_runner.providers.config import (
     CATCH_ALL_MODEL,
     ProviderConfig,
@@ -47,6 +47,7 @@ from openalice_runner.providers.wrappers.admission import (
 )
 from openalice_runner.providers.wrappers.fallback import FallbackProvider
 from openalice_runner.providers.wrappers.policy import PolicyProvider
+from openalice_runner.speculation import SpeculationPolicy
 from openalice_runner.types import (
     ChatChunk,
     ChatMessage,
@@ -62,26 +63,13 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, TracerProvider
     from pydantic import BaseModel
 
-    from openalice_runner.policies import PolicyStore, RequestContext
+    from openalice_runner.policies import PolicyStore
     from openalice_runner.prompt_log import PromptLog
-    from openalice_runner.speculation import SpeculationOutcome, SpeculationPlan
     from openalice_runner.tracing import RunnerTelemetry
 
 logger = logging.getLogger(__name__)
 
-OTEL_CONTEXT_KEY = "otel_context"  # same key as openalice_runner.providers.wrappers.instrumented
-
 _T = TypeVar("_T")
-
-
-class SpeculationPolicy(Protocol):
-    """What the Runner asks before each call and tells after it: a PolicyStore, or anything with these
-    two methods (`watch_policy` also needs PolicyStore's start_watching / stop_watching)."""
-
-    def decide(self, ctx: RequestContext) -> SpeculationPlan: ...
-
-    # PolicyStore also takes `tenant=` (adaptive γ per tenant); it is passed only for requests that have one
-    def observe(self, turn_type: str, method: str, provider: str | None, outcome: SpeculationOutcome) -> None: ...
 
 
 class PolicySetting(enum.Enum):

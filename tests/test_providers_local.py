@@ -49,7 +49,7 @@ async def test_chat_with_the_tiny_model():
     engine = tiny_engine()
     p = local(engine)
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=5)
-    r = await p.chat(req, CallContext(decision=decision()))
+    r = await p.chat(req, CallContext(plan=decision()))
     direct = engine.generate(
         engine.render_chat([{"role": "user", "content": "hi"}]), sampling_params(req.sampling)
     )
@@ -77,7 +77,7 @@ async def test_eagle_without_a_usable_head_runs_without_speculation(caplog):
         for _ in range(3):
             r = await p.chat(
                 ChatRequest(messages=[{"role": "user", "content": "x"}], max_tokens=2),
-                CallContext(decision=decision("eagle")),
+                CallContext(plan=decision("eagle")),
             )
             assert r.speculation.method == "off"  # what ran, honestly
     assert len([m for m in caplog.messages if "eagle head not usable" in m]) == 1  # said once
@@ -90,7 +90,7 @@ async def test_eagle_decision_drafts_with_the_policys_head(tmp_path):
     folder, _, _ = build_tiny_head(engine, tmp_path, None)
     chosen = decision("eagle", 3, eagle_head=str(folder), eagle_lookup=True)
     req = ChatRequest(messages=[{"role": "user", "content": "one two three one two three one two"}], max_tokens=12)
-    r = await local(engine).chat(req, CallContext(decision=chosen))
+    r = await local(engine).chat(req, CallContext(plan=chosen))
     plain = await local(engine).chat(req, CallContext())
     assert r.speculation.method == "eagle" and r.speculation.proposed
     assert r.content == plain.content

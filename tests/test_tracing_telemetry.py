@@ -122,7 +122,7 @@ async def test_speculation_figures_and_metrics_by_turn_type_and_method(local):
     provider = InstrumentedProvider(local, rec.telemetry)
 
     plan = SpeculationPlan("ngram", 3, rule="copy", reason="test", policy_version="v1")
-    ctx = CallContext(turn_type="code_edit", step=0, decision=plan)
+    ctx = CallContext(turn_type="code_edit", step=0, plan=plan)
     text = "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat"
     result = await provider.chat(_request(text, max_tokens=24), ctx)
     [span] = rec.finished()

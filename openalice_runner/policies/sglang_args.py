@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from openalice_runner.policies.batch_table import batch_segments
-from openalice_runner.policies.schema import AdaptiveSettings, DecisionSpec, Policy, Rule
+from openalice_runner.policies.schema import AdaptiveSettings, PlanSpec, Policy, Rule
 
 
 class LaunchSettings(Protocol):
@@ -87,10 +87,10 @@ def gamma_candidates(lo: int, hi: int) -> list[int]:
     return sorted({*range(lo, hi + 1, 2), hi})
 
 
-def _routed(policy: Policy, pool: str) -> list[tuple[int, float, DecisionSpec]]:
+def _routed(policy: Policy, pool: str) -> list[tuple[int, float, PlanSpec]]:
     """(first batch size, last batch size or inf, decision) for every rule (and the default)
     that routes to `pool`."""
-    out: list[tuple[int, float, DecisionSpec]] = []
+    out: list[tuple[int, float, PlanSpec]] = []
     for rule in policy.rules:
         if rule.pool == pool:
             b = rule.match.batch_size
@@ -102,7 +102,7 @@ def _routed(policy: Policy, pool: str) -> list[tuple[int, float, DecisionSpec]]:
     return out
 
 
-def _steps_of(d: DecisionSpec | Rule) -> list[int]:
+def _steps_of(d: PlanSpec | Rule) -> list[int]:
     if d.method == "off":
         return [0]
     lo, hi = d.gamma_bounds
@@ -164,7 +164,7 @@ def _launch_steps(pool: LaunchSettings, pool_name: str, from_rules: int | None) 
 
 
 def _adaptive_steps(
-    pool: LaunchSettings, pool_name: str, routed: list[tuple[int, float, DecisionSpec]], positive: list[int],
+    pool: LaunchSettings, pool_name: str, routed: list[tuple[int, float, PlanSpec]], positive: list[int],
     ema_weight: float,
 ) -> tuple[int, dict]:
     """An adaptive EAGLE pool's launch steps and its `--speculative-adaptive-config` content."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from openalice_runner.policies.batch_table import batch_segments
-from openalice_runner.policies.schema import DecisionSpec, Policy, Rule
+from openalice_runner.policies.schema import PlanSpec, Policy, Rule
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _POLICY_METHOD = {"ngram": "ngram", "suffix": "suffix", "eagle": "eagle", "eagle3": "eagle", "draft_model": "draft"}
@@ -70,8 +70,8 @@ class VLLMLaunchLine:
         return shlex.join([python, "-m", SERVER_MODULE, *self.args])
 
 
-def _routed(policy: Policy, pool: str) -> list[tuple[int, float, DecisionSpec]]:
-    out: list[tuple[int, float, DecisionSpec]] = []
+def _routed(policy: Policy, pool: str) -> list[tuple[int, float, PlanSpec]]:
+    out: list[tuple[int, float, PlanSpec]] = []
     for rule in policy.rules:
         if rule.pool == pool:
             b = rule.match.batch_size
@@ -81,7 +81,7 @@ def _routed(policy: Policy, pool: str) -> list[tuple[int, float, DecisionSpec]]:
     return out
 
 
-def _top_gamma(d: DecisionSpec | Rule, method: str) -> int:
+def _top_gamma(d: PlanSpec | Rule, method: str) -> int:
     """The most a rule lets a step of this pool draft: 0 for off or another method."""
     if d.method == "off" or d.method != method:
         return 0
@@ -89,7 +89,7 @@ def _top_gamma(d: DecisionSpec | Rule, method: str) -> int:
 
 
 def batch_schedule(
-    routed: list[tuple[int, float, DecisionSpec]], method: str, cap: int, max_num_seqs: int | None
+    routed: list[tuple[int, float, PlanSpec]], method: str, cap: int, max_num_seqs: int | None
 ) -> list[list[int]] | None:
     """`num_speculative_tokens_per_batch_size` for the rules routed to a pool; None when one γ
     holds throughout (or no rule says anything about batch sizes)."""

@@ -45,15 +45,20 @@ class ProviderLoad:
         return (self.batch_size or 0) + (self.queue_depth or 0)
 
 
+#: CallContext.attributes key under which a caller may pass the OpenTelemetry context to parent the call
+#: span on (the sidecar does: its turn spans live across requests, not in the current context).
+OTEL_CONTEXT_KEY = "otel_context"
+
+
 @dataclass
 class CallContext:
-    """Who is asking: the turn's identity and the policy decision for this one call."""
+    """Who is asking: the turn's identity and the policy's plan for this one call."""
 
     conversation_id: str | None = None
     turn_type: str = "chat"
     step: int = 0
     agent: str | None = None
-    decision: SpeculationPlan | None = None  # γ by batch size included (`per_batch`)
+    plan: SpeculationPlan | None = None  # γ by batch size included (`per_batch`)
     model: str | None = None
     attributes: dict[str, Any] = field(default_factory=dict)
     # whose key the request came with (`serve --keys`/`--api-key`); None: an open server, one shared

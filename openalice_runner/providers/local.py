@@ -255,31 +255,31 @@ class _RequestSettings:
         if prompt.prefill and tool_format.TOOL_CALL_CLOSE not in sampling.stop:
             # A forced call is one call: stop at its closing tag instead of rambling on.
             sampling = replace(sampling, stop=(*sampling.stop, tool_format.TOOL_CALL_CLOSE))
-        decision = ctx.decision
+        plan = ctx.plan
         spec = SpecConfig()
-        if decision is not None:  # every SpecMethod is one the engine runs (ENGINE_SPEC_METHODS)
-            spec = self._planned_spec(decision)
+        if plan is not None:  # every SpecMethod is one the engine runs (ENGINE_SPEC_METHODS)
+            spec = self._planned_spec(plan)
             if spec.method == "eagle":
-                spec = self._usable_head(spec, decision)
+                spec = self._usable_head(spec, plan)
         return sampling, spec
 
-    def _planned_spec(self, decision: SpeculationPlan) -> SpecConfig:
+    def _planned_spec(self, plan: SpeculationPlan) -> SpecConfig:
         """The engine's settings for the policy's plan (options the engine refuses, which `policy
         check` refuses first: none)."""
         try:
-            spec = SpecConfig.from_plan(decision)
+            spec = SpecConfig.from_plan(plan)
             if spec.method == "draft" and spec.draft_model:
                 raise InvalidRequest("options.draft_model: the embedded engine drafts from the target's own "
                                      "layers only (options.draft_layers)", param="draft_model")
             return spec
         except (TypeError, ValueError) as exc:
-            if decision.rule not in self._refused_rules:
-                self._refused_rules.add(decision.rule)
+            if plan.rule not in self._refused_rules:
+                self._refused_rules.add(plan.rule)
                 logger.warning("%s: rule %r: the engine cannot run its plan (%s); running without speculation",
-                               self._provider.name, decision.rule, exc)
+                               self._provider.name, plan.rule, exc)
             return SpecConfig()
 
-    def _usable_head(self, spec: SpecConfig, decision: SpeculationPlan) -> SpecConfig:
+    def _usable_head(self, spec: SpecConfig, plan: SpeculationPlan) -> SpecConfig:
         """`spec` where its EAGLE head loads; otherwise no speculation (a policy naming a missing
         head must not fail every request)."""
         try:
@@ -288,7 +288,7 @@ class _RequestSettings:
             if spec.eagle_head not in self._unusable_heads:  # once per head, not once per request
                 self._unusable_heads.add(spec.eagle_head)
                 logger.warning("%s: rule %r: eagle head not usable (%s); running without speculation",
-                               self._provider.name, decision.rule, exc)
+                               self._provider.name, plan.rule, exc)
             return SpecConfig()
         return spec
 

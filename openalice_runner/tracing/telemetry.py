@@ -66,7 +66,7 @@ def mark_error(span: Span, exc: BaseException) -> str:
 
 
 def plan_attributes(plan: SpeculationPlan) -> dict[str, Any]:
-    """`openalice.speculation.*` of a policy's decision, as made."""
+    """`openalice.speculation.*` of a policy's plan, as made."""
     out: dict[str, Any] = {
         A.SPEC_METHOD: plan.method,
         A.SPEC_GAMMA: plan.gamma,
@@ -156,7 +156,7 @@ class ChatCall:
                 output_message,
                 cached_input_tokens,
             )
-        # The method actually used (the provider may have downgraded the decision) labels the metrics.
+        # The method actually used (the provider may have downgraded the plan) labels the metrics.
         labels = dict(self.metric_attrs)
         if speculation is not None:
             labels[A.SPEC_METHOD] = speculation.method
@@ -432,13 +432,13 @@ class RunnerTelemetry:
         conversation_id: str | None = None,
         step: int | None = None,
         agent: str | None = None,
-        decision: SpeculationPlan | None = None,
+        plan: SpeculationPlan | None = None,
         request: ChatRequest | None = None,
         stream: bool = False,
         parent: otel_context.Context | None = None,
         tenant: str | None = None,
     ) -> ChatCall:
-        """Open a `chat {model}` CLIENT span for one call of a turn (`decision`: the policy's plan;
+        """Open a `chat {model}` CLIENT span for one call of a turn (`plan`: the policy's;
         `tenant`: whose key the request came with, a span attribute and a bounded metric label)."""
         attrs: dict[str, Any] = {
             A.GEN_AI_OPERATION_NAME: A.OP_CHAT,
@@ -458,8 +458,8 @@ class RunnerTelemetry:
             metric_attrs[A.GEN_AI_REQUEST_MODEL] = model
         if turn_type:
             metric_attrs[A.TURN_TYPE] = turn_type
-        if decision is not None:
-            metric_attrs[A.SPEC_METHOD] = decision.method
+        if plan is not None:
+            metric_attrs[A.SPEC_METHOD] = plan.method
         if tenant:
             attrs[A.TENANT] = metric_attrs[A.TENANT] = tenant
         name = f"{A.OP_CHAT} {model}" if model else A.OP_CHAT
@@ -476,9 +476,9 @@ class RunnerTelemetry:
                 more[A.STEP] = step
             if agent:
                 more[A.GEN_AI_AGENT_NAME] = agent
-            if decision is not None:
-                # The decision as made; the figures the provider reports on finish() override it.
-                more.update(plan_attributes(decision))
+            if plan is not None:
+                # The plan as made; the figures the provider reports on finish() override it.
+                more.update(plan_attributes(plan))
             if request is not None:
                 more.update(_request_attributes(request, self.record_content))
             span.set_attributes(more)

@@ -141,7 +141,7 @@ def finish_reason(engine_finish: str) -> Literal["stop", "length"]:
 
 def stamp(stats: Any, ctx: CallContext) -> None:
     """The policy's rule and version on the engine's stats (its outcome reports them)."""
-    decision = ctx.decision
-    if decision is not None:
-        stats.rule = decision.rule
-        stats.policy_version = decision.policy_version
+    plan = ctx.plan
+    if plan is not None:
+        stats.rule = plan.rule
+        stats.policy_version = plan.policy_version

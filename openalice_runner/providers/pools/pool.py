@@ -61,7 +61,7 @@ from openalice_runner.providers.pools.breaker import Breaker
 from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.providers.wrappers.admission import AdmissionLimits
 from openalice_runner.redaction import register_secret
-from openalice_runner.speculation import SpecMethod, SpeculationOutcome
+from openalice_runner.speculation import SpecMethod, SpeculationOutcome, SpeculationPlan
 from openalice_runner.types import (
     CONVERSATION_HEADER,
     AllowedToolChoice,
@@ -109,19 +109,18 @@ class PoolBase(StrictModel):
     def adaptive(self) -> bool:  # γ varies per round (SGLang adaptive, vLLM per-batch-size table)
         return False
 
-    def gamma_for(self, decision: Any = None) -> int:
+    def gamma_for(self, plan: SpeculationPlan | None = None) -> int:
         raise NotImplementedError
 
 
-def decision_gamma(decision: Any) -> int | None:
+def plan_gamma(plan: SpeculationPlan | None) -> int | None:
     """The deciding rule's largest γ (an auto rule's range even where auto chose off: the pool's
-    servers draft regardless); None without a decision or with one that never speculates."""
-    if decision is None:
+    servers draft regardless); None without a plan or with one that never speculates."""
+    if plan is None:
         return None
-    bounds = getattr(decision, "gamma_range", None)
-    if bounds:
-        return int(bounds[1])
-    return int(getattr(decision, "gamma", 0) or 0) or None
+    if plan.gamma_range:
+        return plan.gamma_range[1]
+    return plan.gamma or None
 
 
 class PoolConfigBase(AdmissionLimits):  # max_in_flight / max_queue: the gate in front of it
@@ -407,13 +406,13 @@ class PoolProvider(Provider):
             )
 
     def choose_pool(self, ctx: CallContext) -> str:
-        decision = ctx.decision
-        pool = getattr(decision, "pool", None) if decision is not None else None
+        plan = ctx.plan
+        pool = plan.pool if plan is not None else None
         if pool:
             if pool in self.pools:
                 return pool
             logger.warning("%s: policy pool %r is not configured; choosing by method", self.name, pool)
-        method = getattr(decision, "method", None) if decision is not None else None
+        method = plan.method if plan is not None else None
         if method:
             for name, cfg in self.config.pools.items():
                 if cfg.method == method:
@@ -605,16 +604,16 @@ class PoolProvider(Provider):
         self, ext: dict[str, Any], pool: str, ctx: CallContext, usage: Usage | None
     ) -> SpeculationOutcome:
         cfg = self.config.pools[pool]
-        decision = ctx.decision
-        gamma = cfg.gamma_for(decision)
+        plan = ctx.plan
+        gamma = cfg.gamma_for(plan)
         figures = self.spec_figures(ext, pool, gamma, usage) if cfg.method != "off" else {}
         return SpeculationOutcome(
             method=cfg.method,
             gamma=gamma,
             # unknown usage: the outcome's count is an int; pools set no total_s, so no rate comes of it
             completion_tokens=usage.completion_tokens if usage is not None else 0,
-            rule=decision.rule if decision is not None else None,
-            policy_version=decision.policy_version if decision is not None else None,
+            rule=plan.rule if plan is not None else None,
+            policy_version=plan.policy_version if plan is not None else None,
             pool=pool,
             **figures,
         )
