@@ -364,7 +364,7 @@ async def test_policy_decides_gamma_again_at_every_engine_step():
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     await provider.chat(req, CallContext(turn_type="code_edit"))
     _, spec = engine.calls[-1]
-    table = spec.gamma_by_batch
+    table = spec.per_batch
     assert spec.method == "ngram" and table is not None
     assert table.at(1) >= 3  # copy-heavy, small batch: auto γ in [3, 8]
     assert 1 <= table.at(6) <= 4  # mid batch: capped at 4
