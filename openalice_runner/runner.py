@@ -109,9 +109,9 @@ def policy_setting(policy: PolicyArg) -> str | Path | SpeculationPolicy | Policy
 def build_provider(name: str, config: ProviderConfig, engine: EngineArg = None) -> Provider:
     """Provider instance for one entry of the routing config (imports only what that type needs)."""
     if config.type == "local":
-        from openalice_runner.providers.local import LocalProvider
+        from openalice_runner.providers.embedded.provider import EmbeddedProvider
 
-        return LocalProvider(name, config, engine=engine)
+        return EmbeddedProvider(name, config, engine=engine)
     if config.type == "sglang":
         from openalice_runner.providers.pools.sglang import SGLangProvider
 

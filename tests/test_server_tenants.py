@@ -181,12 +181,12 @@ def test_a_conversations_open_turn_is_its_tenants_alone():
 
 
 def _local_provider(runner):
-    from openalice_runner.providers.local import LocalProvider
+    from openalice_runner.providers.embedded.provider import EmbeddedProvider
 
     for provider in runner.providers.values():
-        while not isinstance(provider, LocalProvider) and hasattr(provider, "wrapped"):
+        while not isinstance(provider, EmbeddedProvider) and hasattr(provider, "wrapped"):
             provider = provider.wrapped
-        if isinstance(provider, LocalProvider):
+        if isinstance(provider, EmbeddedProvider):
             return provider
     raise AssertionError("no local provider")
 
