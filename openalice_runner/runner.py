@@ -113,11 +113,11 @@ def build_provider(name: str, config: ProviderConfig, engine: EngineArg = None) 
 
         return EmbeddedProvider(name, config, engine=engine)
     if config.type == "sglang":
-        from openalice_runner.providers.pools.sglang import SGLangProvider
+        from openalice_runner.providers.pools.sglang.provider import SGLangProvider
 
         return SGLangProvider(name, config)
     if config.type == "vllm":
-        from openalice_runner.providers.pools.vllm import VLLMProvider
+        from openalice_runner.providers.pools.vllm.provider import VLLMProvider
 
         return VLLMProvider(name, config)
     if config.type == "hosted":
@@ -338,7 +338,7 @@ def _check_pools(policy: str | Path | SpeculationPolicy | PolicySetting, provide
     if not isinstance(policy, str | Path):
         return
     from openalice_runner.config_files import ConfigError
-    from openalice_runner.providers.pools.pool_checks import check_pool_files
+    from openalice_runner.pool_checks import check_pool_files
 
     problems = check_pool_files(policy, providers)
     if problems:

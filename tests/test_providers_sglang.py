@@ -20,7 +20,11 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
-from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangProvider, parse_prometheus_sum
+from openalice_runner.providers.pools.sglang.provider import (
+    SGLangConfig,
+    SGLangProvider,
+    parse_prometheus_sum,
+)
 from openalice_runner.types import ChatRequest
 
 REQ = ChatRequest(messages=[{"role": "user", "content": "hello there"}])

@@ -19,7 +19,7 @@ from openalice_runner.providers.base import CallContext, ProviderBadRequest, Pro
 from openalice_runner.providers.config import RoutingConfigError, load_routing_text
 from openalice_runner.providers.embedded.tool_format import render_fallback_messages
 from openalice_runner.providers.pools import pool as pool_module
-from openalice_runner.providers.pools.vllm import VLLMConfig, VLLMProvider
+from openalice_runner.providers.pools.vllm.provider import VLLMConfig, VLLMProvider
 from openalice_runner.types import ChatRequest
 
 ROOT = Path(__file__).resolve().parents[1]

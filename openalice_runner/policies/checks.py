@@ -2,7 +2,7 @@
 
 What a rule's `pool:` must find in the routing file (the pool, a method it can serve, a tool-call
 parser, a batch range within max_running_requests) is checked with both files:
-providers/pools/pool_checks.py."""
+pool_checks.py."""
 
 from __future__ import annotations
 

@@ -34,10 +34,10 @@ from openalice_runner.config_files import ConfigError, Located, Problem, StrictM
 from openalice_runner.config_files.reading import read_operator_file
 from openalice_runner.providers.embedded.config import EmbeddedConfig
 from openalice_runner.providers.hosted import HostedConfig
-from openalice_runner.providers.pools.sglang import SGLangConfig
-from openalice_runner.providers.pools.sglang_launch import launch_problems
-from openalice_runner.providers.pools.vllm import VLLMConfig
-from openalice_runner.providers.pools.vllm_launch import launch_problems as vllm_launch_problems
+from openalice_runner.providers.pools.sglang.launch import launch_problems
+from openalice_runner.providers.pools.sglang.provider import SGLangConfig
+from openalice_runner.providers.pools.vllm.launch import launch_problems as vllm_launch_problems
+from openalice_runner.providers.pools.vllm.provider import VLLMConfig
 
 ProviderConfig = Annotated[
     EmbeddedConfig | SGLangConfig | VLLMConfig | HostedConfig, Field(discriminator="type")

@@ -2,8 +2,8 @@
 
 Both engines fix speculation per server at launch, so the runner realises a policy by routing:
 the plan's `pool` (or, failing that, the pool whose method matches the plan's method, or
-the default pool) picks the pool; inside it one replica serves. A dialect (providers/pools/sglang.py,
-providers/pools/vllm.py) says what differs: how a replica's load is read, what the request body adds,
+the default pool) picks the pool; inside it one replica serves. A dialect (providers/pools/sglang/provider.py,
+providers/pools/vllm/provider.py) says what differs: how a replica's load is read, what the request body adds,
 where the per-request speculation figures come back, and the engine's name in messages.
 
 Replica choice (`rank_replicas`): with a conversation id, consistent hashing keeps a conversation

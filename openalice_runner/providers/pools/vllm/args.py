@@ -28,36 +28,14 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from openalice_runner.policies.batch_table import batch_segments
 from openalice_runner.policies.schema import PlanSpec, Policy, Rule
+from openalice_runner.providers.pools.vllm.launch import VLLMLaunch
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _POLICY_METHOD = {"ngram": "ngram", "suffix": "suffix", "eagle": "eagle", "eagle3": "eagle", "draft_model": "draft"}
-
-
-class VLLMLaunchSettings(Protocol):
-    """providers/pools/vllm_launch.py's VLLMLaunch, named by shape (policies/ does not import providers/)."""
-
-    model_path: str | None
-
-    @property
-    def method(self) -> str: ...  # read only, so the launch's Literal of methods fits
-
-    draft_model: str | None
-    num_speculative_tokens: int | None
-    prompt_lookup_min: int | None
-    prompt_lookup_max: int | None
-    per_batch_size: bool
-    max_num_seqs: int | None
-    max_model_len: int | None
-    dtype: str | None
-    enable_prefix_caching: bool
-    tool_call_parser: str | None
-    reasoning_parser: str | None
-    chat_template: str | None
-    extra_args: list[str]
 
 
 @dataclass(frozen=True)
@@ -112,7 +90,7 @@ def batch_schedule(
 
 
 def compile_vllm_pool(
-    launch: VLLMLaunchSettings, pool_name: str, policy: Policy | None, model: str
+    launch: VLLMLaunch, pool_name: str, policy: Policy | None, model: str
 ) -> VLLMLaunchLine:
     """The server flags for one pool. ValueError where neither the launch nor the rules set γ."""
     routed = _routed(policy, pool_name) if policy is not None else []

@@ -37,7 +37,7 @@ from openalice_runner.providers.pools.pool import (
     parse_prometheus_sum,
     plan_gamma,
 )
-from openalice_runner.providers.pools.sglang_launch import SGLangLaunch
+from openalice_runner.providers.pools.sglang.launch import SGLangLaunch
 from openalice_runner.speculation import SpecMethod, SpeculationPlan
 from openalice_runner.types import ChatRequest, Usage
 
