@@ -566,7 +566,7 @@ async def test_unknown_load_is_not_batch_one_and_is_logged_once(servers, caplog)
         "default: {method: ngram, gamma: 4, pool: ngram}\n"
     )
     deciding = PolicyProvider(p, policy)
-    with caplog.at_level("WARNING", logger="openalice_runner.providers.pools.pool"):
+    with caplog.at_level("WARNING", logger="openalice_runner.providers.pools.replicas"):
         for _ in range(3):
             r = await deciding.chat(REQ, CallContext())
             assert r.speculation.rule == "big" and r.speculation.pool == "off"  # the conservative rule

@@ -18,7 +18,7 @@ from openalice_runner.policies.adaptive import request_alpha
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderUnavailable, StreamBroken
 from openalice_runner.providers.config import RoutingConfigError, load_routing_text
 from openalice_runner.providers.embedded.tool_format import render_fallback_messages
-from openalice_runner.providers.pools import pool as pool_module
+from openalice_runner.providers.pools import streaming as pool_streaming
 from openalice_runner.providers.pools.vllm.provider import VLLMConfig, VLLMProvider
 from openalice_runner.types import ChatRequest
 
@@ -367,7 +367,7 @@ async def test_a_streamed_call_hands_its_connection_back_for_the_next_call():
 async def test_a_body_held_open_past_done_ends_the_stream_within_the_drain_bound(monkeypatch):
     """A server that sends `[DONE]` and never ends its body costs the client DRAIN_S, not a hang;
     that connection is given up and the next call opens another."""
-    monkeypatch.setattr(pool_module, "DRAIN_S", 0.05)
+    monkeypatch.setattr(pool_streaming, "DRAIN_S", 0.05)
     replica = SocketReplica(hold_open=True)
     async with replica as url:
         p = socket_provider(url)

@@ -428,7 +428,7 @@ async def test_vllm_pool_request_body_carries_the_tenants_cache_salt():
     from the tenant's name, never its key; the same for the same tenant, another for another; none
     without a tenant. The conversation id upstream (gateway affinity) is scoped by the tenant too."""
     from openalice_runner.providers.base import CallContext
-    from openalice_runner.providers.pools.pool import cache_salt
+    from openalice_runner.providers.pools.upstream import cache_salt
     from openalice_runner.providers.pools.vllm.provider import VLLMConfig, VLLMProvider
     from openalice_runner.types import ChatRequest
 

@@ -27,16 +27,9 @@ from pydantic import Field
 
 from openalice_runner.providers import openai_wire as wire
 from openalice_runner.providers.base import CallContext
-from openalice_runner.providers.pools.pool import (
-    Figures,
-    LoadReader,
-    PoolBase,
-    PoolConfigBase,
-    PoolProvider,
-    Replica,
-    parse_prometheus_sum,
-    plan_gamma,
-)
+from openalice_runner.providers.pools.config import PoolBase, PoolConfigBase, plan_gamma
+from openalice_runner.providers.pools.pool import PoolProvider
+from openalice_runner.providers.pools.replicas import Figures, LoadReader, Replica, parse_prometheus_sum
 from openalice_runner.providers.pools.sglang.launch import SGLangLaunch
 from openalice_runner.speculation import SpecMethod, SpeculationPlan
 from openalice_runner.types import ChatRequest, Usage

@@ -26,17 +26,10 @@ import httpx
 from pydantic import Field
 
 from openalice_runner.providers.base import ProviderBadRequest, ProviderError
-from openalice_runner.providers.pools.pool import (
-    Figures,
-    LoadReader,
-    PoolBase,
-    PoolConfigBase,
-    PoolProvider,
-    error_param,
-    http_error,
-    parse_prometheus_sum,
-    plan_gamma,
-)
+from openalice_runner.providers.pools.config import PoolBase, PoolConfigBase, plan_gamma
+from openalice_runner.providers.pools.errors import error_param, http_error
+from openalice_runner.providers.pools.pool import PoolProvider
+from openalice_runner.providers.pools.replicas import Figures, LoadReader, parse_prometheus_sum
 from openalice_runner.providers.pools.vllm.launch import VLLMLaunch
 from openalice_runner.speculation import SpecMethod, SpeculationPlan
 from openalice_runner.types import Usage
