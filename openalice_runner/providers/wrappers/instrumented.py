@@ -15,7 +15,8 @@ from opentelemetry import context as otel_context
 from openalice_runner.providers.base import OTEL_CONTEXT_KEY, CallContext
 from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.providers.wrappers.wrapper import WrapperProvider
-from openalice_runner.tracing.telemetry import ChatCall, RunnerTelemetry
+from openalice_runner.tracing.chat_call import ChatCall
+from openalice_runner.tracing.telemetry import RunnerTelemetry
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, Usage
 
 
