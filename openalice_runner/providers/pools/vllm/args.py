@@ -95,34 +95,8 @@ def compile_vllm_pool(
     """The server flags for one pool. ValueError where neither the launch nor the rules set γ."""
     routed = _routed(policy, pool_name) if policy is not None else []
     args: list[str] = ["--model", launch.model_path or model, "--served-model-name", model]
-    spec: dict[str, Any] | None = None
-    if launch.method != "none":
-        policy_method = _POLICY_METHOD[launch.method]
-        tops = [_top_gamma(d, policy_method) for _, _, d in routed]
-        k = launch.num_speculative_tokens or max((t for t in tops if t > 0), default=None)
-        if k is None:
-            raise ValueError(
-                f"pool {pool_name!r}: no rule routes to it with speculation on; set num_speculative_tokens"
-            )
-        spec = {"method": launch.method, "num_speculative_tokens": k}
-        if launch.draft_model:
-            spec["model"] = launch.draft_model
-        if launch.method == "ngram":
-            lo, hi = launch.prompt_lookup_min, launch.prompt_lookup_max
-            if lo is None and hi is None:  # the rules' n-gram sizes, where they give them
-                sizes = [(d.options.ngram_min, d.options.ngram_max) for _, _, d in routed if d.method == "ngram"]
-                mins = [a for a, _ in sizes if a is not None]
-                maxs = [b for _, b in sizes if b is not None]
-                lo = min(mins) if mins else None
-                hi = max(maxs) if maxs else None
-            if lo is not None:
-                spec["prompt_lookup_min"] = lo
-            if hi is not None:
-                spec["prompt_lookup_max"] = max(hi, lo or hi)
-        if launch.per_batch_size:
-            table = batch_schedule(routed, policy_method, k, launch.max_num_seqs)
-            if table is not None:
-                spec["num_speculative_tokens_per_batch_size"] = table
+    spec = _speculative_config(launch, pool_name, routed) if launch.method != "none" else None
+    if spec is not None:
         args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
         args += ["--per-request-spec-decode-metrics", "summary"]
     for flag, value in (
@@ -142,3 +116,44 @@ def compile_vllm_pool(
         args += ["--chat-template", launch.chat_template]
     args += list(launch.extra_args)
     return VLLMLaunchLine(pool_name, args, spec)
+
+
+def _speculative_config(
+    launch: VLLMLaunch, pool_name: str, routed: list[tuple[int, float, PlanSpec]]
+) -> dict[str, Any]:
+    """`--speculative-config` of a pool that speculates: γ (the launch's, else the rules' largest),
+    the draft model, the n-gram bounds and the per-batch table."""
+    policy_method = _POLICY_METHOD[launch.method]
+    tops = [_top_gamma(d, policy_method) for _, _, d in routed]
+    k = launch.num_speculative_tokens or max((t for t in tops if t > 0), default=None)
+    if k is None:
+        raise ValueError(
+            f"pool {pool_name!r}: no rule routes to it with speculation on; set num_speculative_tokens"
+        )
+    spec: dict[str, Any] = {"method": launch.method, "num_speculative_tokens": k}
+    if launch.draft_model:
+        spec["model"] = launch.draft_model
+    if launch.method == "ngram":
+        spec.update(_ngram_bounds(launch, routed))
+    if launch.per_batch_size:
+        table = batch_schedule(routed, policy_method, k, launch.max_num_seqs)
+        if table is not None:
+            spec["num_speculative_tokens_per_batch_size"] = table
+    return spec
+
+
+def _ngram_bounds(launch: VLLMLaunch, routed: list[tuple[int, float, PlanSpec]]) -> dict[str, int]:
+    """prompt_lookup_min / _max: the launch's, else the n-gram sizes the rules give."""
+    lo, hi = launch.prompt_lookup_min, launch.prompt_lookup_max
+    if lo is None and hi is None:  # the rules' n-gram sizes, where they give them
+        sizes = [(d.options.ngram_min, d.options.ngram_max) for _, _, d in routed if d.method == "ngram"]
+        mins = [a for a, _ in sizes if a is not None]
+        maxs = [b for _, b in sizes if b is not None]
+        lo = min(mins) if mins else None
+        hi = max(maxs) if maxs else None
+    out: dict[str, int] = {}
+    if lo is not None:
+        out["prompt_lookup_min"] = lo
+    if hi is not None:
+        out["prompt_lookup_max"] = max(hi, lo or hi)
+    return out
