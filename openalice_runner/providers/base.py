@@ -1,4 +1,5 @@
-"""The provider interface: where a chat request runs (embedded engine, SGLang pool, hosted API).
+"""The provider interface: where a chat request runs (the embedded engine, an SGLang or vLLM pool, a
+hosted API; providers/registry.py builds each by its routing-file `type`).
 
 Providers are composed by wrapping (WrapperProvider): fallback and tracing are wrappers, not code
 inside every provider. Errors are typed so that a wrapper can tell "nothing was produced yet,
@@ -172,7 +173,7 @@ class Provider(ABC):
     """One place a request can run. Subclasses set `name` and `capabilities`."""
 
     name: str = "provider"
-    kind: str = "provider"  # local | sglang | hosted (what the policy's RequestContext.provider sees)
+    kind: str = "provider"  # local | sglang | vllm | hosted: the routing-file `type` (admission gates read it)
     gen_ai_provider_name: str = "openalice"  # OpenTelemetry gen_ai.provider.name
     capabilities: Capabilities = Capabilities()
 
