@@ -32,7 +32,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from openalice_runner.policies.batch_table import batch_segments
+from openalice_runner.policies.batch_table import batch_segments, routed_to
 from openalice_runner.policies.schema import AdaptiveSettings, PlanSpec, Policy, Rule
 from openalice_runner.providers.pools.sglang.launch import SGLangLaunch
 
@@ -67,21 +67,6 @@ def gamma_candidates(lo: int, hi: int) -> list[int]:
     return sorted({*range(lo, hi + 1, 2), hi})
 
 
-def _routed(policy: Policy, pool: str) -> list[tuple[int, float, PlanSpec]]:
-    """(first batch size, last batch size or inf, decision) for every rule (and the default)
-    that routes to `pool`."""
-    out: list[tuple[int, float, PlanSpec]] = []
-    for rule in policy.rules:
-        if rule.pool == pool:
-            b = rule.match.batch_size
-            lo = b.min if b else 1
-            hi = b.max if b and b.max is not None else float("inf")
-            out.append((lo, hi, rule))
-    if policy.default.pool == pool:
-        out.append((1, float("inf"), policy.default))
-    return out
-
-
 def _steps_of(d: PlanSpec | Rule) -> list[int]:
     if d.method == "off":
         return [0]
@@ -99,7 +84,7 @@ def compile_pool(
     """Launch flags for one pool, from its launch settings (routing file) and the rules of `policy`
     that name it (None: no rules). `model` leads the line as --model-path. Raises ValueError where
     neither the settings nor the rules set γ, or where the settings contradict the rules."""
-    routed = _routed(policy, pool_name) if policy is not None else []
+    routed = routed_to(policy, pool_name) if policy is not None else []
     ema_weight = (policy.adaptive if policy is not None else AdaptiveSettings()).ema_weight
     positive = [s for s in sorted({s for _, _, d in routed for s in _steps_of(d)}) if s > 0]
     args: list[str] = ["--model-path", model] if model else []

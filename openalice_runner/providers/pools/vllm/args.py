@@ -30,7 +30,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from openalice_runner.policies.batch_table import batch_segments
+from openalice_runner.policies.batch_table import batch_segments, routed_to
 from openalice_runner.policies.schema import PlanSpec, Policy, Rule
 from openalice_runner.providers.pools.vllm.launch import VLLMLaunch
 
@@ -46,17 +46,6 @@ class VLLMLaunchLine:
 
     def line(self, python: str = "python") -> str:
         return shlex.join([python, "-m", SERVER_MODULE, *self.args])
-
-
-def _routed(policy: Policy, pool: str) -> list[tuple[int, float, PlanSpec]]:
-    out: list[tuple[int, float, PlanSpec]] = []
-    for rule in policy.rules:
-        if rule.pool == pool:
-            b = rule.match.batch_size
-            out.append((b.min if b else 1, b.max if b and b.max is not None else float("inf"), rule))
-    if policy.default.pool == pool:
-        out.append((1, float("inf"), policy.default))
-    return out
 
 
 def _top_gamma(d: PlanSpec | Rule, method: str) -> int:
@@ -93,7 +82,7 @@ def compile_vllm_pool(
     launch: VLLMLaunch, pool_name: str, policy: Policy | None, model: str
 ) -> VLLMLaunchLine:
     """The server flags for one pool. ValueError where neither the launch nor the rules set γ."""
-    routed = _routed(policy, pool_name) if policy is not None else []
+    routed = routed_to(policy, pool_name) if policy is not None else []
     args: list[str] = ["--model", launch.model_path or model, "--served-model-name", model]
     spec = _speculative_config(launch, pool_name, routed) if launch.method != "none" else None
     if spec is not None:
