@@ -137,7 +137,7 @@ def test_gamma_table_sees_the_batch_and_sets_gamma_per_step():
             return GammaTable.at(self, batch_size)
 
     no_drafts_when_crowded = RecordingTable(((1, 4), (2, 0)))
-    spec = SpecConfig(method="ngram", gamma=8, gamma_by_batch=no_drafts_when_crowded)
+    spec = SpecConfig(method="ngram", gamma=8, per_batch=no_drafts_when_crowded)
     prompt = engine.encode("one two three one two three one two three one two")
     sampling = SamplingParams(max_tokens=24)
     barrier = threading.Barrier(3)

@@ -21,7 +21,7 @@ from openalice_runner.engine.batching import CACHE_GRANULE, BatchScheduler
 from openalice_runner.engine.engine import DEFAULT_KV_CACHE_BYTES
 from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence
 from openalice_runner.engine.types import EngineOverloaded
-from openalice_runner.providers.local import LocalConfig, LocalProvider
+from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider
 
 OFF = SpecConfig(method="off")
 WAIT_S = 120  # a shared CPU can be slow; a hang still fails
@@ -205,7 +205,7 @@ def test_a_big_waiting_request_is_not_overtaken_by_small_ones_that_came_later(ti
 
 def test_bad_budgets_are_errors_that_name_the_field(tiny_engine):
     with pytest.raises(ValidationError, match="kv_cache_mib"):
-        LocalConfig.model_validate({"type": "local", "kv_cache_mib": 8})
+        EmbeddedConfig.model_validate({"type": "local", "kv_cache_mib": 8})
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         BatchScheduler(tiny_engine.model, max_batch=2, kv_cache_bytes=0)
     with pytest.raises(ValueError, match="kv_cache_bytes"):
@@ -213,7 +213,7 @@ def test_bad_budgets_are_errors_that_name_the_field(tiny_engine):
 
 
 def test_the_provider_default_matches_the_engine_and_reaches_it():
-    assert LocalConfig(type="local").kv_cache_mib * 2**20 == DEFAULT_KV_CACHE_BYTES
-    assert LocalConfig(type="local", kv_cache_mib=None).kv_cache_mib is None  # unbounded, when asked for
-    provider = LocalProvider("local", LocalConfig(type="local", tiny_random=True, kv_cache_mib=20))
+    assert EmbeddedConfig(type="local").kv_cache_mib * 2**20 == DEFAULT_KV_CACHE_BYTES
+    assert EmbeddedConfig(type="local", kv_cache_mib=None).kv_cache_mib is None  # unbounded, when asked for
+    provider = EmbeddedProvider("local", EmbeddedConfig(type="local", tiny_random=True, kv_cache_mib=20))
     assert provider.engine.scheduler.kv_cache_bytes == 20 * 2**20

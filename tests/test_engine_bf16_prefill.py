@@ -108,12 +108,12 @@ def test_engine_refuses_unknown_mode(tiny_engine):
 def test_local_config_prefill_setting():
     from pydantic import ValidationError
 
-    from openalice_runner.providers.embedded.local_config import LocalConfig
+    from openalice_runner.providers.embedded.config import EmbeddedConfig
 
-    assert LocalConfig(type="local").prefill == "auto"
-    assert LocalConfig(type="local", prefill="fp32").prefill == "fp32"
+    assert EmbeddedConfig(type="local").prefill == "auto"
+    assert EmbeddedConfig(type="local", prefill="fp32").prefill == "fp32"
     with pytest.raises(ValidationError, match="prefill"):
-        LocalConfig(type="local", prefill="fast")
+        EmbeddedConfig(type="local", prefill="fast")
 
 
 @needs_dot

@@ -197,11 +197,11 @@ def test_reuse_across_a_retokenised_history(max_batch):
     import asyncio
 
     from openalice_runner.providers.base import CallContext
-    from openalice_runner.providers.local import LocalConfig, LocalProvider
+    from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider
     from openalice_runner.types import ChatRequest
 
     engine = Engine.tiny_random(seed=3, max_batch=max_batch, prefix_reuse=True)
-    provider = LocalProvider("local", LocalConfig.model_validate({"type": "local", "max_batch": max_batch}),
+    provider = EmbeddedProvider("local", EmbeddedConfig.model_validate({"type": "local", "max_batch": max_batch}),
                              engine=engine)
     ctx = CallContext(conversation_id="loop-1")
 
@@ -269,11 +269,11 @@ def test_reuse_across_calls_with_different_tool_choices(max_batch):
     import asyncio
 
     from openalice_runner.providers.base import CallContext
-    from openalice_runner.providers.local import LocalConfig, LocalProvider
+    from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider
     from openalice_runner.types import ChatRequest
 
     engine = Engine.tiny_random(seed=3, max_batch=max_batch, prefix_reuse=True)
-    provider = LocalProvider("local", LocalConfig.model_validate({"type": "local", "max_batch": max_batch}),
+    provider = EmbeddedProvider("local", EmbeddedConfig.model_validate({"type": "local", "max_batch": max_batch}),
                              engine=engine)
     ctx = CallContext(conversation_id="loop-tools")
     messages = [{"role": "system", "content": "You are Alice, a concise assistant."},

@@ -25,8 +25,8 @@ OTHER = "def f(x):\n    return x + 1\n\ndef g(x):\n    return"
 SHORTER_IN_A_BATCH = GammaTable(((1, 4), (2, 1)))
 SPECS = {
     "off": SpecConfig(method="off"),
-    "ngram": SpecConfig(method="ngram", gamma=4, gamma_by_batch=SHORTER_IN_A_BATCH),
-    "draft": SpecConfig(method="draft", gamma=3, draft_layers=1, gamma_by_batch=SHORTER_IN_A_BATCH),
+    "ngram": SpecConfig(method="ngram", gamma=4, per_batch=SHORTER_IN_A_BATCH),
+    "draft": SpecConfig(method="draft", gamma=3, draft_layers=1, per_batch=SHORTER_IN_A_BATCH),
 }
 
 

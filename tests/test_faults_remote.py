@@ -15,7 +15,7 @@ from stand_ins.streams import joined_tool_calls, read_all
 
 from openalice_runner.providers import openai_wire as wire
 from openalice_runner.providers.base import CallContext, ProviderBadResponse, StreamBroken
-from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangProvider
+from openalice_runner.providers.pools.sglang.provider import SGLangConfig, SGLangProvider
 from openalice_runner.types import ChatRequest
 
 REQ = ChatRequest(messages=[{"role": "user", "content": "hi"}])

@@ -144,9 +144,9 @@ def test_sampled_replies_close_within_the_budget(engines):
 
 
 def _provider(engine):
-    from openalice_runner.providers.local import LocalConfig, LocalProvider
+    from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider
 
-    return LocalProvider("local", LocalConfig.model_validate({"type": "local"}), engine=engine)
+    return EmbeddedProvider("local", EmbeddedConfig.model_validate({"type": "local"}), engine=engine)
 
 
 def _call_request(max_tokens: int, **kw):

@@ -9,8 +9,8 @@ import pytest
 
 from openalice_runner.policies import PolicyStore, RequestContext, load_policy_text
 from openalice_runner.policies.batch_table import batch_segments
-from openalice_runner.policies.sglang_args import compile_pool
-from openalice_runner.providers.pools.sglang_launch import SGLangLaunch
+from openalice_runner.providers.pools.sglang.args import compile_pool
+from openalice_runner.providers.pools.sglang.launch import SGLangLaunch
 from openalice_runner.speculation import GammaTable, SpeculationPlan
 
 INF = float("inf")

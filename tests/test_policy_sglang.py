@@ -22,10 +22,10 @@ import pytest
 from tiers import needs_install
 
 from openalice_runner.policies import PolicyStore, load_policy_text
-from openalice_runner.policies.sglang_args import compile_pool, gamma_candidates
+from openalice_runner.pool_checks import find_pool, pool_launch
 from openalice_runner.providers.config import load_routing_file
-from openalice_runner.providers.pools.pool_checks import find_pool, pool_launch
-from openalice_runner.providers.pools.sglang_launch import SGLangLaunch
+from openalice_runner.providers.pools.sglang.args import compile_pool, gamma_candidates
+from openalice_runner.providers.pools.sglang.launch import SGLangLaunch
 
 ROUTING = "providers/gpu-example.yaml"
 MODEL = ["--model-path", "meta-llama/Llama-3.1-8B-Instruct"]

@@ -17,10 +17,10 @@ from tiers import needs_install
 
 from openalice_runner.cli import main
 from openalice_runner.policies import PolicyStore, RequestContext
-from openalice_runner.policies.vllm_args import batch_schedule, compile_vllm_pool
+from openalice_runner.pool_checks import check_pool_files, find_pool, vllm_pool_launch
 from openalice_runner.providers.config import load_routing_file
-from openalice_runner.providers.pools.pool_checks import check_pool_files, find_pool, vllm_pool_launch
-from openalice_runner.providers.pools.vllm_launch import VLLMLaunch
+from openalice_runner.providers.pools.vllm.args import batch_schedule, compile_vllm_pool
+from openalice_runner.providers.pools.vllm.launch import VLLMLaunch
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTING = ROOT / "providers" / "vllm-cpu.yaml"

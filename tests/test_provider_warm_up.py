@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-from openalice_runner.providers.embedded.local_config import LocalConfig
-from openalice_runner.providers.local import LocalProvider
+from openalice_runner.providers.embedded.config import EmbeddedConfig
+from openalice_runner.providers.embedded.provider import EmbeddedProvider
 
 
 def test_warm_up_runs_a_constrained_call_once_at_load():
-    provider = LocalProvider("local", LocalConfig(type="local", tiny_random=True, warm_up=True))
+    provider = EmbeddedProvider("local", EmbeddedConfig(type="local", tiny_random=True, warm_up=True))
     assert provider.warm_up_s is None
     asyncio.run(provider.ensure_loaded())
     assert provider.warm_up_s is not None
@@ -20,7 +20,7 @@ def test_warm_up_runs_a_constrained_call_once_at_load():
 
 
 def test_warm_up_default_is_off_for_tiny_random_and_on_otherwise():
-    provider = LocalProvider("local", LocalConfig(type="local", tiny_random=True))
+    provider = EmbeddedProvider("local", EmbeddedConfig(type="local", tiny_random=True))
     asyncio.run(provider.ensure_loaded())
     assert provider.warm_up_s is None
-    assert LocalConfig(type="local").warm_up is None  # null: on for a real model
+    assert EmbeddedConfig(type="local").warm_up is None  # null: on for a real model

@@ -172,7 +172,7 @@ PARSED = "p: {replicas: [http://x], launch: {tool_call_parser: llama3}}"  # a de
     ],
 )
 def test_cross_file_problems_carry_file_line_column(tmp_path, monkeypatch, policy, pools, expected):
-    from openalice_runner.providers.pools.pool_checks import check_pool_files
+    from openalice_runner.pool_checks import check_pool_files
 
     monkeypatch.chdir(tmp_path)
     Path("p.yaml").write_text(policy)
@@ -187,7 +187,7 @@ def test_cross_file_problems_carry_file_line_column(tmp_path, monkeypatch, polic
 
 
 def test_rules_for_providers_the_routing_file_lacks_are_not_held_against_it(tmp_path):
-    from openalice_runner.providers.pools.pool_checks import check_pool_files
+    from openalice_runner.pool_checks import check_pool_files
 
     policy = tmp_path / "p.yaml"
     policy.write_text(

@@ -18,7 +18,7 @@ from openalice_runner.providers.base import (
     StreamBroken,
 )
 from openalice_runner.providers.hosted import HostedConfig, HostedProvider
-from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangProvider
+from openalice_runner.providers.pools.sglang.provider import SGLangConfig, SGLangProvider
 from openalice_runner.providers.streams import chat_stream
 from openalice_runner.providers.wrappers.fallback import FallbackProvider
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult

@@ -14,7 +14,7 @@ from stand_ins.streams import joined_tool_calls, read_all
 
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderRateLimited
 from openalice_runner.providers.embedded import tool_format
-from openalice_runner.providers.local import LocalConfig, LocalProvider, sampling_params
+from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider, sampling_params
 from openalice_runner.speculation import SpeculationPlan
 from openalice_runner.types import ChatRequest
 
@@ -37,8 +37,8 @@ TOOLS = [
 ]
 
 
-def local(engine, **kw) -> LocalProvider:
-    return LocalProvider("local", LocalConfig.model_validate({"type": "local", **kw}), engine=engine)
+def local(engine, **kw) -> EmbeddedProvider:
+    return EmbeddedProvider("local", EmbeddedConfig.model_validate({"type": "local", **kw}), engine=engine)
 
 
 def decision(method="ngram", gamma=4, **options):
@@ -49,7 +49,7 @@ async def test_chat_with_the_tiny_model():
     engine = tiny_engine()
     p = local(engine)
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=5)
-    r = await p.chat(req, CallContext(decision=decision()))
+    r = await p.chat(req, CallContext(plan=decision()))
     direct = engine.generate(
         engine.render_chat([{"role": "user", "content": "hi"}]), sampling_params(req.sampling)
     )
@@ -73,11 +73,11 @@ async def test_stream_with_the_tiny_model_matches_chat():
 
 async def test_eagle_without_a_usable_head_runs_without_speculation(caplog):
     p = local(tiny_engine())
-    with caplog.at_level("WARNING", logger="openalice_runner.providers.local"):
+    with caplog.at_level("WARNING", logger="openalice_runner.providers.embedded.provider"):
         for _ in range(3):
             r = await p.chat(
                 ChatRequest(messages=[{"role": "user", "content": "x"}], max_tokens=2),
-                CallContext(decision=decision("eagle")),
+                CallContext(plan=decision("eagle")),
             )
             assert r.speculation.method == "off"  # what ran, honestly
     assert len([m for m in caplog.messages if "eagle head not usable" in m]) == 1  # said once
@@ -90,7 +90,7 @@ async def test_eagle_decision_drafts_with_the_policys_head(tmp_path):
     folder, _, _ = build_tiny_head(engine, tmp_path, None)
     chosen = decision("eagle", 3, eagle_head=str(folder), eagle_lookup=True)
     req = ChatRequest(messages=[{"role": "user", "content": "one two three one two three one two"}], max_tokens=12)
-    r = await local(engine).chat(req, CallContext(decision=chosen))
+    r = await local(engine).chat(req, CallContext(plan=chosen))
     plain = await local(engine).chat(req, CallContext())
     assert r.speculation.method == "eagle" and r.speculation.proposed
     assert r.content == plain.content
@@ -364,7 +364,7 @@ async def test_policy_decides_gamma_again_at_every_engine_step():
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     await provider.chat(req, CallContext(turn_type="code_edit"))
     _, spec = engine.calls[-1]
-    table = spec.gamma_by_batch
+    table = spec.per_batch
     assert spec.method == "ngram" and table is not None
     assert table.at(1) >= 3  # copy-heavy, small batch: auto γ in [3, 8]
     assert 1 <= table.at(6) <= 4  # mid batch: capped at 4

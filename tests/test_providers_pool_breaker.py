@@ -15,7 +15,7 @@ from stand_ins.stalled import StalledServer
 from stand_ins.streams import read_all
 
 from openalice_runner.providers.base import CallContext, ProviderTimeout, ProviderUnavailable
-from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangProvider
+from openalice_runner.providers.pools.sglang.provider import SGLangConfig, SGLangProvider
 from openalice_runner.types import ChatRequest
 
 REQ = ChatRequest(messages=[{"role": "user", "content": "hello there"}])

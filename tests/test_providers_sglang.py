@@ -20,7 +20,11 @@ from openalice_runner.providers.base import (
     ProviderUnavailable,
     StreamBroken,
 )
-from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangProvider, parse_prometheus_sum
+from openalice_runner.providers.pools.sglang.provider import (
+    SGLangConfig,
+    SGLangProvider,
+    parse_prometheus_sum,
+)
 from openalice_runner.types import ChatRequest
 
 REQ = ChatRequest(messages=[{"role": "user", "content": "hello there"}])
@@ -130,9 +134,9 @@ async def test_policy_decision_picks_the_pool(servers):
         },
         default_pool="plain",
     )
-    r = await p.chat(REQ, CallContext(decision=decision(pool="ngram", method="ngram")))
+    r = await p.chat(REQ, CallContext(plan=decision(pool="ngram", method="ngram")))
     assert len(ngram.requests) == 1 and r.speculation.pool == "ngram" and r.speculation.gamma == 7
-    r = await p.chat(REQ, CallContext(decision=decision(method="eagle")))  # no pool: by method
+    r = await p.chat(REQ, CallContext(plan=decision(method="eagle")))  # no pool: by method
     assert len(eagle.requests) == 1 and r.speculation.method == "eagle"
     r = await p.chat(REQ, CallContext())  # no decision: default pool
     assert len(plain.requests) == 1 and r.speculation.method == "off"
@@ -143,7 +147,7 @@ async def test_speculation_figures_come_from_sglext(servers):
     s = servers(method="eagle", num_draft_tokens=4, tokens_per_pass=2.0)
     p = provider({"eagle3": {"replicas": [s.url], "launch": {**EAGLE3, "num_draft_tokens": 4}}})
     req = ChatRequest(messages=[{"role": "user", "content": "one two three four five six seven"}])
-    r = await p.chat(req, CallContext(decision=decision()))
+    r = await p.chat(req, CallContext(plan=decision()))
     assert (
         s.requests[0]["return_spec_tokens_details"] is True and s.requests[0]["model"] == "stand-in/llama-8b"
     )
@@ -165,7 +169,7 @@ async def test_streamed_turns_carry_speculation_figures(servers):
     s = servers(method="eagle", num_draft_tokens=4, tokens_per_pass=2.0)
     p = provider({"eagle3": {"replicas": [s.url], "launch": {**EAGLE3, "num_draft_tokens": 4}}})
     req = ChatRequest(messages=[{"role": "user", "content": "one two three four five six seven"}])
-    chunks = await read_all(p.stream(req, CallContext(decision=decision())))
+    chunks = await read_all(p.stream(req, CallContext(plan=decision())))
     assert s.requests[0]["return_spec_tokens_details"] is True and "return_meta_info" not in s.requests[0]
     ext = [e for e in s.responses if "sglext" in e]
     assert len(ext) == 1 and ext[0]["choices"] == []  # its own chunk, after the finish chunk
@@ -185,7 +189,7 @@ async def test_adaptive_pool_reports_varying_gamma(servers):
     p = provider({"eagle3": {"replicas": [s.url], "launch": launch}})
     req = ChatRequest(messages=[{"role": "user", "content": "one two three four five six seven"}])
     # the deciding rule is auto over 1..5: its slot's candidates reach 5, the most one round can draft
-    r = await p.chat(req, CallContext(decision=decision(gamma_range=(1, 5))))
+    r = await p.chat(req, CallContext(plan=decision(gamma_range=(1, 5))))
     o = r.outcome
     assert o.gamma_varies and o.gamma == 5 and o.accept_length_histogram == (1, 4, 0, 0, 0, 0)
     # α from accepted drafts per verify round, never 4/15 against the launch step count
@@ -562,7 +566,7 @@ async def test_unknown_load_is_not_batch_one_and_is_logged_once(servers, caplog)
         "default: {method: ngram, gamma: 4, pool: ngram}\n"
     )
     deciding = PolicyProvider(p, policy)
-    with caplog.at_level("WARNING", logger="openalice_runner.providers.pools.pool"):
+    with caplog.at_level("WARNING", logger="openalice_runner.providers.pools.replicas"):
         for _ in range(3):
             r = await deciding.chat(REQ, CallContext())
             assert r.speculation.rule == "big" and r.speculation.pool == "off"  # the conservative rule

@@ -18,8 +18,8 @@ from openalice_runner.policies.adaptive import request_alpha
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderUnavailable, StreamBroken
 from openalice_runner.providers.config import RoutingConfigError, load_routing_text
 from openalice_runner.providers.embedded.tool_format import render_fallback_messages
-from openalice_runner.providers.pools import pool as pool_module
-from openalice_runner.providers.pools.vllm import VLLMConfig, VLLMProvider
+from openalice_runner.providers.pools import streaming as pool_streaming
+from openalice_runner.providers.pools.vllm.provider import VLLMConfig, VLLMProvider
 from openalice_runner.types import ChatRequest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def provider(pools: dict, replay: Replay, **kw) -> VLLMProvider:
 async def test_plain_reply_carries_vllms_per_request_speculation_figures():
     replay = Replay()
     p = provider({"ngram": {"replicas": ["http://v1"], "launch": NGRAM}}, replay)
-    r = await p.chat(REQ, CallContext(decision=decision()))
+    r = await p.chat(REQ, CallContext(plan=decision()))
     spec = BODIES["plain"]["metrics"]["speculative_decoding"]
     assert r.content == BODIES["plain"]["choices"][0]["message"]["content"]
     assert (r.outcome.accepted, r.outcome.proposed) == (spec["num_accepted_draft_tokens"], spec["num_draft_tokens"])
@@ -90,7 +90,7 @@ async def test_plain_reply_carries_vllms_per_request_speculation_figures():
 async def test_streamed_reply_takes_the_figures_from_the_final_usage_chunk():
     replay = Replay()
     p = provider({"ngram": {"replicas": ["http://v1"], "launch": NGRAM}}, replay)
-    chunks = await read_all(p.stream(REQ, CallContext(decision=decision())))
+    chunks = await read_all(p.stream(REQ, CallContext(plan=decision())))
     last = json.loads(BODIES["stream"][-2][5:])
     assert last["choices"] == [] and "speculative_decoding" in last["metrics"]
     spec = last["metrics"]["speculative_decoding"]
@@ -107,9 +107,9 @@ async def test_the_conversation_id_goes_upstream_for_a_gateway_to_key_on():
     conversation id as X-OpenAlice-Conversation-Id, plain and streamed, and nothing without one."""
     replay = Replay()
     p = provider({"ngram": {"replicas": ["http://v1"], "launch": NGRAM}}, replay)
-    await p.chat(REQ, CallContext(decision=decision(), conversation_id="conv-7"))
-    await read_all(p.stream(REQ, CallContext(decision=decision(), conversation_id="conv-7")))
-    await p.chat(REQ, CallContext(decision=decision()))
+    await p.chat(REQ, CallContext(plan=decision(), conversation_id="conv-7"))
+    await read_all(p.stream(REQ, CallContext(plan=decision(), conversation_id="conv-7")))
+    await p.chat(REQ, CallContext(plan=decision()))
     assert [h.get("x-openalice-conversation-id") for h in replay.headers] == ["conv-7", "conv-7", None]
     await p.aclose()
 
@@ -184,7 +184,7 @@ async def test_a_gateway_fronted_pool_reads_its_workers_load_and_sends_to_the_ga
     p = VLLMProvider("cpu", cfg, client=httpx.AsyncClient(transport=httpx.MockTransport(route)))
     load = await p.current_load()
     assert (load.batch_size, load.queue_depth, load.max_batch, load.unknown) == (2, 1, 8, False)  # w2, the least loaded
-    r = await p.chat(REQ, CallContext(decision=decision(pool="plain", method="off", gamma=0)))
+    r = await p.chat(REQ, CallContext(plan=decision(pool="plain", method="off", gamma=0)))
     assert r.content
     assert ("gw", "/v1/chat/completions") in seen and ("gw", "/metrics") not in seen
     assert {host for host, path in seen if path == "/metrics"} == {"w1", "w2"}
@@ -211,7 +211,7 @@ async def test_a_gateway_pool_counts_the_runners_own_calls_on_top_of_its_workers
                                      "pools": {"plain": {"replicas": ["http://gw"], "load_from": ["http://w1", "http://w2"]}}})  # fmt: skip
     p = VLLMProvider("cpu", cfg, client=httpx.AsyncClient(transport=httpx.MockTransport(route)))
     assert (await p.current_load()).batch_size == 2  # w2, the least loaded
-    call = asyncio.create_task(p.chat(REQ, CallContext(decision=decision(pool="plain", method="off", gamma=0))))
+    call = asyncio.create_task(p.chat(REQ, CallContext(plan=decision(pool="plain", method="off", gamma=0))))
     await arrived.wait()
     assert p.pool_load("plain").batch_size == 3 and p.load().batch_size == 3  # w2's 2 and the runner's own call
     release.set()
@@ -358,7 +358,7 @@ async def test_a_streamed_call_hands_its_connection_back_for_the_next_call():
     async with replica as url:
         p = socket_provider(url)
         for _ in range(3):
-            chunks = await read_all(p.stream(REQ, CallContext(decision=decision())))
+            chunks = await read_all(p.stream(REQ, CallContext(plan=decision())))
             assert chunks[-1].outcome.accepted > 0
         await p.aclose()
     assert replica.chat_connections == 1
@@ -367,13 +367,13 @@ async def test_a_streamed_call_hands_its_connection_back_for_the_next_call():
 async def test_a_body_held_open_past_done_ends_the_stream_within_the_drain_bound(monkeypatch):
     """A server that sends `[DONE]` and never ends its body costs the client DRAIN_S, not a hang;
     that connection is given up and the next call opens another."""
-    monkeypatch.setattr(pool_module, "DRAIN_S", 0.05)
+    monkeypatch.setattr(pool_streaming, "DRAIN_S", 0.05)
     replica = SocketReplica(hold_open=True)
     async with replica as url:
         p = socket_provider(url)
         for _ in range(2):
             async with asyncio.timeout(5):
-                chunks = await read_all(p.stream(REQ, CallContext(decision=decision())))
+                chunks = await read_all(p.stream(REQ, CallContext(plan=decision())))
             assert chunks[-1].finish_reason
         await p.aclose()
     assert replica.chat_connections == 2

@@ -388,7 +388,7 @@ def pool_served(request):
     """A vLLM pool whose replica answers with vLLM 0.32's recorded n-gram streams (several tokens a
     chunk): its chunks are re-chunked at the runner as the engine's are."""
     from openalice_runner.providers.config import load_routing_text as routing_text
-    from openalice_runner.providers.pools.vllm import VLLMConfig, VLLMProvider
+    from openalice_runner.providers.pools.vllm.provider import VLLMConfig, VLLMProvider
     from tests.test_providers_vllm import Replay
 
     answer = request.param.removesuffix("_stream") if request.param != "stream" else "plain"

@@ -181,12 +181,12 @@ def test_a_conversations_open_turn_is_its_tenants_alone():
 
 
 def _local_provider(runner):
-    from openalice_runner.providers.local import LocalProvider
+    from openalice_runner.providers.embedded.provider import EmbeddedProvider
 
     for provider in runner.providers.values():
-        while not isinstance(provider, LocalProvider) and hasattr(provider, "wrapped"):
+        while not isinstance(provider, EmbeddedProvider) and hasattr(provider, "wrapped"):
             provider = provider.wrapped
-        if isinstance(provider, LocalProvider):
+        if isinstance(provider, EmbeddedProvider):
             return provider
     raise AssertionError("no local provider")
 
@@ -428,8 +428,8 @@ async def test_vllm_pool_request_body_carries_the_tenants_cache_salt():
     from the tenant's name, never its key; the same for the same tenant, another for another; none
     without a tenant. The conversation id upstream (gateway affinity) is scoped by the tenant too."""
     from openalice_runner.providers.base import CallContext
-    from openalice_runner.providers.pools.pool import cache_salt
-    from openalice_runner.providers.pools.vllm import VLLMConfig, VLLMProvider
+    from openalice_runner.providers.pools.upstream import cache_salt
+    from openalice_runner.providers.pools.vllm.provider import VLLMConfig, VLLMProvider
     from openalice_runner.types import ChatRequest
 
     sent: list[tuple[dict, httpx.Headers]] = []

@@ -21,7 +21,7 @@ from stand_ins.streams import read_all
 from tiers import needs_install
 
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, StreamBroken
-from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangProvider
+from openalice_runner.providers.pools.sglang.provider import SGLangConfig, SGLangProvider
 from openalice_runner.types import ChatRequest
 
 VENV = os.environ.get("OPENALICE_SGLANG_VENV") or str(  # scripts/sglang-contract-venv.sh; .ci/run caches it here

@@ -13,7 +13,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from stand_ins.streams import read_all
 
 from openalice_runner.providers.base import CallContext, ProviderBadRequest
-from openalice_runner.providers.local import LocalConfig, LocalProvider
+from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider
 from openalice_runner.providers.wrappers.instrumented import InstrumentedProvider
 from openalice_runner.speculation import SpeculationPlan
 from openalice_runner.tracing import RunnerTelemetry
@@ -44,8 +44,8 @@ class Recorder:
 
 
 @pytest.fixture(scope="module")
-def local() -> LocalProvider:
-    provider = LocalProvider("local", LocalConfig(type="local", tiny_random=True))
+def local() -> EmbeddedProvider:
+    provider = EmbeddedProvider("local", EmbeddedConfig(type="local", tiny_random=True))
     _ = provider.engine  # load once for the module
     return provider
 
@@ -122,7 +122,7 @@ async def test_speculation_figures_and_metrics_by_turn_type_and_method(local):
     provider = InstrumentedProvider(local, rec.telemetry)
 
     plan = SpeculationPlan("ngram", 3, rule="copy", reason="test", policy_version="v1")
-    ctx = CallContext(turn_type="code_edit", step=0, decision=plan)
+    ctx = CallContext(turn_type="code_edit", step=0, plan=plan)
     text = "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat"
     result = await provider.chat(_request(text, max_tokens=24), ctx)
     [span] = rec.finished()

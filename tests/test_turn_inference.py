@@ -231,8 +231,8 @@ def test_every_shipped_policy_decides_the_agent_loops_alike_inferred_or_stated(p
     agent-loops.jsonl, at every batch size the rules name and every provider they name, the rule the
     inferred turn type matches is the one the stated type matches (the adaptive γ is kept per turn
     type, so `auto` rules may still pick another γ while they learn)."""
-    from openalice_runner.policies.decision import CompiledPolicy, RequestContext
     from openalice_runner.policies.loader import load_policy_file
+    from openalice_runner.policies.plan import CompiledPolicy, RequestContext
 
     loaded = load_policy_file(policy_file)
     policy = CompiledPolicy(loaded.policy, loaded.version)

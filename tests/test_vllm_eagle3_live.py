@@ -34,10 +34,10 @@ from tiers import needs_install
 from openalice_runner import Runner
 from openalice_runner.cli import main
 from openalice_runner.policies import PolicyStore
+from openalice_runner.pool_checks import find_pool, vllm_pool_launch
 from openalice_runner.providers.base import CallContext
 from openalice_runner.providers.config import load_routing_file
-from openalice_runner.providers.pools.pool import parse_prometheus_sum
-from openalice_runner.providers.pools.pool_checks import find_pool, vllm_pool_launch
+from openalice_runner.providers.pools.replicas import parse_prometheus_sum
 from openalice_runner.types import ChatRequest
 
 pytestmark = [pytest.mark.slow, needs_install(vllm_servers.venv_problem())]

@@ -32,9 +32,9 @@ from tiers import needs_install
 from openalice_runner import Runner
 from openalice_runner.bench import gateway_affinity
 from openalice_runner.policies import PolicyStore
+from openalice_runner.pool_checks import find_pool, vllm_pool_launch
 from openalice_runner.providers.base import CallContext
 from openalice_runner.providers.config import load_routing_file
-from openalice_runner.providers.pools.pool_checks import find_pool, vllm_pool_launch
 from openalice_runner.types import ChatRequest
 
 pytestmark = [

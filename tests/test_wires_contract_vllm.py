@@ -298,8 +298,8 @@ class Pair:
 
     def __init__(self, tmp: Path) -> None:
         from openalice_runner.policies import PolicyStore
+        from openalice_runner.pool_checks import find_pool, vllm_pool_launch
         from openalice_runner.providers.config import load_routing_file
-        from openalice_runner.providers.pools.pool_checks import find_pool, vllm_pool_launch
 
         port = free_port()
         data = yaml.safe_load((ROOT / "providers" / "vllm-cpu.yaml").read_text())

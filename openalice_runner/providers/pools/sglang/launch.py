@@ -1,7 +1,7 @@
 """An SGLang pool's launch settings (routing file, `pools.P.launch`), and the checks that need only them.
 
 The routing file owns each pool's deployment: its replicas and every flag its servers are launched
-with. `openalice-runner sglang args` turns them into one command line (policies/sglang_args.py), adding
+with. `openalice-runner sglang args` turns them into one command line (providers/pools/sglang/args.py), adding
 what only the policy knows: the adaptive pool's per-batch step candidates. Names and constraints follow
 SGLang 0.5.23's `server_args` (checked with its own parser in tests/test_policy_sglang.py).
 """

@@ -1,5 +1,5 @@
 """The `type: local` entry of a routing file, apart from the provider so that reading a routing file
-never loads torch (providers/local.py imports the engine)."""
+never loads torch (providers/embedded/provider.py imports the engine)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pydantic import ConfigDict, Field
 from openalice_runner.providers.wrappers.admission import AdmissionLimits
 
 
-class LocalConfig(AdmissionLimits):
+class EmbeddedConfig(AdmissionLimits):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["local"]
@@ -19,7 +19,7 @@ class LocalConfig(AdmissionLimits):
     # prompt rows with bf16 activations on the CPU's bf16 dot products (engine/prefill_choice.py):
     # auto where the CPU has AVX512-BF16 and the weights are bf16; decode rows keep fp32 bits
     prefill: Literal["auto", "bf16", "fp32"] = "auto"
-    # one short constrained call at start-up (LocalProvider.warm_up) so that the first request does
+    # one short constrained call at start-up (EmbeddedProvider.warm_up) so that the first request does
     # not pay llguidance's and the kernels' first-use costs; null: on, except for tiny_random
     warm_up: bool | None = None
     tiny_random: bool = False  # a tiny random model with the real tokenizer (tests, overhead benchmarks)

@@ -1,5 +1,7 @@
 """Cross-file checks: a policy's rules against the SGLang and vLLM pools a routing file deploys.
 
+It reads both files, so it sits above both (policies/ and providers/), beside the runner that loads them.
+
 The routing file owns each pool (replicas and launch settings); a policy rule only names one
 (`pool:`). What a rule needs of the pool it names is checked with both files, at load
 (`Runner.from_config` with both as files) and by `policy check POLICY --providers F`, each problem
@@ -9,12 +11,12 @@ at the offending value (FILE:LINE:COL):
   providers the file lacks, or that have no pools, are not held against it);
 - the rule's method is one the pool's algorithm serves;
 - a pool serving tool_call turns (a rule naming it whose `turn_type` includes `tool_call` or is
-  absent, the policy's default decision, or a provider's default_pool) has a tool_call_parser;
+  absent, the policy's default plan, or a provider's default_pool) has a tool_call_parser;
 - on an adaptive SGLang pool, a rule's batch range stays within max_running_requests (SGLang
   picks the adaptive slot from its running requests, which never pass it); on a vLLM pool with
   max_num_seqs, a rule's range neither starts nor ends past it (its running batch never does);
-- the flags of a pool the rules route to can be generated (policies/sglang_args.py,
-  policies/vllm_args.py), e.g. an adaptive pool's num_steps among the rules' candidates;
+- the flags of a pool the rules route to can be generated (providers/pools/sglang/args.py,
+  providers/pools/vllm/args.py), e.g. an adaptive pool's num_steps among the rules' candidates;
 - an EAGLE pool's head (SGLang `draft_model_path`, vLLM `draft_model` of an eagle/eagle3 pool),
   where it is a folder on this machine, was trained for the model the pool serves
   (head_folders.py): the runner's fingerprint against the model's name, and where the model is a
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from openalice_runner.config_files import ConfigError, Located, Problem, load_located
 from openalice_runner.head_folders import (
@@ -40,16 +41,16 @@ from openalice_runner.head_folders import (
 )
 from openalice_runner.policies.errors import PolicyError
 from openalice_runner.policies.loader import parse_policy
-from openalice_runner.policies.schema import Policy
-from openalice_runner.policies.sglang_args import SGLangLaunchLine, compile_pool
-from openalice_runner.policies.vllm_args import VLLMLaunchLine, compile_vllm_pool
+from openalice_runner.policies.schema import PlanSpec, Policy, Rule
 from openalice_runner.providers.config import RoutingConfig, RoutingConfigError, load_routing_text
 from openalice_runner.providers.pools.pool import PoolConfigBase
-from openalice_runner.providers.pools.sglang import SGLangConfig, SGLangPool
-from openalice_runner.providers.pools.sglang_launch import SERVES, SGLangLaunch
-from openalice_runner.providers.pools.vllm import VLLMConfig, VLLMPool
-from openalice_runner.providers.pools.vllm_launch import EMBEDDED_MODEL, VLLMLaunch
-from openalice_runner.providers.pools.vllm_launch import SERVES as VLLM_SERVES
+from openalice_runner.providers.pools.sglang.args import SGLangLaunchLine, compile_pool
+from openalice_runner.providers.pools.sglang.launch import SERVES, SGLangLaunch
+from openalice_runner.providers.pools.sglang.provider import SGLangConfig, SGLangPool
+from openalice_runner.providers.pools.vllm.args import VLLMLaunchLine, compile_vllm_pool
+from openalice_runner.providers.pools.vllm.launch import EMBEDDED_MODEL, VLLMLaunch
+from openalice_runner.providers.pools.vllm.launch import SERVES as VLLM_SERVES
+from openalice_runner.providers.pools.vllm.provider import VLLMConfig, VLLMPool
 
 ENGINE = {"sglang": "SGLang", "vllm": "vLLM"}
 
@@ -149,12 +150,12 @@ def check_pools(
     sglang_providers = {p.provider for p in pools}
     problems: list[Problem] = []
     named_pools: set[tuple[str, str]] = set()  # (provider, pool) some rule sends requests to
-    decisions: list[tuple[tuple, Any]] = [(("rules", i), r) for i, r in enumerate(policy.rules)]
-    decisions.append((("default",), policy.default))
-    for path, d in decisions:
+    plans: list[tuple[tuple, PlanSpec]] = [(("rules", i), r) for i, r in enumerate(policy.rules)]
+    plans.append((("default",), policy.default))
+    for path, d in plans:
         if d.pool is None:
             continue
-        match = getattr(d, "match", None)  # the default decision matches every request
+        match = d.match if isinstance(d, Rule) else None  # the default plan matches every request
         named = match.provider if match is not None else None
         named = [named] if isinstance(named, str) else named
         if named is not None and not sglang_providers & set(named):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from openalice_runner import defaults
 
 if TYPE_CHECKING:
-    from openalice_runner.providers.pools.pool_checks import DeployedPool
+    from openalice_runner.pool_checks import DeployedPool
 
 DEFAULT_POLICY = str(defaults.path(defaults.POLICY))
 
@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def vllm_args(args: argparse.Namespace) -> int:
     from openalice_runner.cli.pool_files import pool_launch_or_none
-    from openalice_runner.providers.pools.pool_checks import vllm_pool_launch
+    from openalice_runner.pool_checks import vllm_pool_launch
 
     launch = pool_launch_or_none(args.policy, args.providers, "vllm", args.pool, args.provider,
                                  lambda pool, policy: vllm_pool_launch(with_model_folder(pool), policy))
@@ -62,7 +62,7 @@ def with_model_folder(deployed: DeployedPool) -> DeployedPool:
     """`model_path: embedded` made the folder the embedded engine converts its default model to
     (converting it here the first time): the folder's name carries a key of the installed GGUF, so
     no routing file can name it for every machine."""
-    from openalice_runner.providers.pools.vllm_launch import EMBEDDED_MODEL, VLLMLaunch
+    from openalice_runner.providers.pools.vllm.launch import EMBEDDED_MODEL, VLLMLaunch
 
     launch = deployed.pool.launch
     if not isinstance(launch, VLLMLaunch) or launch.model_path != EMBEDDED_MODEL:

@@ -1,7 +1,7 @@
 """A vLLM pool's launch settings (routing file, `pools.P.launch`), and the checks that need only them.
 
 As for SGLang (sglang_launch.py), the routing file owns each pool's deployment; `openalice-runner
-vllm args` turns it into the server's command line (policies/vllm_args.py), adding what only the
+vllm args` turns it into the server's command line (providers/pools/vllm/args.py), adding what only the
 policy knows: γ where the launch leaves it out and `num_speculative_tokens_per_batch_size` from the
 batch ranges of the rules routed to the pool. Names follow vLLM 0.32's `EngineArgs` and
 `SpeculativeConfig` (checked with its own parser in tests/test_policy_vllm.py).
@@ -29,7 +29,7 @@ METHOD_OF: dict[str, SpecMethod] = {
 }
 SERVES: dict[str, frozenset[str]] = {m: frozenset({p, "off"}) for m, p in METHOD_OF.items()}
 NEEDS_MODEL = frozenset({"eagle", "eagle3", "draft_model"})
-EMBEDDED_MODEL = "embedded"  # model_path: resolved by `vllm args` (cli/vllm.py)
+EMBEDDED_MODEL = "embedded"  # model_path: resolved by `vllm args` (providers/pools/vllm/cli.py)
 
 
 class VLLMLaunch(StrictModel):

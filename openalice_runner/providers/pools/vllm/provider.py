@@ -26,19 +26,12 @@ import httpx
 from pydantic import Field
 
 from openalice_runner.providers.base import ProviderBadRequest, ProviderError
-from openalice_runner.providers.pools.pool import (
-    Figures,
-    LoadReader,
-    PoolBase,
-    PoolConfigBase,
-    PoolProvider,
-    decision_gamma,
-    error_param,
-    http_error,
-    parse_prometheus_sum,
-)
-from openalice_runner.providers.pools.vllm_launch import VLLMLaunch
-from openalice_runner.speculation import SpecMethod
+from openalice_runner.providers.pools.config import PoolBase, PoolConfigBase, plan_gamma
+from openalice_runner.providers.pools.errors import error_param, http_error
+from openalice_runner.providers.pools.pool import PoolProvider
+from openalice_runner.providers.pools.replicas import Figures, LoadReader, parse_prometheus_sum
+from openalice_runner.providers.pools.vllm.launch import VLLMLaunch
+from openalice_runner.speculation import SpecMethod, SpeculationPlan
 from openalice_runner.types import Usage
 
 # ---------------------------------------------------------------- config
@@ -59,14 +52,14 @@ class VLLMPool(PoolBase):
         """γ varies with the running batch: the launch leaves the per-batch table to the rules."""
         return self.method != "off" and self.launch.per_batch_size
 
-    def gamma_for(self, decision: Any = None) -> int:
+    def gamma_for(self, plan: SpeculationPlan | None = None) -> int:
         """Draft tokens per verify step at most: the launch's num_speculative_tokens, else the
         deciding rule's γ (its upper bound), the most a step can draft for this request."""
         if self.method == "off":
             return 0
         if self.launch.num_speculative_tokens:
             return self.launch.num_speculative_tokens
-        return decision_gamma(decision) or 0
+        return plan_gamma(plan) or 0
 
 
 class VLLMConfig(PoolConfigBase):

@@ -1,8 +1,9 @@
-"""Deciding: a request's context -> method and γ, by the first matching rule of a compiled policy.
+"""Planning: a request's context -> a SpeculationPlan (method and γ), by the first matching rule of a
+compiled policy.
 
-Compilation turns each rule into plain sets and ints once, at load time, so a decision is a short
+Compilation turns each rule into plain sets and ints once, at load time, so deciding a plan is a short
 loop of set lookups and comparisons (a few µs); rules with a fixed γ have their reason text prebuilt.
-A decision also carries γ by batch size for its method (`per_batch`): the rules that match the
+A plan also carries γ by batch size for its method (`per_batch`): the rules that match the
 request but for its batch size, cut into batch pieces (`batch_table.py`), so a batching engine
 follows the policy step by step from data instead of calling back into it.
 """
@@ -15,7 +16,7 @@ from typing import Any
 from openalice_runner.policies.adaptive import AdaptiveGamma
 from openalice_runner.policies.batch_table import batch_segments
 from openalice_runner.policies.bounded import BoundedCache
-from openalice_runner.policies.schema import DecisionSpec, Policy
+from openalice_runner.policies.schema import PlanSpec, Policy
 from openalice_runner.speculation import GammaTable, SpecMethod, SpeculationPlan
 
 _INF = float("inf")
@@ -56,7 +57,7 @@ def _names(v: str | list[str] | None) -> frozenset[str] | None:
     return None if v is None else frozenset([v] if isinstance(v, str) else v)
 
 
-def _compile_one(spec: DecisionSpec, name: str, where: str, version: str, match: Any | None) -> CompiledRule:
+def _compile_one(spec: PlanSpec, name: str, where: str, version: str, match: Any | None) -> CompiledRule:
     lo, hi = spec.gamma_bounds
     options = {k: v for k, v in spec.options.model_dump().items() if v is not None}
     auto = spec.auto and spec.method != "off"
@@ -87,7 +88,7 @@ def _compile_one(spec: DecisionSpec, name: str, where: str, version: str, match:
 
 
 class CompiledPolicy:
-    """A validated policy in decision-ready form. Immutable; swapped whole on reload."""
+    """A validated policy in plan-ready form. Immutable; swapped whole on reload."""
 
     __slots__ = ("policy", "version", "rules", "default", "_pieces", "_tables", "_named")
 
@@ -187,7 +188,7 @@ class CompiledPolicy:
         """γ of `method` at every batch size, given the decided rule gave `gamma`; None when it is
         `gamma` throughout.
         Pieces ruled by another method (or by `off`) draft nothing; an auto rule's γ is what the
-        estimates say now (no probe); the decided piece keeps the decision's own γ."""
+        estimates say now (no probe); the decided piece keeps the plan's own γ."""
         model = ctx.model if ctx.model in self._named[2] else None  # pieces key it so too
         key = (ctx.turn_type, ctx.provider, model, decided.name, gamma)
         cached = self._tables.get(key)

@@ -1,18 +1,19 @@
-"""Local provider: the embedded engine (torch, CPU), with tool calling through the prompt.
+"""The embedded provider (`type: local` in a routing file): the engine (torch, CPU) in-process, with
+tool calling through the prompt.
 
-The engine is synchronous and serialises requests; this provider runs it in a worker thread so the
-event loop stays free and counts requests in flight (its load). How many may run and queue is the
-admission gate's business (providers/wrappers/admission.py), in front of this provider. Requests the model
-can never serve (a prompt longer than its context, max_tokens past it) are refused before they
-reach the engine. The policy's SpeculationPlan becomes the request's SpecConfig; a method the engine
-cannot run is downgraded to "off" and the result says so.
+The engine's calls block, so each request runs in a worker thread and the event loop stays free;
+with `max_batch` > 1 the engine decodes the requests in flight together (continuous batching), and
+its scheduler's running and waiting counts are this provider's load. How many may run and queue is
+the admission gate's business (providers/wrappers/admission.py), in front of this provider. Requests
+the model can never serve (a prompt longer than its context, max_tokens past it) are refused before
+they reach the engine. The policy's SpeculationPlan becomes the request's SpecConfig; a method the
+engine cannot run is downgraded to "off" and the result says so.
 
-This is the one module of the provider that touches the engine (its torch-free parts are in
-embedded/): the prompt and its bounds in prompt.py, the reply's grammar in grammar.py (compiled
-through `_EngineGrammars`), tool prompts and parsing in tool_format.py, the reply and the stream's
-chunks in results.py, and the one mapping of engine exceptions in errors.py.
+This is the one module of the wing that touches the engine (the rest of providers/embedded/ is
+torch-free): settings in config.py, the prompt and its bounds in prompt.py, the reply's grammar in
+grammar.py (compiled through `_EngineGrammars`), tool prompts and parsing in tool_format.py, the reply
+and the stream's chunks in results.py, and the one mapping of engine exceptions in errors.py.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +31,8 @@ from openalice_runner.engine.types import EngineOverloaded, SamplingParams, Spec
 from openalice_runner.providers.base import CallContext, Capabilities, Provider, ProviderError, ProviderLoad
 from openalice_runner.providers.embedded import prompt as prompts
 from openalice_runner.providers.embedded import results, tool_format
+from openalice_runner.providers.embedded.config import EmbeddedConfig
 from openalice_runner.providers.embedded.errors import EngineErrors
-from openalice_runner.providers.embedded.local_config import LocalConfig
 from openalice_runner.providers.embedded.prompt import ContextBounds, Prompt
 from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.speculation import SPEC_METHODS, SpeculationPlan
@@ -43,13 +44,13 @@ ENGINE_SPEC_METHODS = frozenset(SPEC_METHODS)
 ENGINE_ERRORS = EngineErrors(overloaded=EngineOverloaded, invalid=InvalidRequest)
 
 
-class LocalProvider(Provider):
+class EmbeddedProvider(Provider):
     """The provider's face: the engine, loaded on first use, and its load; calls go to `_EngineCalls`."""
 
     kind = "local"
     gen_ai_provider_name = "openalice"
 
-    def __init__(self, name: str, config: LocalConfig, engine: Any = None) -> None:
+    def __init__(self, name: str, config: EmbeddedConfig, engine: Any = None) -> None:
         self.name = name
         self.config = config
         self.capabilities = Capabilities(tools=True, streaming=True, spec_methods=ENGINE_SPEC_METHODS)
@@ -130,7 +131,7 @@ class _EngineCalls:
     a worker thread for prompt and generation (`_EngineRuns`), cancelled with the call, counted in
     flight (the provider's load), and every engine exception mapped by the one ENGINE_ERRORS."""
 
-    def __init__(self, provider: LocalProvider, runs: _EngineRuns) -> None:
+    def __init__(self, provider: EmbeddedProvider, runs: _EngineRuns) -> None:
         self._provider = provider
         self._runs = runs
         self.in_flight = 0
@@ -183,7 +184,7 @@ class _EngineRuns:
     engine's events. Counts the KV positions running generations hold (back to 0 when they end) and,
     with prefix reuse, keeps each conversation's last token ids."""
 
-    def __init__(self, provider: LocalProvider, histories: ConversationHistories, bounds: ContextBounds) -> None:
+    def __init__(self, provider: EmbeddedProvider, histories: ConversationHistories, bounds: ContextBounds) -> None:
         self._provider = provider
         self._histories = histories
         self._bounds = bounds
@@ -245,7 +246,7 @@ class _RequestSettings:
     speculation, with a warning once per rule (or head), rather than a 400 for a request that did
     nothing wrong."""
 
-    def __init__(self, provider: LocalProvider) -> None:
+    def __init__(self, provider: EmbeddedProvider) -> None:
         self._provider = provider
         self._unusable_heads: set[str | None] = set()  # eagle heads already reported as not loading
         self._refused_rules: set[str | None] = set()  # policy rules already reported as not runnable
@@ -255,31 +256,31 @@ class _RequestSettings:
         if prompt.prefill and tool_format.TOOL_CALL_CLOSE not in sampling.stop:
             # A forced call is one call: stop at its closing tag instead of rambling on.
             sampling = replace(sampling, stop=(*sampling.stop, tool_format.TOOL_CALL_CLOSE))
-        decision = ctx.decision
+        plan = ctx.plan
         spec = SpecConfig()
-        if decision is not None:  # every SpecMethod is one the engine runs (ENGINE_SPEC_METHODS)
-            spec = self._planned_spec(decision)
+        if plan is not None:  # every SpecMethod is one the engine runs (ENGINE_SPEC_METHODS)
+            spec = self._planned_spec(plan)
             if spec.method == "eagle":
-                spec = self._usable_head(spec, decision)
+                spec = self._usable_head(spec, plan)
         return sampling, spec
 
-    def _planned_spec(self, decision: SpeculationPlan) -> SpecConfig:
+    def _planned_spec(self, plan: SpeculationPlan) -> SpecConfig:
         """The engine's settings for the policy's plan (options the engine refuses, which `policy
         check` refuses first: none)."""
         try:
-            spec = SpecConfig.from_plan(decision)
+            spec = SpecConfig.from_plan(plan)
             if spec.method == "draft" and spec.draft_model:
                 raise InvalidRequest("options.draft_model: the embedded engine drafts from the target's own "
                                      "layers only (options.draft_layers)", param="draft_model")
             return spec
         except (TypeError, ValueError) as exc:
-            if decision.rule not in self._refused_rules:
-                self._refused_rules.add(decision.rule)
+            if plan.rule not in self._refused_rules:
+                self._refused_rules.add(plan.rule)
                 logger.warning("%s: rule %r: the engine cannot run its plan (%s); running without speculation",
-                               self._provider.name, decision.rule, exc)
+                               self._provider.name, plan.rule, exc)
             return SpecConfig()
 
-    def _usable_head(self, spec: SpecConfig, decision: SpeculationPlan) -> SpecConfig:
+    def _usable_head(self, spec: SpecConfig, plan: SpeculationPlan) -> SpecConfig:
         """`spec` where its EAGLE head loads; otherwise no speculation (a policy naming a missing
         head must not fail every request)."""
         try:
@@ -288,7 +289,7 @@ class _RequestSettings:
             if spec.eagle_head not in self._unusable_heads:  # once per head, not once per request
                 self._unusable_heads.add(spec.eagle_head)
                 logger.warning("%s: rule %r: eagle head not usable (%s); running without speculation",
-                               self._provider.name, decision.rule, exc)
+                               self._provider.name, plan.rule, exc)
             return SpecConfig()
         return spec
 
@@ -297,7 +298,7 @@ class _EngineGrammars:
     """embedded/grammar.py's GrammarBackend: the engine's grammar text and compiler (engine/grammar.py
     imports torch: imported on first use, as the compiler's tables are built then)."""
 
-    def __init__(self, provider: LocalProvider) -> None:
+    def __init__(self, provider: EmbeddedProvider) -> None:
         self._provider = provider
 
     @property
@@ -331,7 +332,7 @@ def _shortest_reply(grammar: Any, room: int) -> int | None:
     return shortest_reply(grammar, room)
 
 
-def _load_engine(cfg: LocalConfig) -> Any:
+def _load_engine(cfg: EmbeddedConfig) -> Any:
     from openalice_runner.engine import Engine
 
     kv_bytes = None if cfg.kv_cache_mib is None else cfg.kv_cache_mib * 2**20

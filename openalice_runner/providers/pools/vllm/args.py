@@ -28,36 +28,14 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from openalice_runner.policies.batch_table import batch_segments
-from openalice_runner.policies.schema import DecisionSpec, Policy, Rule
+from openalice_runner.policies.batch_table import batch_segments, routed_to
+from openalice_runner.policies.schema import PlanSpec, Policy, Rule
+from openalice_runner.providers.pools.vllm.launch import VLLMLaunch
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _POLICY_METHOD = {"ngram": "ngram", "suffix": "suffix", "eagle": "eagle", "eagle3": "eagle", "draft_model": "draft"}
-
-
-class VLLMLaunchSettings(Protocol):
-    """providers/pools/vllm_launch.py's VLLMLaunch, named by shape (policies/ does not import providers/)."""
-
-    model_path: str | None
-
-    @property
-    def method(self) -> str: ...  # read only, so the launch's Literal of methods fits
-
-    draft_model: str | None
-    num_speculative_tokens: int | None
-    prompt_lookup_min: int | None
-    prompt_lookup_max: int | None
-    per_batch_size: bool
-    max_num_seqs: int | None
-    max_model_len: int | None
-    dtype: str | None
-    enable_prefix_caching: bool
-    tool_call_parser: str | None
-    reasoning_parser: str | None
-    chat_template: str | None
-    extra_args: list[str]
 
 
 @dataclass(frozen=True)
@@ -70,18 +48,7 @@ class VLLMLaunchLine:
         return shlex.join([python, "-m", SERVER_MODULE, *self.args])
 
 
-def _routed(policy: Policy, pool: str) -> list[tuple[int, float, DecisionSpec]]:
-    out: list[tuple[int, float, DecisionSpec]] = []
-    for rule in policy.rules:
-        if rule.pool == pool:
-            b = rule.match.batch_size
-            out.append((b.min if b else 1, b.max if b and b.max is not None else float("inf"), rule))
-    if policy.default.pool == pool:
-        out.append((1, float("inf"), policy.default))
-    return out
-
-
-def _top_gamma(d: DecisionSpec | Rule, method: str) -> int:
+def _top_gamma(d: PlanSpec | Rule, method: str) -> int:
     """The most a rule lets a step of this pool draft: 0 for off or another method."""
     if d.method == "off" or d.method != method:
         return 0
@@ -89,7 +56,7 @@ def _top_gamma(d: DecisionSpec | Rule, method: str) -> int:
 
 
 def batch_schedule(
-    routed: list[tuple[int, float, DecisionSpec]], method: str, cap: int, max_num_seqs: int | None
+    routed: list[tuple[int, float, PlanSpec]], method: str, cap: int, max_num_seqs: int | None
 ) -> list[list[int]] | None:
     """`num_speculative_tokens_per_batch_size` for the rules routed to a pool; None when one γ
     holds throughout (or no rule says anything about batch sizes)."""
@@ -112,39 +79,13 @@ def batch_schedule(
 
 
 def compile_vllm_pool(
-    launch: VLLMLaunchSettings, pool_name: str, policy: Policy | None, model: str
+    launch: VLLMLaunch, pool_name: str, policy: Policy | None, model: str
 ) -> VLLMLaunchLine:
     """The server flags for one pool. ValueError where neither the launch nor the rules set γ."""
-    routed = _routed(policy, pool_name) if policy is not None else []
+    routed = routed_to(policy, pool_name) if policy is not None else []
     args: list[str] = ["--model", launch.model_path or model, "--served-model-name", model]
-    spec: dict[str, Any] | None = None
-    if launch.method != "none":
-        policy_method = _POLICY_METHOD[launch.method]
-        tops = [_top_gamma(d, policy_method) for _, _, d in routed]
-        k = launch.num_speculative_tokens or max((t for t in tops if t > 0), default=None)
-        if k is None:
-            raise ValueError(
-                f"pool {pool_name!r}: no rule routes to it with speculation on; set num_speculative_tokens"
-            )
-        spec = {"method": launch.method, "num_speculative_tokens": k}
-        if launch.draft_model:
-            spec["model"] = launch.draft_model
-        if launch.method == "ngram":
-            lo, hi = launch.prompt_lookup_min, launch.prompt_lookup_max
-            if lo is None and hi is None:  # the rules' n-gram sizes, where they give them
-                sizes = [(d.options.ngram_min, d.options.ngram_max) for _, _, d in routed if d.method == "ngram"]
-                mins = [a for a, _ in sizes if a is not None]
-                maxs = [b for _, b in sizes if b is not None]
-                lo = min(mins) if mins else None
-                hi = max(maxs) if maxs else None
-            if lo is not None:
-                spec["prompt_lookup_min"] = lo
-            if hi is not None:
-                spec["prompt_lookup_max"] = max(hi, lo or hi)
-        if launch.per_batch_size:
-            table = batch_schedule(routed, policy_method, k, launch.max_num_seqs)
-            if table is not None:
-                spec["num_speculative_tokens_per_batch_size"] = table
+    spec = _speculative_config(launch, pool_name, routed) if launch.method != "none" else None
+    if spec is not None:
         args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
         args += ["--per-request-spec-decode-metrics", "summary"]
     for flag, value in (
@@ -164,3 +105,44 @@ def compile_vllm_pool(
         args += ["--chat-template", launch.chat_template]
     args += list(launch.extra_args)
     return VLLMLaunchLine(pool_name, args, spec)
+
+
+def _speculative_config(
+    launch: VLLMLaunch, pool_name: str, routed: list[tuple[int, float, PlanSpec]]
+) -> dict[str, Any]:
+    """`--speculative-config` of a pool that speculates: γ (the launch's, else the rules' largest),
+    the draft model, the n-gram bounds and the per-batch table."""
+    policy_method = _POLICY_METHOD[launch.method]
+    tops = [_top_gamma(d, policy_method) for _, _, d in routed]
+    k = launch.num_speculative_tokens or max((t for t in tops if t > 0), default=None)
+    if k is None:
+        raise ValueError(
+            f"pool {pool_name!r}: no rule routes to it with speculation on; set num_speculative_tokens"
+        )
+    spec: dict[str, Any] = {"method": launch.method, "num_speculative_tokens": k}
+    if launch.draft_model:
+        spec["model"] = launch.draft_model
+    if launch.method == "ngram":
+        spec.update(_ngram_bounds(launch, routed))
+    if launch.per_batch_size:
+        table = batch_schedule(routed, policy_method, k, launch.max_num_seqs)
+        if table is not None:
+            spec["num_speculative_tokens_per_batch_size"] = table
+    return spec
+
+
+def _ngram_bounds(launch: VLLMLaunch, routed: list[tuple[int, float, PlanSpec]]) -> dict[str, int]:
+    """prompt_lookup_min / _max: the launch's, else the n-gram sizes the rules give."""
+    lo, hi = launch.prompt_lookup_min, launch.prompt_lookup_max
+    if lo is None and hi is None:  # the rules' n-gram sizes, where they give them
+        sizes = [(d.options.ngram_min, d.options.ngram_max) for _, _, d in routed if d.method == "ngram"]
+        mins = [a for a, _ in sizes if a is not None]
+        maxs = [b for _, b in sizes if b is not None]
+        lo = min(mins) if mins else None
+        hi = max(maxs) if maxs else None
+    out: dict[str, int] = {}
+    if lo is not None:
+        out["prompt_lookup_min"] = lo
+    if hi is not None:
+        out["prompt_lookup_max"] = max(hi, lo or hi)
+    return out

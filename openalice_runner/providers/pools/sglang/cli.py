@@ -47,7 +47,7 @@ def add_args_parser(sub: argparse._SubParsersAction, name: str) -> None:
 
 def sglang_args(args: argparse.Namespace) -> int:
     from openalice_runner.cli.pool_files import pool_launch_or_none
-    from openalice_runner.providers.pools.pool_checks import pool_launch
+    from openalice_runner.pool_checks import pool_launch
 
     launch = pool_launch_or_none(args.policy, args.providers, "sglang", args.pool, args.provider,
                                  lambda pool, policy: pool_launch(pool, policy, args.adaptive_config_out))

@@ -27,18 +27,11 @@ from pydantic import Field
 
 from openalice_runner.providers import openai_wire as wire
 from openalice_runner.providers.base import CallContext
-from openalice_runner.providers.pools.pool import (
-    Figures,
-    LoadReader,
-    PoolBase,
-    PoolConfigBase,
-    PoolProvider,
-    Replica,
-    decision_gamma,
-    parse_prometheus_sum,
-)
-from openalice_runner.providers.pools.sglang_launch import SGLangLaunch
-from openalice_runner.speculation import SpecMethod
+from openalice_runner.providers.pools.config import PoolBase, PoolConfigBase, plan_gamma
+from openalice_runner.providers.pools.pool import PoolProvider
+from openalice_runner.providers.pools.replicas import Figures, LoadReader, Replica, parse_prometheus_sum
+from openalice_runner.providers.pools.sglang.launch import SGLangLaunch
+from openalice_runner.speculation import SpecMethod, SpeculationPlan
 from openalice_runner.types import ChatRequest, Usage
 
 __all__ = ["Replica", "SGLangConfig", "SGLangPool", "SGLangProvider", "parse_prometheus_sum"]
@@ -60,7 +53,7 @@ class SGLangPool(PoolBase):
     def adaptive(self) -> bool:
         return self.method != "off" and self.launch.adaptive
 
-    def gamma_for(self, decision: Any = None) -> int:
+    def gamma_for(self, plan: SpeculationPlan | None = None) -> int:
         """Draft tokens per verify round (SGLang counts the target's own token in num_draft_tokens).
         Where the launch leaves it to the rules (an adaptive pool's steps vary per running batch;
         a pool without num_steps/num_draft_tokens took its γ from the rules routed to it), the
@@ -73,8 +66,8 @@ class SGLangPool(PoolBase):
                 return launch.num_draft_tokens - 1
             if launch.num_steps:
                 return launch.num_steps
-        plan_gamma = decision_gamma(decision)
-        return plan_gamma if plan_gamma is not None else (launch.num_steps or 0)
+        gamma = plan_gamma(plan)
+        return gamma if gamma is not None else (launch.num_steps or 0)
 
 
 class SGLangConfig(PoolConfigBase):

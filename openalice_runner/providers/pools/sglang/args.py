@@ -2,7 +2,7 @@
 
 SGLang fixes speculation per server at launch, so the runner realises a policy by routing requests
 among pools. The routing file owns each pool's launch settings (`providers.P.pools.NAME.launch`,
-providers/pools/sglang_launch.py); what only the policy knows comes from the rules that name the pool:
+providers/pools/sglang/launch.py); what only the policy knows comes from the rules that name the pool:
 the adaptive pool's per-batch step candidates, and γ where the launch leaves it out. This is the one
 flag generator (`openalice-runner sglang args`). Flag names and constraints follow SGLang 0.5.x
 `server_args` (checked against 0.5.23, see tests/test_policy_sglang.py):
@@ -31,30 +31,10 @@ import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
-from openalice_runner.policies.batch_table import batch_segments
-from openalice_runner.policies.schema import AdaptiveSettings, DecisionSpec, Policy, Rule
-
-
-class LaunchSettings(Protocol):
-    """A pool's launch settings as the routing file holds them (providers/pools/sglang_launch.py's
-    SGLangLaunch; named by shape here, as policies/ does not import providers/)."""
-
-    @property
-    def algorithm(self) -> str: ...  # read only, so the launch's Literal of names fits
-
-    draft_model_path: str | None
-    num_steps: int | None
-    eagle_topk: int | None
-    num_draft_tokens: int | None
-    adaptive: bool
-    adaptive_config_path: str | None
-    ngram: Any
-    tool_call_parser: str | None
-    reasoning_parser: str | None
-    max_running_requests: int | None
-    extra_args: list[str]
+from openalice_runner.policies.batch_table import batch_segments, routed_to
+from openalice_runner.policies.schema import AdaptiveSettings, PlanSpec, Policy, Rule
+from openalice_runner.providers.pools.sglang.launch import SGLangLaunch
 
 
 @dataclass(frozen=True)
@@ -87,22 +67,7 @@ def gamma_candidates(lo: int, hi: int) -> list[int]:
     return sorted({*range(lo, hi + 1, 2), hi})
 
 
-def _routed(policy: Policy, pool: str) -> list[tuple[int, float, DecisionSpec]]:
-    """(first batch size, last batch size or inf, decision) for every rule (and the default)
-    that routes to `pool`."""
-    out: list[tuple[int, float, DecisionSpec]] = []
-    for rule in policy.rules:
-        if rule.pool == pool:
-            b = rule.match.batch_size
-            lo = b.min if b else 1
-            hi = b.max if b and b.max is not None else float("inf")
-            out.append((lo, hi, rule))
-    if policy.default.pool == pool:
-        out.append((1, float("inf"), policy.default))
-    return out
-
-
-def _steps_of(d: DecisionSpec | Rule) -> list[int]:
+def _steps_of(d: PlanSpec | Rule) -> list[int]:
     if d.method == "off":
         return [0]
     lo, hi = d.gamma_bounds
@@ -110,7 +75,7 @@ def _steps_of(d: DecisionSpec | Rule) -> list[int]:
 
 
 def compile_pool(
-    pool: LaunchSettings,
+    pool: SGLangLaunch,
     pool_name: str,
     policy: Policy | None,
     adaptive_config_path: str | None = None,
@@ -119,7 +84,7 @@ def compile_pool(
     """Launch flags for one pool, from its launch settings (routing file) and the rules of `policy`
     that name it (None: no rules). `model` leads the line as --model-path. Raises ValueError where
     neither the settings nor the rules set γ, or where the settings contradict the rules."""
-    routed = _routed(policy, pool_name) if policy is not None else []
+    routed = routed_to(policy, pool_name) if policy is not None else []
     ema_weight = (policy.adaptive if policy is not None else AdaptiveSettings()).ema_weight
     positive = [s for s in sorted({s for _, _, d in routed for s in _steps_of(d)}) if s > 0]
     args: list[str] = ["--model-path", model] if model else []
@@ -153,7 +118,7 @@ def compile_pool(
     return SGLangLaunchLine(pool_name, args, adaptive_cfg, cfg_path)
 
 
-def _launch_steps(pool: LaunchSettings, pool_name: str, from_rules: int | None) -> int:
+def _launch_steps(pool: SGLangLaunch, pool_name: str, from_rules: int | None) -> int:
     """An EAGLE pool's --speculative-num-steps: its own num_steps, else `from_rules` (the step
     count its rules route to it; None: no rule routes to it with speculation on)."""
     if pool.num_steps is not None:
@@ -164,7 +129,7 @@ def _launch_steps(pool: LaunchSettings, pool_name: str, from_rules: int | None) 
 
 
 def _adaptive_steps(
-    pool: LaunchSettings, pool_name: str, routed: list[tuple[int, float, DecisionSpec]], positive: list[int],
+    pool: SGLangLaunch, pool_name: str, routed: list[tuple[int, float, PlanSpec]], positive: list[int],
     ema_weight: float,
 ) -> tuple[int, dict]:
     """An adaptive EAGLE pool's launch steps and its `--speculative-adaptive-config` content."""
@@ -185,7 +150,7 @@ def _adaptive_steps(
     return steps, adaptive_cfg
 
 
-def _ngram_args(pool: LaunchSettings, pool_name: str, positive: list[int]) -> list[str]:
+def _ngram_args(pool: SGLangLaunch, pool_name: str, positive: list[int]) -> list[str]:
     if pool.num_draft_tokens is not None:
         draft_tokens = pool.num_draft_tokens
     elif positive:
