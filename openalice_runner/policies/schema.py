@@ -56,7 +56,7 @@ def _limits(name: str) -> Any:
 
 class MethodOptions(_Strict):
     """Options of the speculation method; only the ones that belong to the rule's method are allowed.
-    Their types, limits and methods are drafter_options.py's (tests/test_vocabulary.py keeps the
+    Their types, limits and methods are drafter_options.py's (tests/project/test_vocabulary.py keeps the
     fields and that table the same)."""
 
     ngram_min: int | None = _limits("ngram_min")

@@ -5,7 +5,7 @@ among pools. The routing file owns each pool's launch settings (`providers.P.poo
 providers/pools/sglang/launch.py); what only the policy knows comes from the rules that name the pool:
 the adaptive pool's per-batch step candidates, and γ where the launch leaves it out. This is the one
 flag generator (`openalice-runner sglang args`). Flag names and constraints follow SGLang 0.5.x
-`server_args` (checked against 0.5.23, see tests/test_policy_sglang.py):
+`server_args` (checked against 0.5.23, see tests/policies/test_sglang_flags.py):
 
 * `--speculative-algorithm EAGLE3|EAGLE|NGRAM`, `--speculative-draft-model-path` (EAGLE head).
 * EAGLE with `--speculative-eagle-topk 1` is a chain: SGLang forces num_draft_tokens = num_steps + 1.

@@ -3,7 +3,7 @@
 The routing file owns each pool's deployment: its replicas and every flag its servers are launched
 with. `openalice-runner sglang args` turns them into one command line (providers/pools/sglang/args.py), adding
 what only the policy knows: the adaptive pool's per-batch step candidates. Names and constraints follow
-SGLang 0.5.23's `server_args` (checked with its own parser in tests/test_policy_sglang.py).
+SGLang 0.5.23's `server_args` (checked with its own parser in tests/policies/test_sglang_flags.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ the one generator of that line (`openalice-runner vllm args`):
   the runner passes it on as `prompt_tokens_details.cached_tokens`), `--enable-auto-tool-choice
   --tool-call-parser`, `--reasoning-parser`, `--chat-template`.
 Flag names and the JSON are checked with vLLM 0.32's own parser and SpeculativeConfig
-(tests/test_policy_vllm.py).
+(tests/policies/test_vllm_flags.py).
 """
 
 from __future__ import annotations

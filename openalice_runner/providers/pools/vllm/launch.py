@@ -4,7 +4,7 @@ As for SGLang (sglang_launch.py), the routing file owns each pool's deployment; 
 vllm args` turns it into the server's command line (providers/pools/vllm/args.py), adding what only the
 policy knows: γ where the launch leaves it out and `num_speculative_tokens_per_batch_size` from the
 batch ranges of the rules routed to the pool. Names follow vLLM 0.32's `EngineArgs` and
-`SpeculativeConfig` (checked with its own parser in tests/test_policy_vllm.py).
+`SpeculativeConfig` (checked with its own parser in tests/policies/test_vllm_flags.py).
 """
 
 from __future__ import annotations
