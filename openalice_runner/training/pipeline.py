@@ -17,12 +17,14 @@ from openalice_runner.engine.eagle.head import (
     target_fingerprint,
 )
 from openalice_runner.engine.model_loading import cache_root
+from openalice_runner.providers.embedded import tool_format
 from openalice_runner.training.data import (
     Sample,
     SampleCache,
     distill,
     exclude_prompts,
     prompt_key,
+    read_chats,
     read_prompts,
 )
 from openalice_runner.training.train import TrainSettings, draft_vocabulary, train_head
@@ -106,15 +108,17 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
     head_layers = _head_layers(s, model.cfg.n_layers)
     taps = tuple(sorted(set(head_layers)))  # as a pass taps them: distinct, ascending
     fingerprint = target_fingerprint(engine.model_name, model)
-    prompts = read_prompts(data)
+    prompts = read_chats(data)
     n_read = len(prompts)
     if exclude:
-        prompts = exclude_prompts(prompts, read_prompts(exclude))
+        kept = {id(m) for m in exclude_prompts([c.messages for c in prompts], read_prompts(exclude))}
+        prompts = [c for c in prompts if id(c.messages) in kept]
     if s.max_prompts:
         prompts = prompts[: s.max_prompts]
     if not prompts:
         raise ValueError("no training prompts left (after excluding the benchmark prompts)")
-    ids = [engine.render_chat(m) for m in prompts]
+    # rendered as the embedded provider renders the request (tools, tool calls and results included)
+    ids = [tool_format.render_ids(engine, c.messages, c.tools) for c in prompts]
     keys = [prompt_key(fingerprint, p, s.max_new_tokens, taps) for p in ids]
     unique = dict(zip(keys, ids, strict=True))
     heldout_keys = [k for k in unique if int(k, 16) % s.heldout_every == 0][: s.max_heldout]
