@@ -10,7 +10,7 @@ time of each target, round-robin, the median of odd repeats.
 threads, prefix caching, hermes tools), all up at once so the runs can alternate: `vllm` plain,
 `vllm-ngram` (bench-loops' n-gram settings) and `vllm-eagle3` (`--speculative-config
 {"method":"eagle3","model":DIR,"num_speculative_tokens":K}`). `--eager`: all three in eager mode
-(--enforce-eager). Each run's figures are the deltas of the server's own /metrics counters over the
+(--enforce-eager); `--threads 1`: one OpenMP thread each, for a machine other work loads. Each run's figures are the deltas of the server's own /metrics counters over the
 run (nothing else runs on it then): tokens generated, drafts accepted, and per draft position.
 `embedded`: our sidecar with speculation off, and one sidecar per head with a policy that sends every
 turn to `method: eagle` with that head (chains of up to `--gamma`, no prompt lookup, no tree); the
@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--head", required=True, help="the head's folder (draft train --layout eagle3)")
     v.add_argument("--k", type=int, default=3, help="num_speculative_tokens of the EAGLE-3 server (default 3)")
     v.add_argument("--eager", action="store_true", help="all three servers with --enforce-eager")
+    v.add_argument("--threads", type=int, default=2,
+                   help="OpenMP threads of each server (default 2; 1 on a machine other work loads: a 2-thread "
+                   "pool waits at every barrier for a thread the OS has given to another process)")
     e = sub.add_parser("embedded", help="the embedded engine: off and one sidecar per head")
     e.add_argument("--head", action="append", required=True, metavar="NAME=DIR", help="a head folder, either layout")
     e.add_argument("--gamma", type=int, default=3, help="the policy's γ, a cap on each chain (default 3)")
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    with tempfile.TemporaryDirectory(prefix="eagle3-heads-") as tmp, Servers(log=say) as servers:
+    with tempfile.TemporaryDirectory(prefix="eagle3-heads-") as tmp, Servers(threads=getattr(args, "threads", 2), log=say) as servers:
         if args.engine == "embedded":
             specs = [TargetSpec("off")]
             for name, folder in heads:
