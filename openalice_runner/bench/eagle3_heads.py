@@ -14,7 +14,8 @@ threads, prefix caching, hermes tools), all up at once so the runs can alternate
 run (nothing else runs on it then): tokens generated, drafts accepted, and per draft position.
 `embedded`: our sidecar with speculation off, and one sidecar per head with a policy that sends every
 turn to `method: eagle` with that head (chains of up to `--gamma`, no prompt lookup, no tree); the
-figures come from the replies' `speculation` extension.
+figures come from the replies' `speculation` extension; `--threads N` (not 2) gives the sidecars a
+providers file whose embedded engine runs N threads.
 
 Tokens per target pass = tokens / (tokens - accepted drafts), over all runs: each target pass, the
 prompt's included, yields one token of its own plus the drafts it accepted (1.0 without speculation).
@@ -54,6 +55,12 @@ VLLM_COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens_total": "accepted",
 }
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+LOCAL_PROVIDERS = """\
+providers:
+  local: {{type: local, threads: {threads}}}
+routes:
+  - {{name: default, match: {{models: ["*"]}}, chain: [local]}}
+"""
 
 
 def vllm_counters(client, url: str) -> dict[str, float]:
@@ -203,13 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--head", required=True, help="the head's folder (draft train --layout eagle3)")
     v.add_argument("--k", type=int, default=3, help="num_speculative_tokens of the EAGLE-3 server (default 3)")
     v.add_argument("--eager", action="store_true", help="all three servers with --enforce-eager")
-    v.add_argument("--threads", type=int, default=2,
-                   help="OpenMP threads of each server (default 2; 1 on a machine other work loads: a 2-thread "
-                   "pool waits at every barrier for a thread the OS has given to another process)")
     e = sub.add_parser("embedded", help="the embedded engine: off and one sidecar per head")
     e.add_argument("--head", action="append", required=True, metavar="NAME=DIR", help="a head folder, either layout")
     e.add_argument("--gamma", type=int, default=3, help="the policy's γ, a cap on each chain (default 3)")
     for p in (v, e):
+        p.add_argument("--threads", type=int, default=2,
+                       help="threads of each server (default 2; 1 on a machine other work loads: a 2-thread pool "
+                       "waits at every barrier for a thread the OS has given to another process)")
         p.add_argument("--workload", required=True, help="agent-loops JSON-lines workload")
         p.add_argument("--conversations", default=None, help="comma-separated conversation ids (default: all)")
         p.add_argument("--repeat", type=int, default=3, help="runs per (conversation, target); odd: the median")
@@ -236,21 +243,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    with tempfile.TemporaryDirectory(prefix="eagle3-heads-") as tmp, Servers(threads=getattr(args, "threads", 2), log=say) as servers:
-        if args.engine == "embedded":
-            specs = [TargetSpec("off")]
-            for name, folder in heads:
-                policy = Path(tmp) / f"{name}.yaml"
-                policy.write_text(head_policy(name, folder, args.gamma))
-                specs.append(TargetSpec(name, sidecar="policy", args=["--policy", str(policy)]))
-        targets = [servers.start(s) for s in specs]
-        vllm_names = {t.name for t in targets} if args.engine == "vllm" else set()
-        report = measure(conversations, targets, vllm_names, args.repeat, args.warmup, say)
+    with tempfile.TemporaryDirectory(prefix="eagle3-heads-") as tmp:
+        providers = None
+        if args.engine == "embedded" and args.threads != 2:
+            providers = Path(tmp) / "providers.yaml"
+            providers.write_text(LOCAL_PROVIDERS.format(threads=args.threads))
+        with Servers(providers=str(providers) if providers else None, threads=args.threads, log=say) as servers:
+            report = run_servers(servers, args, specs if args.engine == "vllm" else heads, Path(tmp), conversations, say)
     report["settings"] = {k: v for k, v in vars(args).items() if k != "json_out"}
     print(format_report(report))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def run_servers(servers: Servers, args: argparse.Namespace, what, tmp: Path, conversations, say) -> dict[str, Any]:
+    """Start the targets (vLLM specs, or a sidecar per head after `off`) and measure them."""
+    specs = what
+    if args.engine == "embedded":
+        specs = [TargetSpec("off")]
+        for name, folder in what:
+            policy = tmp / f"{name}.yaml"
+            policy.write_text(head_policy(name, folder, args.gamma))
+            specs.append(TargetSpec(name, sidecar="policy", args=["--policy", str(policy)]))
+    targets = [servers.start(s) for s in specs]
+    vllm_names = {t.name for t in targets} if args.engine == "vllm" else set()
+    return measure(conversations, targets, vllm_names, args.repeat, args.warmup, say)
 
 
 if __name__ == "__main__":
