@@ -131,6 +131,7 @@ def measure(conversations, targets: list[Target], vllm_names: set[str], repeat: 
     import httpx
 
     tallies = {t.name: Tally() for t in targets}
+    per_row: dict[tuple[str, str], Tally] = {}  # (conversation, target): the same counts, one conversation's
     runs: dict[tuple[str, str], list[dict]] = {}
     with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
         for target in targets:
@@ -142,9 +143,11 @@ def measure(conversations, targets: list[Target], vllm_names: set[str], repeat: 
             done = run_conversation(client, target, conversation, run)
             if before is not None:
                 after = vllm_counters(client, target.url)
-                tallies[target.name].add({k: after.get(k, 0.0) - before.get(k, 0.0) for k in after})
+                delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
             else:
-                tallies[target.name].add(sidecar_delta(done["calls"]))
+                delta = sidecar_delta(done["calls"])
+            tallies[target.name].add(delta)
+            per_row.setdefault((conversation.id, target.name), Tally()).add(delta)
             runs.setdefault((conversation.id, target.name), []).append(done)
             say(f"{conversation.id} {target.name} run {run}: {done['seconds']:.2f} s, "
                 f"{sum(c.completion_tokens or 0 for c in done['calls'])} tokens")
@@ -159,7 +162,9 @@ def measure(conversations, targets: list[Target], vllm_names: set[str], repeat: 
             rows.append({"id": conversation.id, "target": target.name, "seconds": kept["seconds"],
                          "runs_seconds": [r["seconds"] for r in done],
                          "tokens": sum(c.completion_tokens or 0 for c in kept["calls"]),
-                         "same_as_first": f"{same}/{sum(len(r['calls']) for r in done)}"})
+                         "same_as_first": f"{same}/{sum(len(r['calls']) for r in done)}",
+                         **{k: v for k, v in per_row[conversation.id, target.name].as_json().items()
+                            if k in ("tokens_per_pass", "acceptance", "per_position")}})
     by = {(r["id"], r["target"]): r for r in rows}
     summary = {}
     for target in targets:
@@ -171,10 +176,11 @@ def measure(conversations, targets: list[Target], vllm_names: set[str], repeat: 
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"rows: {report['kept']}, round-robin", "",
-             "| conversation | target | seconds (runs) | tokens | same as first |", "|---|---|---|---|---|"]
+             "| conversation | target | seconds (runs) | tokens | tokens/pass | acceptance | same as first |",
+             "|---|---|---|---|---|---|---|"]
     for r in report["conversations"]:
         lines.append(f"| {r['id']} | {r['target']} | {r['seconds']:.2f} ({', '.join(f'{x:.2f}' for x in r['runs_seconds'])}) "
-                     f"| {r['tokens']} | {r['same_as_first']} |")
+                     f"| {r['tokens']} | {r['tokens_per_pass']} | {r['acceptance']} | {r['same_as_first']} |")
     lines += ["", "| target | seconds | speedup | tokens/pass | acceptance | per position | tokens | passes |",
               "|---|---|---|---|---|---|---|---|"]
     for name, s in report["summary"].items():

@@ -60,7 +60,7 @@ class BuildSettings:
 
 # An eagle3 head has no feature loss: the hidden state it feeds back is trained by the unrolled
 # steps alone (SpecForge unrolls 7). A head trained with --unroll 2 accepted next to nothing at
-# draft position 3 (0.000 in vLLM, 0.003 embedded, against 0.078 at position 2; docs/eagle.md), so
+# draft position 3 (0.000 in vLLM, 0.003 embedded, against 0.078 at position 2; docs/benchmarks/2026-11-30-eagle-head.md), so
 # an eagle3 head unrolls as many steps as the 3 speculative tokens the docs serve it with.
 EAGLE3_UNROLL = 3
 
