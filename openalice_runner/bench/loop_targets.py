@@ -60,7 +60,7 @@ class TargetUnavailable(RuntimeError):
 class TargetSpec:
     name: str
     url: str | None = None  # given: a server already running
-    args: list[str] = field(default_factory=list)  # more `serve` flags of a sidecar target
+    args: list[str] = field(default_factory=list)  # more flags: `serve`'s of a sidecar, vLLM's of a vllm* target
     sidecar: str | None = None  # the built-in sidecar (policy, off) a target of the caller's own name runs
 
 
@@ -111,7 +111,7 @@ class Servers(contextlib.AbstractContextManager):
         if sidecar in SIDECARS:
             command = self._sidecar(sidecar) + spec.args + ["--host", "127.0.0.1", "--port", str(port)]
         elif spec.name.startswith("vllm"):
-            command = self._vllm(spec.name == "vllm-ngram", port)
+            command = self._vllm(spec.name == "vllm-ngram", port) + spec.args
         else:
             command = self._llama_cpp(spec.name == "llama-cpp-lookup") + ["--host", "127.0.0.1", "--port", str(port)]
         log_path = Path(self._tmp.name) / f"{spec.name}.log"

@@ -39,12 +39,6 @@ def load_workload(path: str | Path, case_ids: list[str] | None = None) -> list[C
 
 def render_case(engine, case: Case) -> list[int]:
     """Prompt ids as the local provider renders them (tools in the fallback form if needed)."""
-    has_tool_history = any(m.get("role") == "tool" or m.get("tool_calls") for m in case.messages)
-    if not case.tools and not has_tool_history:
-        return engine.render_chat(case.messages)
     from openalice_runner.providers.embedded import tool_format
 
-    template = getattr(engine.tokenizer, "chat_template", None)
-    if tool_format.template_renders_tools(template if isinstance(template, str) else None):
-        return engine.render_chat(tool_format.template_messages(case.messages), case.tools)
-    return engine.render_chat(tool_format.render_fallback_messages(case.messages, case.tools))
+    return tool_format.render_ids(engine, case.messages, case.tools)

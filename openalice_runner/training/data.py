@@ -43,9 +43,19 @@ class Sample:
 
 
 # ---- prompts -----------------------------------------------------------------------------------
-def read_prompts(paths: Iterable[str | Path]) -> list[list[dict]]:
-    """Message lists from JSON-lines files (`messages` or `prompt` per line; `{context}` filled)."""
-    out: list[list[dict]] = []
+@dataclass
+class Chat:
+    """One prompt to distil: its messages and the tools the request offered (None: none)."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
+def read_chats(paths: Iterable[str | Path]) -> list[Chat]:
+    """Prompts from JSON-lines files (`messages`, with the line's `tools` where it has them, or
+    `prompt` per line; `{context}` filled). Saved traffic keeps its tools: the target's reply to a
+    loop's call is the one it writes with the tools in its prompt."""
+    out: list[Chat] = []
     for path in paths:
         for n, raw in json_lines(path):
             if isinstance(raw.get("messages"), list):
@@ -60,13 +70,21 @@ def read_prompts(paths: Iterable[str | Path]) -> list[list[dict]]:
                 # the reply is what gets distilled: drop a trailing assistant turn of saved traffic
                 while msgs and msgs[-1].get("role") == "assistant":
                     msgs.pop()
+                tools = raw.get("tools")
+                if tools is not None and not isinstance(tools, list):
+                    raise ValueError(f"{path}:{n}: 'tools' must be a list of tool definitions")
                 if msgs:
-                    out.append(msgs)
+                    out.append(Chat(msgs, tools or None))
             elif isinstance(raw.get("prompt"), str):
-                out.append([{"role": "user", "content": raw["prompt"]}])
+                out.append(Chat([{"role": "user", "content": raw["prompt"]}]))
             else:
                 raise ValueError(f"{path}:{n}: needs 'messages' (a list) or 'prompt' (a string)")
     return out
+
+
+def read_prompts(paths: Iterable[str | Path]) -> list[list[dict]]:
+    """Message lists from JSON-lines files (read_chats without the tools)."""
+    return [c.messages for c in read_chats(paths)]
 
 
 def _words(text: str) -> set[str]:

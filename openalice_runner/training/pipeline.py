@@ -17,12 +17,14 @@ from openalice_runner.engine.eagle.head import (
     target_fingerprint,
 )
 from openalice_runner.engine.model_loading import cache_root
+from openalice_runner.providers.embedded import tool_format
 from openalice_runner.training.data import (
     Sample,
     SampleCache,
     distill,
     exclude_prompts,
     prompt_key,
+    read_chats,
     read_prompts,
 )
 from openalice_runner.training.train import TrainSettings, draft_vocabulary, train_head
@@ -58,7 +60,7 @@ class BuildSettings:
 
 # An eagle3 head has no feature loss: the hidden state it feeds back is trained by the unrolled
 # steps alone (SpecForge unrolls 7). A head trained with --unroll 2 accepted next to nothing at
-# draft position 3 (0.000 in vLLM, 0.003 embedded, against 0.078 at position 2; docs/eagle.md), so
+# draft position 3 (0.000 in vLLM, 0.003 embedded, against 0.078 at position 2; docs/benchmarks/2026-11-30-eagle-head.md), so
 # an eagle3 head unrolls as many steps as the 3 speculative tokens the docs serve it with.
 EAGLE3_UNROLL = 3
 
@@ -98,16 +100,18 @@ def _head_layers(s: BuildSettings, n_layers: int) -> list[int]:
 def _training_prompts(
     data: list[str | Path], exclude: list[str | Path] | None, max_prompts: int | None
 ) -> tuple[list, int]:
-    """The prompts of `data` less those of `exclude`, at most `max_prompts`; and how many were read."""
-    prompts = read_prompts(data)
-    n_read = len(prompts)
+    """The chats of `data` less those whose prompts `exclude` holds, at most `max_prompts`; and how
+    many were read."""
+    chats = read_chats(data)
+    n_read = len(chats)
     if exclude:
-        prompts = exclude_prompts(prompts, read_prompts(exclude))
+        kept = {id(m) for m in exclude_prompts([c.messages for c in chats], read_prompts(exclude))}
+        chats = [c for c in chats if id(c.messages) in kept]
     if max_prompts:
-        prompts = prompts[:max_prompts]
-    if not prompts:
+        chats = chats[:max_prompts]
+    if not chats:
         raise ValueError("no training prompts left (after excluding the benchmark prompts)")
-    return prompts, n_read
+    return chats, n_read
 
 
 def build_head(engine, data: list[str | Path], out: str | Path | None = None,
@@ -121,8 +125,9 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
     head_layers = _head_layers(s, model.cfg.n_layers)
     taps = tuple(sorted(set(head_layers)))  # as a pass taps them: distinct, ascending
     fingerprint = target_fingerprint(engine.model_name, model)
-    prompts, n_read = _training_prompts(data, exclude, s.max_prompts)
-    ids = [engine.render_chat(m) for m in prompts]
+    chats, n_read = _training_prompts(data, exclude, s.max_prompts)
+    # rendered as the embedded provider renders the request (tools, tool calls and results included)
+    ids = [tool_format.render_ids(engine, c.messages, c.tools) for c in chats]
     keys = [prompt_key(fingerprint, p, s.max_new_tokens, taps) for p in ids]
     unique = dict(zip(keys, ids, strict=True))
     heldout_keys = [k for k in unique if int(k, 16) % s.heldout_every == 0][: s.max_heldout]

@@ -64,3 +64,32 @@ def test_a_failing_write_never_fails_the_request(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="openalice_runner.prompt_log"):
         log.record(ChatRequest(messages=[{"role": "user", "content": "x"}]), "chat")
     assert log.written == 0 and "the request goes on" in caplog.text
+
+
+def test_draft_train_reads_a_loops_tool_turns_with_their_tools(tmp_path):
+    """A loop's later call (an assistant tool call without content, the tool's result) as the log
+    keeps it: draft train renders it as the embedded provider does, the tools in the prompt (the raw
+    chat template fails on the content-less call), and trains on it."""
+    from openalice_runner.providers.embedded import tool_format
+    from openalice_runner.training.data import read_chats
+    from openalice_runner.training.pipeline import BuildSettings, build_head
+
+    path = tmp_path / "prompts.jsonl"
+    log = PromptLog(path)
+    log.record(ChatRequest(messages=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain, 4 C"},
+    ], tools=TOOLS, max_tokens=8), "summarize")
+    [chat] = read_chats([path])
+    assert chat.tools[0]["function"]["name"] == "get_weather"
+    engine = tiny_engine()
+    with pytest.raises(Exception, match="content"):  # what draft train met before: the raw template
+        engine.render_chat(chat.messages)
+    ids = tool_format.render_ids(engine, chat.messages, chat.tools)
+    assert "get_weather" in engine.tokenizer.decode(ids) and "rain, 4 C" in engine.tokenizer.decode(ids)
+    settings = BuildSettings(minutes=2.0, max_new_tokens=4, max_steps=2, draft_vocab=64, progress=False,
+                             data_dir=tmp_path / "data")
+    folder, figures = build_head(engine, [path], tmp_path / "head", settings=settings)
+    assert (folder / "config.json").is_file() and figures["steps"] == 2

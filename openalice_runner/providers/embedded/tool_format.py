@@ -156,6 +156,19 @@ def render_fallback_messages(
     return with_turn_rule(out, tool_choice) if tools else out
 
 
+def render_ids(renderer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    """Prompt ids as the embedded provider renders a call to `renderer` (the engine's `render_chat`),
+    tools and tool history in the template's form or the fallback one; without a call's tool_choice
+    rule, prefill or grammar (what benchmarks and draft training need: the conversation itself)."""
+    has_tool_history = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+    if not tools and not has_tool_history:
+        return renderer.render_chat(messages)
+    template = getattr(getattr(renderer, "tokenizer", None), "chat_template", None)
+    if template_renders_tools(template if isinstance(template, str) else None):
+        return renderer.render_chat(template_messages(messages), tools)
+    return renderer.render_chat(render_fallback_messages(messages, tools))
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages for a template that renders tools: arguments as objects (what such templates expect)."""
     out = []

@@ -79,6 +79,20 @@ def test_nesting_and_aliases_are_capped():
     assert load_located(ok, "p.yaml", empty="x").data == {"a": {"method": "off"}, "b": {"method": "off"}}
 
 
+def test_merge_keys_share_a_mapping_and_bad_ones_are_refused_at_their_place():
+    """`<<: *a` (a pool's launch sharing another's, as the docs write it) is YAML's merge key: it
+    used to reach PyYAML's constructor, which raised out of the loader with a traceback."""
+    text = "a: &a {m: embedded, dtype: bf16}\nb:\n  <<: *a\n  dtype: fp32\n  k: 3\nc: {<<: [*a, {k: 1}]}\n"
+    loc = load_located(text, "p.yaml", empty="x")
+    assert loc.data["b"] == {"m": "embedded", "dtype": "fp32", "k": 3}  # the mapping's own keys win
+    assert loc.data["c"] == {"m": "embedded", "dtype": "bf16", "k": 1}
+    assert loc.keys["b", "dtype"] == (4, 3) and loc.keys["b", "m"] == (1, 8)  # own key here, merged at the anchor
+    with pytest.raises(ConfigError, match=r"p.yaml:2:5: << \(merge key\) takes a mapping"):
+        load_located("a: &a 1\nb: {<<: *a}\n", "p.yaml", empty="x")
+    with pytest.raises(ConfigError, match=r"p.yaml:4:3: duplicate key 'k'"):
+        load_located("a: &a {k: 1}\nb:\n  k: 2\n  k: 3\n  <<: *a\n", "p.yaml", empty="x")
+
+
 def test_policy_watcher_refuses_a_bomb_and_applies_the_next_valid_edit(tmp_path):
     path = tmp_path / "policy.yaml"
     write(path, V1)
