@@ -36,13 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    def keep(report: dict) -> None:
+        if args.json_out:
+            with open(args.json_out + ".partial", "w") as f:
+                json.dump(report, f)
+
     modes = tuple(m.strip() for m in getattr(args, "modes", "").split(",") if m.strip())
     if args.part == "fingerprint":
         if not 2 <= args.prompts <= len(fingerprint.PROMPTS) or args.repeats < 2:
             parser.error(f"--prompts must be 2..{len(fingerprint.PROMPTS)} and --repeats at least 2")
         report = fingerprint.run(fingerprint.PROMPTS[:args.prompts], args.repeats, modes,
                                  max_tokens=args.max_tokens, providers=args.providers,
-                                 equal_prompts=args.equal_prompts, log=say)
+                                 equal_prompts=args.equal_prompts, log=say, checkpoint=keep)
         table = fingerprint.format_table(report)
     elif args.part == "cross-tenant":
         report = cross_tenant.run(max_tokens=args.max_tokens, providers=args.providers, log=say)

@@ -56,10 +56,11 @@ default: {method: "off"}
 def run(prompts: tuple[str, ...] = PROMPTS, repeats: int = 6, modes: tuple[str, ...] = MODES,
         methods: tuple[str, ...] = METHODS, temperatures: tuple[float, ...] = TEMPERATURES,
         max_tokens: int = 40, providers: str | None = None, seed: int = 0, equal_prompts: bool = False,
-        log=print) -> dict[str, Any]:
+        log=print, checkpoint=None) -> dict[str, Any]:
     """`equal_prompts`: each prompt padded (" x" words) to the longest one's token count first, so
     the time to the first write no longer tells prompts apart by their length (a channel of its own,
-    with or without speculation)."""
+    with or without speculation). `checkpoint`: given the report of the streams so far after each
+    repeat and temperature (a long run on a loaded machine keeps what it measured)."""
     import httpx
 
     from openalice_runner.bench.loop_targets import Servers, TargetSpec
@@ -76,8 +77,12 @@ def run(prompts: tuple[str, ...] = PROMPTS, repeats: int = 6, modes: tuple[str, 
                 prompts = equalised(client, urls[modes[0]], prompts, lengths)
                 lengths = prompt_tokens(client, urls[modes[0]], prompts)
             warm_up(client, urls, prompts, max_tokens)
+            def partial(observations: list[Observation], done: int) -> None:
+                if checkpoint is not None:
+                    checkpoint(report(observations, len(prompts), done, max_tokens))
+
             observations = _observe_all(urls, prompts, repeats, methods, temperatures, max_tokens, seed, log,
-                                        client)
+                                        client, partial)
     rep = report(observations, len(prompts), repeats, max_tokens)
     rep["prompt_tokens"], rep["equal_prompts"] = lengths, equal_prompts
     return rep
@@ -114,7 +119,7 @@ def warm_up(client, urls: dict[str, str], prompts: tuple[str, ...], max_tokens: 
 
 
 def _observe_all(urls: dict[str, str], prompts, repeats, methods, temperatures, max_tokens, seed, log,
-                 client) -> list[Observation]:
+                 client, partial) -> list[Observation]:
     rng = random.Random(seed)
     modes = list(urls)
     out: list[Observation] = []
@@ -133,6 +138,7 @@ def _observe_all(urls: dict[str, str], prompts, repeats, methods, temperatures, 
                         obs = Observation(k, mode, method, temperature)
                         out.append(observe(client, urls[mode], body, headers, obs))
             log(f"repeat {r + 1}/{repeats}, temperature {temperature}: {len(out)} streams")
+            partial(out, r + 1)
     return out
 
 

@@ -16,20 +16,23 @@ from typing import Any, Literal
 
 ReleaseKind = Literal["pass", "fixed", "paced"]
 MAX_FIXED_N = 256  # more tokens an event is a buffered reply, not a stream
-USAGE = f"pass, fixed:N (N a whole number from 1 to {MAX_FIXED_N}) or paced"
+PAD = "+pad"  # fixed:N+pad, paced+pad: the reply's length padded (clocked.py)
+USAGE = f"pass, fixed:N (N a whole number from 1 to {MAX_FIXED_N}) or paced, the last two optionally with {PAD}"
 
 
 @dataclass(frozen=True)
 class ReleaseMode:
     kind: ReleaseKind = "pass"
     n: int = 1  # tokens an event (fixed:N)
+    pad_length: bool = False  # `+pad`: filler writes up to the request's max_tokens (clocked.py)
 
     @property
     def padded(self) -> bool:
         return self.kind != "pass"
 
     def __str__(self) -> str:
-        return f"fixed:{self.n}" if self.kind == "fixed" else self.kind
+        name = f"fixed:{self.n}" if self.kind == "fixed" else self.kind
+        return name + PAD if self.pad_length else name
 
 
 PASS = ReleaseMode()
@@ -42,10 +45,13 @@ def parse_release(text: Any) -> ReleaseMode:
     value = text.strip() if isinstance(text, str) else text
     if value == "pass":
         return PASS
+    pad = isinstance(value, str) and value.endswith(PAD)
+    if pad:
+        value = value.removesuffix(PAD)
     if value == "paced":
-        return ReleaseMode("paced")
+        return ReleaseMode("paced", pad_length=pad)
     if isinstance(value, str) and value.startswith("fixed:"):
         digits = value.removeprefix("fixed:")
         if digits.isascii() and digits.isdigit() and 1 <= int(digits) <= MAX_FIXED_N:
-            return ReleaseMode("fixed", int(digits))
+            return ReleaseMode("fixed", int(digits), pad_length=pad)
     raise ValueError(f"expected {USAGE}, got {str(text)[:40]!r}")
