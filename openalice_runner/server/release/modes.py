@@ -3,8 +3,12 @@
     pass      one event per engine or upstream chunk (one target pass): the lowest latency; its rhythm
               and sizes show how many tokens each pass accepted
     fixed:N   N tokens an event (the last shorter only at the end), every write padded to a size bucket
-    paced     one token an event on a steady clock set from the measured decode rate, never more than
-              one pass behind what was produced; padded as fixed:N
+    paced     one token an event; padded as fixed:N
+              both leave on the clock of the tenant's recent decode rate (clocked.py); the first stream
+              of a tenant and model, with no recent rate, as produced (fixed:N) or on its own measured
+              rate, never more than one pass behind (paced.py)
+    +pad      (fixed:N+pad, paced+pad) filler writes after the reply up to the request's max_tokens,
+              so the count of writes and the end time do not tell the reply's length
 
 A request's mode is its tenant's where the keys file gives one, else `serve --stream-release`
 (server/tenants/tenant.py, `request_settings`). Imported by the CLI at start-up: nothing heavy here."""
