@@ -480,3 +480,36 @@ def test_released_clocks_a_tenant_from_its_second_stream():
     # a clock never lets a write out early: the last of 12 writes waits for its grid point (the
     # slowest the clock could have run is the lower of the two streams' rates)
     assert second[-1] >= (11 + clocked_module.LEAD_SLOTS) * 2 / clock_rate(max(recent, 200.0)) - 0.01
+
+
+def test_a_padded_streams_headers_wait_for_the_next_tenth_of_a_second(monkeypatch):
+    """_open_first with a start (the padded modes): the answer waits until the next multiple of
+    HEAD_QUANTUM_S after the request; without one (pass) it does not wait."""
+    import types
+    from contextlib import asynccontextmanager
+
+    from openalice_runner.server import pipeline
+
+    slept: list[float] = []
+    now = [10.0]
+
+    async def sleep(seconds):
+        slept.append(seconds)
+
+    monkeypatch.setattr(pipeline, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(pipeline, "asyncio", types.SimpleNamespace(sleep=sleep))
+
+    @asynccontextmanager
+    async def opened():
+        now[0] += 0.234  # the first chunk came 0.234 s after the request
+        yield _stream([text("hi", first=True)])
+
+    async def run(start):
+        now[0] = 10.0
+        _, first = await pipeline._open_first(opened(), start)
+        return first
+
+    assert asyncio.run(run(10.0)).delta_text == "hi"
+    assert slept == [pytest.approx(0.3 - 0.234)]
+    asyncio.run(run(None))
+    assert len(slept) == 1
