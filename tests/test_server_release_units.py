@@ -439,6 +439,17 @@ def test_padded_length_gives_every_reply_the_same_writes_and_end(n, tokens):
     _on_grid([t for t, *_ in events], n / 40.0)
 
 
+def test_padded_length_holds_when_the_lag_bound_releases_the_end():
+    """The engine far ahead of the clock (the lag bound releases the groups, the last among them):
+    the end is still padded to the budget (found on the loaded machine: the end left by the bound,
+    unpadded)."""
+    passes = word_passes([10] * 20, 0.05)
+    events, _ = run_clocked(passes, 2, rate=4.0, pad_to=256)
+    assert len(events) == 128 + 1 and sum(u for _, u, _ in events) == 200
+    assert events[-1][2][-1].usage == Usage.of(3, 200) and events[-1][1] == 0
+    assert [u for _, u, _ in events[:-1]] == [2] * 100 + [0] * 28
+
+
 def test_padded_length_without_a_budget_rounds_up_to_a_power_of_two():
     events, _ = run_clocked(word_passes([1] * 20, 0.01), 4, rate=40.0, pad_to=0)
     assert len(events) == 32 // 4 + 1 and sum(u for _, u, _ in events) == 20

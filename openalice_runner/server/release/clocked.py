@@ -121,14 +121,10 @@ async def clocked(
             if not ended and pending is None:
                 pending = asyncio.ensure_future(anext(groups, _END))
             now = clock.now()
-            if ready.overdue(now):  # the lag's bound: the overdue groups now, each its own write of N
-                while ready.overdue(now):
-                    ready.written += 1
-                    yield ready.groups.popleft()[1]
-                grid.after(now)
-                grid.slot += 1
-                continue
-            if ready.groups and now >= grid.due():
+            overdue = ready.overdue(now)  # the lag's bound: the overdue groups now, each its own write of N
+            if overdue or (ready.groups and now >= grid.due()):
+                if overdue:
+                    grid.after(now)
                 _, group = ready.groups.popleft()
                 # the last group holds the stream's finish (fixed.py); or the stream ended after it
                 if pad_to is not None and ((ended and not ready.groups) or any(c.finish_reason for c in group)):
@@ -136,7 +132,8 @@ async def clocked(
                         yield write
                     continue
                 ready.written += 1
-                grid.slot += 1
+                if not ready.overdue(now):  # (the next overdue group leaves on this point too)
+                    grid.slot += 1
                 yield group
                 continue
             until = min(grid.due(), ready.groups[0][0] + MAX_LAG_S) if ready.groups else None
