@@ -120,8 +120,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--stream-release", type=_release, default="pass", metavar="MODE",
         help="how a stream's tokens leave: pass (one event per engine pass, the default: lowest latency), "
-        "fixed:N (N tokens an event, padded to a size bucket) or paced (one token an event on a steady "
-        "clock from the measured decode rate, padded); see docs/security.md",
+        "fixed:N (N tokens an event, padded to a size bucket) or paced (one token an event), the two on "
+        "a clock from the tenant's recent decode rate; with +pad (fixed:N+pad, paced+pad) a reply's "
+        "writes go on to max_tokens' worth; see docs/security.md",
     )  # fmt: skip
     p.add_argument(
         "--metrics-public", action="store_true",

@@ -10,6 +10,7 @@ in `RequestPipeline`, handed in by create_app; nothing here is shared through a 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -186,7 +187,8 @@ class RequestPipeline:
         try:
             # The stream is opened (a slot taken) and its first chunk awaited before answering, so a
             # failure up to here is a real HTTP status; the stream is closed again when it fails.
-            chunks, first = await race(_open_first(opened), deadline, request.receive)
+            chunks, first = await race(_open_first(opened, t0 if served.stream_release.padded else None),
+                                       deadline, request.receive)
         except BaseException as exc:
             self.metrics.in_flight.dec()
             self._failed(step, labels, exc)
@@ -216,6 +218,7 @@ class RequestPipeline:
 
 
 MAX_TOKENS_HEADER = "x-openalice-max-tokens"
+HEAD_QUANTUM_S = 0.1  # a padded stream's headers leave on this grid after the request (_open_first)
 
 
 def budget_header(reply: ChatResult | ChatChunk | None) -> dict[str, str]:
@@ -268,13 +271,20 @@ def _cancel_reason(exc: BaseException) -> str | None:
 
 
 async def _open_first(
-    opened: AbstractAsyncContextManager[ChatStream],
+    opened: AbstractAsyncContextManager[ChatStream], start: float | None = None,
 ) -> tuple[ChatStream, ChatChunk | None]:
     """Enter the stream's context and read its first chunk (None: the stream is empty). On failure or
-    cancellation the context is left at once, with the error, so the generation stops here."""
+    cancellation the context is left at once, with the error, so the generation stops here.
+    `start` (the request's perf_counter, in the padded release modes): the answer waits for the next
+    multiple of HEAD_QUANTUM_S after it, so the time to the response's headers, the first thing an
+    observer sees, says no more than which quantum the first token fell in."""
     chunks = await opened.__aenter__()
     try:
-        return chunks, await anext(chunks, None)  # StopAsyncIteration cannot leave a task as itself
+        first = await anext(chunks, None)  # StopAsyncIteration cannot leave a task as itself
+        if start is not None:
+            elapsed = time.perf_counter() - start
+            await asyncio.sleep(math.ceil(elapsed / HEAD_QUANTUM_S) * HEAD_QUANTUM_S - elapsed)
+        return chunks, first
     except BaseException as exc:
         try:
             await opened.__aexit__(type(exc), exc, exc.__traceback__)

@@ -64,7 +64,9 @@ class SSEStream:
         # leaves it, which stops the generation and frees the provider's slot.
         self.opened, self.step = opened, step
         # what leaves together, one write each, as the stream's release mode says (server/release/)
-        self.groups = released(release, _chained(first, chunks), rates=rates or PaceRates(), rate_key=rate_key)
+        self.groups = released(release, _chained(first, chunks), rates=rates or PaceRates(), rate_key=rate_key,
+                               budget=first.budget if first is not None else None)
+        self.padded = release.padded
         self.pad: Callable[[bytes], bytes] = padded if release.padded else _as_is
         self.deadline = deadline
         self.format, self.turn_type, self.t0 = format, turn_type, t0
@@ -90,7 +92,7 @@ class SSEStream:
                 # the events a group becomes leave in one write: a send per event cost the Messages and
                 # Responses wires (3 to 5 events where Chat has 1) ~0.4 ms each (bench/wire_overhead.py)
                 data = b"".join(event for chunk in group for event in self.format.chunk(chunk))
-                if data:
+                if data or (not group and self.padded):  # an empty group: a filler (release/clocked.py)
                     yield self.pad(data)
                 group = await self._next()
             data = b"".join(self.format.end(last, self.usage))

@@ -56,7 +56,8 @@ def test_a_run_through_serve_changes_no_output_and_pads_every_write_to_a_bucket(
     assert report["same_output_as_pass"] == {"fixed:4": "4/4"}
     assert report["chance"] == 0.5 and set(report["summary"]["meets_bar"]) == {"pass", "fixed:4"}
     for row in rows.values():
-        assert set(row["accuracy"]) == {"sizes", "timing", "both"}
+        assert set(row["accuracy"]) == {"sizes", "timing", "both", "count", "head", "first", "gaps", "end"}
+    assert len(report["observations"]) == 8 and all(o["head"] > 0 for o in report["observations"])
     assert rows["fixed:4"]["write_sizes"] and all(n == bucket(n) for n in rows["fixed:4"]["write_sizes"])
     assert any(n != bucket(n) for n in rows["pass"]["write_sizes"])
     assert rows["pass"]["reads_per_stream_p50"] > rows["fixed:4"]["reads_per_stream_p50"]
@@ -79,3 +80,15 @@ def test_cross_tenant_summary_calls_isolation_only_when_b_drafts_as_an_empty_sto
     assert summary([row(5, 0), row(30, 0)])["leaked_share"] == 0.5
     assert not summary([row(5, 64), row(5, 0)])["isolated"]  # b found a's prefix
     assert "| 0 | 40 | 5 | 5 | 30 | 0 | 90 |" in format_table({"rows": [row(5, 0)], "summary": isolated})
+
+
+def test_each_ablation_reads_its_own_feature_only():
+    """Streams that differ by prompt only in how many writes they have: `count` names the prompt, the
+    first write's time does not; only in the time to the headers: `head` does, `count` does not."""
+    longer = [_obs(k, [1024] * (3 + k)) for k in range(4) for _ in range(3)]
+    assert accuracy(longer, "count") == 1.0 and accuracy(longer, "first") == pytest.approx(2 / 11)
+    late = [_obs(k, [1024] * 3) for k in range(4) for _ in range(3)]
+    for o in late:
+        o.head = 0.01 * (o.label + 1)
+    assert accuracy(late, "head") == 1.0 and accuracy(late, "count") == pytest.approx(2 / 11)
+    assert accuracy(late, "timing") == 1.0

@@ -336,8 +336,9 @@ def _sdk_replies(live) -> tuple:
     return chat, responses, msgs
 
 
-@pytest.mark.parametrize("mode", ["fixed:3", "paced"])
+@pytest.mark.parametrize("mode", ["fixed:3", "paced", "fixed:3+pad", "paced+pad"])
 def test_the_openai_and_anthropic_sdks_read_padded_streams_as_pass_mode(scripted, mode):
+    """(The +pad modes: the second and third streams are clocked and end with filler writes.)"""
     scripted.settings.stream_release = parse_release("pass")
     control = _sdk_replies(scripted)
     assert control[0][0] and control[0][1] and control[2][1]  # text and calls to compare

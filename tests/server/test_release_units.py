@@ -17,6 +17,8 @@ from stand_ins.streams import joined_tool_calls
 
 from openalice_runner.cli import build_parser
 from openalice_runner.providers.base import StreamBroken
+from openalice_runner.server.release import clocked as clocked_module
+from openalice_runner.server.release.clocked import clock_rate, clocked
 from openalice_runner.server.release.fixed import fixed
 from openalice_runner.server.release.modes import ReleaseMode, parse_release
 from openalice_runner.server.release.paced import MAX_RATE_KEYS, Pacer, PaceRates, paced
@@ -320,14 +322,18 @@ def test_buckets_are_powers_of_two_from_1k():
 
 
 @pytest.mark.parametrize("value, mode", [("pass", ReleaseMode()), ("paced", ReleaseMode("paced")),
-                                         ("fixed:1", ReleaseMode("fixed", 1)), (" fixed:16 ", ReleaseMode("fixed", 16))])  # fmt: skip
+                                         ("fixed:1", ReleaseMode("fixed", 1)), (" fixed:16 ", ReleaseMode("fixed", 16)),
+                                         ("paced+pad", ReleaseMode("paced", pad_length=True)),
+                                         ("fixed:4+pad", ReleaseMode("fixed", 4, pad_length=True))])  # fmt: skip
 def test_modes_parse(value, mode):
     assert parse_release(value) == mode
+    assert parse_release(str(mode)) == mode
     assert ServerSettings(stream_release=value).stream_release == mode
 
 
 @pytest.mark.parametrize("value", ["", "fixed", "fixed:", "fixed:0", "fixed:-1", "fixed:257", "fixed:2.5",
-                                   "fixed:٣", "Paced", "burst", "pass,paced"])  # fmt: skip
+                                   "fixed:٣", "Paced", "burst", "pass,paced", "pass+pad", "paced+",
+                                   "fixed:4+pad+pad", "+pad"])  # fmt: skip
 def test_bad_values_of_the_flag_are_refused_naming_it(value, capsys):
     with pytest.raises(ValueError, match="expected pass, fixed:N"):
         parse_release(value)
@@ -342,3 +348,179 @@ def test_the_flag_defaults_to_pass():
     args = build_parser().parse_args(["serve"])
     assert args.stream_release == ReleaseMode("pass")
     assert isinstance(build_parser(), argparse.ArgumentParser)
+
+
+# ---------------------------------------------------------------- the clock of recent streams (clocked.py)
+
+
+def run_clocked(passes, n: int, rate: float, pad_to: int | None = None):
+    """(time, tokens, group) of each write, and the stream's own rate as reported at its end."""
+    clock = FakeClock()
+    events: list[tuple[float, int, list[ChatChunk]]] = []
+    measured: list[float | None] = []
+
+    async def upstream():
+        for t, chunk in passes:
+            await clock.at(t)
+            yield chunk
+
+    async def main():
+        async for group in clocked(fixed(upstream(), n), n, rate, clock, pad_to=pad_to, on_end=measured.append):
+            events.append((clock.now(), units_of(group), group))
+
+    asyncio.run(main())
+    return events, measured[0]
+
+
+def _on_grid(times: list[float], period: float) -> list[float]:
+    """Each time as periods after the stream's start (0), asserting it is a whole number of them."""
+    slots = [t / period for t in times]
+    assert all(abs(s - round(s)) < 1e-6 for s in slots), slots
+    return [round(s) for s in slots]
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_clocked_writes_leave_on_the_same_points_whatever_each_pass_accepted(n):
+    """The engine ahead of the clock (passes of 1 to 3 tokens every 0.05 s: 40 tokens/s, the clock
+    at 32): uneven passes and even ones give the same writes at the same times, on the grid."""
+    sizes = [1, 3, 2, 2, 3, 1] * 4
+    uneven, measured = run_clocked(word_passes(sizes, 0.05), n, rate=32.0)
+    even, _ = run_clocked(word_passes([2] * 24, 0.05), n, rate=32.0)
+    assert [(t, u) for t, u, _ in uneven] == [(t, u) for t, u, _ in even]
+    slots = _on_grid([t for t, *_ in uneven], n / 32.0)
+    assert slots == list(range(clocked_module.LEAD_SLOTS, clocked_module.LEAD_SLOTS + len(slots)))
+    assert all(u == n for _, u, _ in uneven[:-1])
+    out = [c for *_, g in uneven for c in g]
+    assert "".join(c.delta_text for c in out) == "".join(c.delta_text for _, c in word_passes(sizes, 0.05))
+    assert out[-1].usage == Usage.of(3, 48) and out[-1].finish_reason == "stop"
+    assert measured == pytest.approx(40.0, rel=0.15)  # the stream's own rate, for the next streams
+
+
+def test_clocked_stalls_show_as_whole_periods_only():
+    """The engine behind the clock (a pass of 1 token every 0.3 s, the clock at 10 a second): every
+    write still leaves on a grid point."""
+    events, _ = run_clocked(word_passes([1] * 8, 0.3), 1, rate=10.0)
+    _on_grid([t for t, *_ in events], 0.1)
+    assert sum(u for _, u, _ in events) == 8
+
+
+def test_clocked_lag_is_bounded_in_time():
+    """The engine far ahead (a pass of 10 tokens every 0.05 s, the clock at 4 a second): no token waits
+    more than MAX_LAG_S after it completed; what the bound releases leaves in writes of one token,
+    back to back."""
+    sizes = [10] * 20
+    passes = word_passes(sizes, 0.05)
+    events, _ = run_clocked(passes, 1, rate=4.0)
+    assert all(u == 1 for _, u, _ in events[:-1])
+    assert sum(a == b for (a, *_), (b, *_) in itertools.pairwise(events)) > 10, "no catch-up"
+    released_at = [t for t, u, _ in events for _ in range(u)]
+    # token i (0-based) completes with the pass after the one that wrote it (units.py), or at the end
+    for i, t in enumerate(released_at):
+        done = passes[min(i // 10 + 1, len(sizes))][0]
+        assert t - done <= clocked_module.MAX_LAG_S + 1e-9, (i, t, done)
+    out = [c for *_, g in events for c in g]
+    assert "".join(c.delta_text for c in out) == "".join(c.delta_text for _, c in passes)
+
+
+@pytest.mark.parametrize("n, tokens", [(1, 5), (4, 5), (4, 20), (3, 30)])
+def test_padded_length_gives_every_reply_the_same_writes_and_end(n, tokens):
+    """+pad to 20: a reply of 5 tokens and one of 20 leave in as many writes, at the same times, the
+    end last; the tokens first, then fillers (empty writes). A reply past the pad is not cut."""
+    events, _ = run_clocked(word_passes([1] * tokens, 0.01), n, rate=40.0, pad_to=20)
+    full, _ = run_clocked(word_passes([1] * 20, 0.01), n, rate=40.0, pad_to=20)
+    if tokens <= 20:
+        assert [t for t, *_ in events] == [t for t, *_ in full]
+    writes = -(-max(tokens, 20) // n)
+    assert len(events) == writes + 1 and events[-1][2][-1].usage == Usage.of(3, tokens)
+    assert sum(u for _, u, _ in events) == tokens
+    counts = [u for _, u, _ in events[:-1]]
+    assert counts == sorted(counts, reverse=True) and events[-1][1] == 0  # tokens, fillers, the end
+    assert [g for _, u, g in events[:-1] if u == 0] == [[]] * (writes - -(-tokens // n))
+    _on_grid([t for t, *_ in events], n / 40.0)
+
+
+def test_padded_length_holds_when_the_lag_bound_releases_the_end():
+    """The engine far ahead of the clock (the lag bound releases the groups, the last among them):
+    the end is still padded to the budget (found on the loaded machine: the end left by the bound,
+    unpadded)."""
+    passes = word_passes([10] * 20, 0.05)
+    events, _ = run_clocked(passes, 2, rate=4.0, pad_to=256)
+    assert len(events) == 128 + 1 and sum(u for _, u, _ in events) == 200
+    assert events[-1][2][-1].usage == Usage.of(3, 200) and events[-1][1] == 0
+    assert [u for _, u, _ in events[:-1]] == [2] * 100 + [0] * 28
+
+
+def test_padded_length_without_a_budget_rounds_up_to_a_power_of_two():
+    events, _ = run_clocked(word_passes([1] * 20, 0.01), 4, rate=40.0, pad_to=0)
+    assert len(events) == 32 // 4 + 1 and sum(u for _, u, _ in events) == 20
+
+
+def test_clock_rates_lie_on_a_grid_below_the_recent_rate():
+    assert clock_rate(100.0) <= clocked_module.RATE_MARGIN * 100.0
+    assert clock_rate(100.0) > clocked_module.RATE_MARGIN * 100.0 / 2 ** (1 / clocked_module.RATE_STEPS)
+    assert clock_rate(100.0) == clock_rate(101.0)  # the EMA's drift does not move the grid
+    assert clock_rate(0.0) == 1.0
+
+
+def test_released_clocks_a_tenant_from_its_second_stream():
+    """The first stream of a tenant and model leaves as produced and records its rate; the next is
+    clocked at that rate's clock, every write on its grid."""
+    from openalice_runner.server.release.stream import released
+
+    rates = PaceRates()
+
+    async def upstream(times):
+        loop = asyncio.get_running_loop()
+        for t, chunk in word_passes([2] * 12, 0.01):
+            await asyncio.sleep(max(0.0, t - (loop.time() - times[0])))
+            yield chunk
+
+    async def run():
+        out = []
+        for _ in range(2):
+            times: list[float] = [asyncio.get_running_loop().time()]
+            stamps = []
+            async for _group in released(ReleaseMode("fixed", 2), upstream(times), rates=rates, rate_key="t\0m"):
+                stamps.append(asyncio.get_running_loop().time() - times[0])
+            out.append(stamps)
+        return out
+
+    first, second = asyncio.run(run())
+    recent = rates.rates["t\0m"]  # the first stream's rate (the second's moved it: what it was then is lost)
+    assert recent > 0 and len(first) == len(second) == 12
+    # a clock never lets a write out early: the last of 12 writes waits for its grid point (the
+    # slowest the clock could have run is the lower of the two streams' rates)
+    assert second[-1] >= (11 + clocked_module.LEAD_SLOTS) * 2 / clock_rate(max(recent, 200.0)) - 0.01
+
+
+def test_a_padded_streams_headers_wait_for_the_next_tenth_of_a_second(monkeypatch):
+    """_open_first with a start (the padded modes): the answer waits until the next multiple of
+    HEAD_QUANTUM_S after the request; without one (pass) it does not wait."""
+    import types
+    from contextlib import asynccontextmanager
+
+    from openalice_runner.server import pipeline
+
+    slept: list[float] = []
+    now = [10.0]
+
+    async def sleep(seconds):
+        slept.append(seconds)
+
+    monkeypatch.setattr(pipeline, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(pipeline, "asyncio", types.SimpleNamespace(sleep=sleep))
+
+    @asynccontextmanager
+    async def opened():
+        now[0] += 0.234  # the first chunk came 0.234 s after the request
+        yield _stream([text("hi", first=True)])
+
+    async def run(start):
+        now[0] = 10.0
+        _, first = await pipeline._open_first(opened(), start)
+        return first
+
+    assert asyncio.run(run(10.0)).delta_text == "hi"
+    assert slept == [pytest.approx(0.3 - 0.234)]
+    asyncio.run(run(None))
+    assert len(slept) == 1

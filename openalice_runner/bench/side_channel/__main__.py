@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"how many of the {len(fingerprint.PROMPTS)} built-in prompts (default all)")
     fp.add_argument("--max-tokens", type=int, default=40)
     fp.add_argument("--modes", default=",".join(fingerprint.MODES))
+    fp.add_argument("--methods", default=",".join(fingerprint.METHODS),
+                    help="speculation methods, off the control (default off,ngram,suffix)")
+    fp.add_argument("--temperatures", default=",".join(f"{t:g}" for t in fingerprint.TEMPERATURES))
     fp.add_argument("--equal-prompts", action="store_true",
                     help="pad the prompts to one token count first (the first write's time then says nothing "
                     "of a prompt's length, a channel of its own)")
@@ -36,13 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    def keep(report: dict) -> None:
+        if args.json_out:
+            with open(args.json_out + ".partial", "w") as f:
+                json.dump(report, f)
+
     modes = tuple(m.strip() for m in getattr(args, "modes", "").split(",") if m.strip())
     if args.part == "fingerprint":
         if not 2 <= args.prompts <= len(fingerprint.PROMPTS) or args.repeats < 2:
             parser.error(f"--prompts must be 2..{len(fingerprint.PROMPTS)} and --repeats at least 2")
         report = fingerprint.run(fingerprint.PROMPTS[:args.prompts], args.repeats, modes,
+                                 methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+                                 temperatures=tuple(float(t) for t in args.temperatures.split(",")),
                                  max_tokens=args.max_tokens, providers=args.providers,
-                                 equal_prompts=args.equal_prompts, log=say)
+                                 equal_prompts=args.equal_prompts, log=say, checkpoint=keep)
         table = fingerprint.format_table(report)
     elif args.part == "cross-tenant":
         report = cross_tenant.run(max_tokens=args.max_tokens, providers=args.providers, log=say)

@@ -4,8 +4,13 @@ Leave-one-out 1-nearest-neighbour over standardised features (each feature scale
 over all streams). Three observers, each told apart in the report, so a mode must defeat all:
 - `sizes`: the byte count of each of the first L reads (0 past the end), the number of reads and the
   total bytes: what tokens per pass shows as under `pass` (one write per pass);
-- `timing`: the gap before each of the first L reads, the total time and the time to the first read;
+- `timing`: the time to the response's head, the gap before each of the first L reads, the total
+  time and the time to the first read;
 - `both`: the two together.
+And one observer per feature, to say where what leaks comes from (ABLATIONS): `count` (the number of
+writes: the reply's length), `head` (the time to the response's status line and headers), `first`
+(the time to the first write), `gaps` (the gaps alone), `end` (the time to the last write). The bar
+is held against the best of all of them.
 Accuracy is the share of streams whose nearest other stream answered the same prompt; chance is 1/K.
 """
 
@@ -16,15 +21,21 @@ import math
 from openalice_runner.bench.side_channel.observe import Observation
 
 SEQUENCE = 48  # reads per stream the sequence features cover
-OBSERVERS = ("sizes", "timing", "both")
+ABLATIONS = ("count", "head", "first", "gaps", "end")
+OBSERVERS = ("sizes", "timing", "both", *ABLATIONS)
 
 
 def features(obs: Observation, observer: str, length: int = SEQUENCE) -> list[float]:
     sizes = obs.sizes
     times = [t for t, _ in obs.reads]
+    first, end = (times[0], times[-1]) if times else (0.0, 0.0)
+    single = {"count": [float(len(sizes))], "head": [obs.head], "first": [first], "end": [end],
+              "gaps": [*(obs.gaps + [0.0] * length)[:length]]}
+    if observer in single:
+        return single[observer]
     size_part = [float(x) for x in (sizes + [0] * length)[:length]] + [float(len(sizes)), float(sum(sizes))]
-    gaps = [times[0] if times else 0.0] + obs.gaps
-    time_part = [*(gaps + [0.0] * length)[:length], times[-1] if times else 0.0]
+    gaps = [first] + obs.gaps
+    time_part = [obs.head, *(gaps + [0.0] * length)[:length], end]
     if observer == "sizes":
         return size_part
     if observer == "timing":

@@ -56,10 +56,11 @@ default: {method: "off"}
 def run(prompts: tuple[str, ...] = PROMPTS, repeats: int = 6, modes: tuple[str, ...] = MODES,
         methods: tuple[str, ...] = METHODS, temperatures: tuple[float, ...] = TEMPERATURES,
         max_tokens: int = 40, providers: str | None = None, seed: int = 0, equal_prompts: bool = False,
-        log=print) -> dict[str, Any]:
+        log=print, checkpoint=None) -> dict[str, Any]:
     """`equal_prompts`: each prompt padded (" x" words) to the longest one's token count first, so
     the time to the first write no longer tells prompts apart by their length (a channel of its own,
-    with or without speculation)."""
+    with or without speculation). `checkpoint`: given the report of the streams so far after each
+    repeat and temperature (a long run on a loaded machine keeps what it measured)."""
     import httpx
 
     from openalice_runner.bench.loop_targets import Servers, TargetSpec
@@ -75,8 +76,13 @@ def run(prompts: tuple[str, ...] = PROMPTS, repeats: int = 6, modes: tuple[str, 
             if equal_prompts:
                 prompts = equalised(client, urls[modes[0]], prompts, lengths)
                 lengths = prompt_tokens(client, urls[modes[0]], prompts)
+            warm_up(client, urls, prompts, max_tokens)
+            def partial(observations: list[Observation], done: int) -> None:
+                if checkpoint is not None:
+                    checkpoint(report(observations, len(prompts), done, max_tokens))
+
             observations = _observe_all(urls, prompts, repeats, methods, temperatures, max_tokens, seed, log,
-                                        client)
+                                        client, partial)
     rep = report(observations, len(prompts), repeats, max_tokens)
     rep["prompt_tokens"], rep["equal_prompts"] = lengths, equal_prompts
     return rep
@@ -102,8 +108,18 @@ def equalised(client, url: str, prompts: tuple[str, ...], counts: list[int]) -> 
     return tuple(p + " x" * max(0, target - n) for p, n in zip(padded, again, strict=True))
 
 
+def warm_up(client, urls: dict[str, str], prompts: tuple[str, ...], max_tokens: int) -> None:
+    """A streamed call of every prompt through every server, not observed: the engine's first calls
+    and a paced clock's first rate (recent streams of the tenant and model) are set before the run."""
+    for url in urls.values():
+        for prompt in prompts:
+            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                    "temperature": 0, "stream": True}
+            observe(client, url, body, {"X-OpenAlice-Turn-Type": "fp-off"}, Observation(-1, "", "off", 0.0))
+
+
 def _observe_all(urls: dict[str, str], prompts, repeats, methods, temperatures, max_tokens, seed, log,
-                 client) -> list[Observation]:
+                 client, partial) -> list[Observation]:
     rng = random.Random(seed)
     modes = list(urls)
     out: list[Observation] = []
@@ -122,6 +138,7 @@ def _observe_all(urls: dict[str, str], prompts, repeats, methods, temperatures, 
                         obs = Observation(k, mode, method, temperature)
                         out.append(observe(client, urls[mode], body, headers, obs))
             log(f"repeat {r + 1}/{repeats}, temperature {temperature}: {len(out)} streams")
+            partial(out, r + 1)
     return out
 
 
@@ -144,7 +161,12 @@ def report(observations: list[Observation], k: int, repeats: int, max_tokens: in
         })
     chance = 1 / k
     return {"prompts": k, "repeats": repeats, "max_tokens": max_tokens, "chance": round(chance, 3),
-            "rows": rows, "same_output_as_pass": same_output(observations), "summary": summary(rows, chance)}
+            "rows": rows, "same_output_as_pass": same_output(observations), "summary": summary(rows, chance),
+            # every stream as the observer saw it, to classify again with other features
+            "observations": [{"label": o.label, "mode": o.mode, "method": o.method, "temperature": o.temperature,
+                              "head": round(o.head, 6), "reads": [(round(t, 6), n) for t, n in o.reads],
+                              "finish_reason": o.finish_reason, "text_chars": len(o.text)}
+                             for o in observations]}
 
 
 def same_output(observations: list[Observation]) -> dict[str, str]:
@@ -182,12 +204,13 @@ def format_table(rep: dict[str, Any]) -> str:
     lines = [f"chance {rep['chance']:.3f} ({rep['prompts']} prompts x {rep['repeats']} repeats, "
              f"max_tokens {rep['max_tokens']}); prompt tokens {rep.get('prompt_tokens')}"
              f"{' (padded to one length)' if rep.get('equal_prompts') else ''}", "",
-             "| mode | method | T | streams | sizes | timing | both | reads p50 | s p50 | first read s | ended early |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| mode | method | T | streams | " + " | ".join(OBSERVERS) + " | reads p50 | s p50 | first read s | ended early |",
+             "|---|---|---|---|" + "---|" * len(OBSERVERS) + "---|---|---|---|"]
     for r in rep["rows"]:
         a = r["accuracy"]
-        lines.append(f"| {r['mode']} | {r['method']} | {r['temperature']:g} | {r['streams']} | {a['sizes']:.3f} | "
-                     f"{a['timing']:.3f} | {a['both']:.3f} | {r['reads_per_stream_p50']:g} | {r['seconds_p50']} | "
+        lines.append(f"| {r['mode']} | {r['method']} | {r['temperature']:g} | {r['streams']} | "
+                     + " | ".join(f"{a[name]:.3f}" for name in OBSERVERS)
+                     + f" | {r['reads_per_stream_p50']:g} | {r['seconds_p50']} | "
                      f"{r['first_read_s_p50']} | {r['ended_before_budget']} |")
     summ = rep["summary"]
     lines += ["", f"same output as pass at T=0: {rep['same_output_as_pass']}",

@@ -22,6 +22,7 @@ class Observation:
     method: str  # the speculation method the policy chose
     temperature: float
     reads: list[tuple[float, int]] = field(default_factory=list)  # writes: (seconds since the request, bytes)
+    head: float = 0.0  # seconds from the request to the response's status line and headers
     text: str = ""  # what the model wrote (kept to check that modes change no output)
     finish_reason: str | None = None
     speculation: dict[str, Any] | None = None  # as the reply stated it (figures the release hides)
@@ -43,6 +44,7 @@ def observe(client, url: str, body: dict[str, Any], headers: dict[str, str], obs
     blocks: list[tuple[float, bytes]] = []  # each SSE block (event or comment) and when it was whole
     t0 = time.perf_counter()
     with client.stream("POST", f"{url}/chat/completions", json=body, headers=headers) as response:
+        obs.head = time.perf_counter() - t0  # the headers cross the network too: a write of their own
         if response.status_code != 200:
             response.read()
             raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:300]}")

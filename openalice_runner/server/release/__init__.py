@@ -9,6 +9,7 @@ it is the same for the embedded engine and for pool streams:
     stream.py  a stream's chunks as the groups that leave together, one write each
     units.py   what a token is at the chunk layer, and chunks cut into and rebuilt from them
     fixed.py   fixed:N: N tokens an event
-    paced.py   paced: one token an event on a steady clock set from the measured decode rate
+    clocked.py fixed:N and paced (N = 1) on the clock of the tenant's recent decode rate; +pad
+    paced.py   paced's first stream of a tenant: one token an event on a clock of its own rate
     padding.py every write padded to a size bucket with an SSE comment line (fixed:N and paced)
 """
