@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from openalice_runner.first_token import FirstTokenBreakdown
+
 SpecMethod = Literal["off", "ngram", "draft", "eagle", "suffix"]  # suffix: prompt lookup + recent responses (engine)
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 MAX_GAMMA = 64  # the most draft tokens one round may propose
@@ -118,6 +120,7 @@ class SpeculationOutcome:
     rule: str | None = None
     policy_version: str | None = None
     pool: str | None = None
+    first_token: FirstTokenBreakdown | None = None  # where the time before the first token went
 
     @property
     def acceptance_rate(self) -> float:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from openalice_runner.first_token import FirstTokenBreakdown
 from openalice_runner.providers.base import CallContext
 from openalice_runner.providers.embedded import tool_format
 from openalice_runner.providers.embedded.prompt import Prompt
@@ -41,9 +42,21 @@ class Finished:
     def of(cls, result: Any, prompt: Prompt, ctx: CallContext) -> Finished:
         stats = result.stats
         stamp(stats, ctx)
-        outcome = stats.outcome()
+        outcome = replace(stats.outcome(), first_token=first_token(stats, prompt, ctx))
         usage = Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens, stats.cached_prompt_tokens)
         return cls(outcome=outcome, usage=usage, speculation=speculation(outcome, stats))
+
+
+def first_token(stats: Any, prompt: Prompt, ctx: CallContext) -> FirstTokenBreakdown:
+    """The call's time before its first token by part: the server's parse, the prompt's building, and
+    the engine's `FirstTokenTimes` (an engine stood in by a test may have none)."""
+    parts: dict[str, float | None] = {"parse": ctx.parse_s, **prompt.times}
+    engine = getattr(stats, "first_token", None)
+    if engine is None:
+        return FirstTokenBreakdown.of(parts)
+    parts.update(queue=engine.queue_s, prefix_match=engine.prefix_match_s, prefill=engine.prefill_s,
+                 first_token=engine.first_token_s, first_decode=engine.first_decode_s)
+    return FirstTokenBreakdown.of(parts, engine.chunks)
 
 
 def reply(result: Any, prompt: Prompt, ctx: CallContext, *, model: str, provider: str) -> ChatResult:
