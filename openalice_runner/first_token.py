@@ -18,9 +18,11 @@ from typing import Any
 # conversation's last call left (prefix reuse); grammar: the reply's grammar built or found;
 # queue: waiting for a batch slot; prefix_match: finding the slot with the longest cached prefix;
 # prefill: the prompt's passes (each one in `chunks`); first_token: choosing it from their logits;
-# first_decode: the first decode round, where the first token's text was empty
+# first_decode: the first decode round, where the first token's text was empty; held_back (streams):
+# from the first token's arrival to the first chunk with content, less first_decode (a tool call's text
+# is held until the call's name is known: the decode rounds until then)
 PARTS = ("parse", "template", "tokenize", "history_align", "grammar", "queue", "prefix_match", "prefill",
-         "first_token", "first_decode")
+         "first_token", "first_decode", "held_back")
 
 
 @dataclass(frozen=True, slots=True)

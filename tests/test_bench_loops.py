@@ -385,7 +385,8 @@ def test_every_call_reports_its_time_to_first_token_by_part(loops_file, sidecars
         for k, call in enumerate(row["calls"]):
             breakdown = call["speculation"]["first_token"]
             parts = breakdown["parts_ms"]
-            expected = {"parse", "template", "tokenize", "grammar", "queue", "prefix_match", "prefill", "first_token"}
+            expected = {"parse", "template", "tokenize", "grammar", "queue", "prefix_match", "prefill", "first_token",
+                        "held_back"}
             assert expected <= set(parts), (k, parts)
             assert k == 0 or "history_align" in parts  # a later call's ids are matched to the history's
             assert all(ms >= 0 for ms in parts.values())

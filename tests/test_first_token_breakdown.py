@@ -98,7 +98,8 @@ def test_the_call_span_carries_every_part_and_they_fit_its_time_to_first_chunk()
         attrs = span.attributes
         parts = {p: attrs.get(f"{A.LATENCY_FIRST_TOKEN}.{p}_ms") for p in PARTS}
         # no server here: nothing parsed a body; the engine's first token had text or it did not
-        expected = {"template", "tokenize", "grammar", "queue", "prefix_match", "prefill", "first_token"}
+        expected = {"template", "tokenize", "grammar", "queue", "prefix_match", "prefill", "first_token",
+                    "held_back"}  # a stream: from the first token's arrival to its first chunk
         if step:
             expected.add("history_align")
         assert expected <= {p for p, ms in parts.items() if ms is not None}, parts
