@@ -12,24 +12,30 @@ Per call: the route (turn type, model) names a fallback chain; each provider in 
 AdmittedProvider(PolicyProvider(InstrumentedProvider(provider))): the provider's admission gate
 holds a slot for the call or refuses it at once when its queue is full, the policy decides
 speculation for the provider that will serve, with its current load as batch size, tracing records
-the call, and the fallback moves on only before the first token. The sidecar calls `runner.chat` / `runner.stream` directly.
-Sync code uses `SyncRunner` (`runner.sync()`), which drives the same Runner on a private loop thread.
+the call, and the fallback moves on only before the first token. The sidecar calls `runner.chat` /
+`runner.stream` directly. Sync code uses `SyncRunner` (`runner.sync()`, sync_runner.py), which drives
+the same Runner on a private loop thread. Beside it: a turn's calls and tool steps (turn.py), the
+policy argument resolved (policies/setting.py) and providers built by `type` (providers/registry.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import enum
 import logging
-import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from contextvars import Token
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
+from openalice_runner.policies.setting import (
+    DEFAULT_POLICY,
+    NO_POLICY,
+    PolicyArg,
+    PolicySetting,
+    policy_file,
+    policy_setting,
+    policy_store,
+)
 from openalice_runner.providers.base import CallContext, Provider
 from openalice_runner.providers.config import (
     CATCH_ALL_MODEL,
@@ -38,6 +44,7 @@ from openalice_runner.providers.config import (
     RoutingConfig,
     load_routing_file,
 )
+from openalice_runner.providers.registry import EngineArg, build_provider
 from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.providers.wrappers.admission import (
     AdmissionGate,
@@ -47,96 +54,25 @@ from openalice_runner.providers.wrappers.admission import (
 )
 from openalice_runner.providers.wrappers.fallback import FallbackProvider
 from openalice_runner.providers.wrappers.policy import PolicyProvider
-from openalice_runner.types import (
-    ChatChunk,
-    ChatMessage,
-    ChatRequest,
-    ChatResult,
-    ToolDefinition,
-    coerce_messages,
-)
+from openalice_runner.speculation import SpeculationPolicy
+from openalice_runner.sync_runner import SyncRunner, SyncTurn
+from openalice_runner.turn import MessagesArg, ToolStep, Turn
+from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
 
 if TYPE_CHECKING:
-    from opentelemetry.context import Context
     from opentelemetry.metrics import MeterProvider
-    from opentelemetry.trace import Span, TracerProvider
-    from pydantic import BaseModel
+    from opentelemetry.trace import TracerProvider
 
-    from openalice_runner.policies import PolicyStore, RequestContext
     from openalice_runner.prompt_log import PromptLog
-    from openalice_runner.speculation import SpeculationOutcome, SpeculationPlan
     from openalice_runner.tracing import RunnerTelemetry
 
+# the library's names, importable from here as they always were (each is defined where its job is)
+__all__ = [
+    "DEFAULT_POLICY", "NO_POLICY", "EngineArg", "MessagesArg", "PolicyArg", "PolicySetting", "Runner",
+    "SpeculationPolicy", "SyncRunner", "SyncTurn", "ToolStep", "Turn", "build_provider", "policy_setting",
+]  # fmt: skip
+
 logger = logging.getLogger(__name__)
-
-OTEL_CONTEXT_KEY = "otel_context"  # same key as openalice_runner.providers.wrappers.instrumented
-
-_T = TypeVar("_T")
-
-
-class SpeculationPolicy(Protocol):
-    """What the Runner asks before each call and tells after it: a PolicyStore, or anything with these
-    two methods (`watch_policy` also needs PolicyStore's start_watching / stop_watching)."""
-
-    def decide(self, ctx: RequestContext) -> SpeculationPlan: ...
-
-    # PolicyStore also takes `tenant=` (adaptive γ per tenant); it is passed only for requests that have one
-    def observe(self, turn_type: str, method: str, provider: str | None, outcome: SpeculationOutcome) -> None: ...
-
-
-class PolicySetting(enum.Enum):
-    """`Runner.from_config(policy=...)` when it is neither a file nor a PolicyStore."""
-
-    DEFAULT = "default"  # the policy shipped in the package (openalice_runner/defaults/policy.yaml)
-    OFF = "off"  # no policy: every call runs without speculation
-
-
-DEFAULT_POLICY = PolicySetting.DEFAULT
-NO_POLICY = PolicySetting.OFF
-
-# What `from_config` takes as its policy. None and False are the older spellings of DEFAULT_POLICY
-# and NO_POLICY, still accepted.
-PolicyArg: TypeAlias = "str | Path | SpeculationPolicy | PolicySetting | None | Literal[False]"
-
-# An engine for the `local` providers: an openalice_runner.engine.Engine, typed `object` here so
-# that the core never imports the engine.
-EngineArg: TypeAlias = object | None
-
-# What the loop passes as messages, tools and tool_choice: OpenAI-shaped dicts or the models.
-MessagesArg: TypeAlias = "ChatRequest | Sequence[ChatMessage | Mapping[str, Any]]"
-ToolsArg: TypeAlias = "Sequence[ToolDefinition | Mapping[str, Any]] | None"
-ToolChoiceArg: TypeAlias = "str | Mapping[str, Any] | None"
-ResponseFormatArg: TypeAlias = "type[BaseModel] | Mapping[str, Any] | None"
-
-
-def policy_setting(policy: PolicyArg) -> str | Path | SpeculationPolicy | PolicySetting:
-    """`policy` with the older spellings read: None is DEFAULT_POLICY, False is NO_POLICY."""
-    if policy is None:
-        return PolicySetting.DEFAULT
-    if policy is False:
-        return PolicySetting.OFF
-    return policy
-
-
-def build_provider(name: str, config: ProviderConfig, engine: EngineArg = None) -> Provider:
-    """Provider instance for one entry of the routing config (imports only what that type needs)."""
-    if config.type == "local":
-        from openalice_runner.providers.local import LocalProvider
-
-        return LocalProvider(name, config, engine=engine)
-    if config.type == "sglang":
-        from openalice_runner.providers.pools.sglang import SGLangProvider
-
-        return SGLangProvider(name, config)
-    if config.type == "vllm":
-        from openalice_runner.providers.pools.vllm import VLLMProvider
-
-        return VLLMProvider(name, config)
-    if config.type == "hosted":
-        from openalice_runner.providers.hosted import HostedProvider
-
-        return HostedProvider(name, config)
-    raise ValueError(f"unknown provider type {config.type!r}")
 
 
 class Runner:
@@ -200,7 +136,7 @@ class Runner:
         else:
             routing = load_routing_file(providers)
             _check_pools(policy_setting(policy), providers)
-        store = _policy_store(policy_setting(policy), watch_policy)
+        store = policy_store(policy_setting(policy), watch_policy)
         if telemetry is None:
             from openalice_runner.tracing import RunnerTelemetry
 
@@ -343,210 +279,15 @@ def _limits_of(config: ProviderConfig | None) -> AdmissionLimits:
 def _check_pools(policy: str | Path | SpeculationPolicy | PolicySetting, providers: str | Path) -> None:
     """At load, the policy file's rules against the SGLang pools the routing file deploys
     (ConfigError naming each problem); a policy given as an object or switched off has no file."""
-    if policy is PolicySetting.DEFAULT:
-        from openalice_runner import defaults
-
-        policy = defaults.path(defaults.POLICY)
-    if not isinstance(policy, str | Path):
+    path = policy_file(policy)
+    if path is None:
         return
     from openalice_runner.config_files import ConfigError
-    from openalice_runner.providers.pools.pool_checks import check_pool_files
+    from openalice_runner.pool_checks import check_pool_files
 
-    problems = check_pool_files(policy, providers)
+    problems = check_pool_files(path, providers)
     if problems:
         raise ConfigError(problems)
-
-
-def _policy_store(
-    policy: str | Path | SpeculationPolicy | PolicySetting, watch: bool
-) -> PolicyStore | SpeculationPolicy | None:
-    if policy is PolicySetting.OFF:
-        return None
-    if policy is PolicySetting.DEFAULT:
-        from openalice_runner import defaults
-
-        policy = defaults.path(defaults.POLICY)
-    if isinstance(policy, str | Path):
-        from openalice_runner.policies import PolicyStore
-
-        return PolicyStore.from_file(policy, watch=watch)
-    if watch:
-        getattr(policy, "start_watching")()  # noqa: B009 (a PolicyStore's; the protocol lacks it)
-    return policy  # a PolicyStore (or anything with decide/observe)
-
-
-def _response_format(value: ResponseFormatArg) -> dict[str, object]:
-    """`response_format` as a ChatRequest field: a pydantic model class becomes its strict JSON schema."""
-    if value is None:
-        return {}
-    from pydantic import BaseModel
-
-    if isinstance(value, type) and issubclass(value, BaseModel):
-        schema = {"name": value.__name__, "schema": value.model_json_schema(), "strict": True}
-        value = {"type": "json_schema", "json_schema": schema}
-    return {"response_format": value}
-
-
-class Turn:
-    """One turn of the agent: several model calls and tool steps, numbered in order (step 1, 2, ...).
-
-    `attach_context`: make the turn span current inside `async with` (so the loop's own spans nest
-    under it). SyncTurn turns it off: its calls run in different tasks, so parents are passed explicitly.
-    """
-
-    def __init__(
-        self,
-        runner: Runner,
-        conversation_id: str | None,
-        turn_type: str,
-        agent: str | None,
-        *,
-        attach_context: bool = True,
-    ) -> None:
-        self.runner = runner
-        self.conversation_id = conversation_id
-        self.turn_type = turn_type
-        self.agent = agent
-        self.step = 0
-        self._attach = attach_context
-        self._span: Span | None = None
-        self._otel_ctx: Context | None = None
-        self._token: Token[Context] | None = None
-
-    async def __aenter__(self) -> Turn:
-        tel = self.runner.telemetry
-        if tel is not None:
-            from opentelemetry import context as otel_context
-            from opentelemetry import trace
-
-            self._span = tel.start_turn(self.agent, self.conversation_id, self.turn_type)
-            self._otel_ctx = trace.set_span_in_context(self._span)
-            if self._attach:
-                self._token = otel_context.attach(self._otel_ctx)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        tel = self.runner.telemetry
-        if tel is None or self._span is None:
-            return
-        if self._token is not None:
-            from opentelemetry import context as otel_context
-
-            with contextlib.suppress(ValueError):  # exited in another context than entered
-                otel_context.detach(self._token)
-            self._token = None
-        tel.end_turn(self._span, error=exc, steps=self.step)
-        self._span = None
-
-    def _next_ctx(self, turn_type: str | None, model: str | None) -> CallContext:
-        self.step += 1
-        attributes = {OTEL_CONTEXT_KEY: self._otel_ctx} if self._otel_ctx is not None else {}
-        return CallContext(
-            conversation_id=self.conversation_id,
-            turn_type=turn_type or self.turn_type,
-            step=self.step,
-            agent=self.agent,
-            model=model,
-            attributes=attributes,
-        )
-
-    def _call(
-        self,
-        messages: MessagesArg,
-        tools: ToolsArg,
-        tool_choice: ToolChoiceArg,
-        response_format: ResponseFormatArg,
-        turn_type: str | None,
-        model: str | None,
-        sampling: dict[str, object],
-    ) -> tuple[ChatRequest, CallContext]:
-        """The request of one `chat` or `stream` call and its context (the turn's next step)."""
-        sampling.update(_response_format(response_format))
-        request = self._request(messages, tools, tool_choice, model, sampling)
-        return request, self._next_ctx(turn_type, request.model)
-
-    @staticmethod
-    def _request(
-        messages: MessagesArg, tools: ToolsArg, tool_choice: ToolChoiceArg, model: str | None,
-        sampling: dict[str, object],
-    ) -> ChatRequest:
-        if isinstance(messages, ChatRequest):
-            return messages
-        fields = {"messages": coerce_messages(messages), "tools": tools, "tool_choice": tool_choice, "model": model}
-        return ChatRequest.model_validate({**fields, **sampling})
-
-    async def chat(
-        self,
-        messages: MessagesArg,
-        *,
-        tools: ToolsArg = None,
-        tool_choice: ToolChoiceArg = None,
-        response_format: ResponseFormatArg = None,
-        turn_type: str | None = None,
-        model: str | None = None,
-        **sampling: object,
-    ) -> ChatResult:
-        """One model call. `messages`: dicts or ChatMessage (or a ready ChatRequest); `sampling`:
-        temperature, top_p, top_k, seed, stop, max_tokens (and any other ChatRequest field, e.g.
-        parallel_tool_calls). `response_format`: OpenAI's dict, or a pydantic model class (its JSON
-        schema, strict); the embedded engine enforces it by grammar."""
-        request, ctx = self._call(messages, tools, tool_choice, response_format, turn_type, model, sampling)
-        return await self.runner.chat(request, ctx)
-
-    def stream(
-        self,
-        messages: MessagesArg,
-        *,
-        tools: ToolsArg = None,
-        tool_choice: ToolChoiceArg = None,
-        response_format: ResponseFormatArg = None,
-        turn_type: str | None = None,
-        model: str | None = None,
-        **sampling: object,
-    ) -> AsyncGenerator[ChatChunk, None]:
-        """One streamed model call; the last chunk carries finish_reason, usage and speculation.
-        The generation stops when the iteration ends or fails, or when the generator is closed: to stop
-        early, read it in `async with contextlib.aclosing(turn.stream(...))` (a bare `break` leaves the
-        closing to the garbage collector); `runner.stream` gives the `async with` form directly."""
-        request, ctx = self._call(messages, tools, tool_choice, response_format, turn_type, model, sampling)
-        return _chunks_of(self.runner.stream(request, ctx))
-
-    @contextlib.asynccontextmanager
-    async def tool(
-        self, name: str, call_id: str | None = None, arguments: object = None
-    ) -> AsyncIterator[ToolStep]:
-        """A tool step run by the loop: timed and traced as `execute_tool {name}`."""
-        async with self._tool_step(name, call_id, arguments) as step:
-            yield step
-
-    @contextlib.asynccontextmanager
-    async def _tool_step(self, name: str, call_id: str | None, arguments: object) -> AsyncIterator[ToolStep]:
-        self.step += 1
-        step = ToolStep(name, call_id, self.step)
-        tel = self.runner.telemetry
-        if tel is None:
-            yield step
-            return
-        from opentelemetry import context as otel_context
-        from opentelemetry import trace
-
-        span = tel.start_tool(
-            name, call_id, self.step, self.turn_type, parent=self._otel_ctx, arguments=arguments
-        )
-        token = otel_context.attach(trace.set_span_in_context(span)) if self._attach else None
-        try:
-            yield step
-        except BaseException as exc:
-            tel.end_tool(span, error=exc, result=step.result)
-            raise
-        else:
-            tel.end_tool(span, result=step.result)
-        finally:
-            if token is not None:
-                with contextlib.suppress(ValueError):
-                    otel_context.detach(token)
 
 
 @contextlib.asynccontextmanager
@@ -567,117 +308,3 @@ async def _logged(
         yield logged
     if ended:
         log.record(request, ctx.turn_type)
-
-
-async def _chunks_of(opened: AbstractAsyncContextManager[ChatStream]) -> AsyncGenerator[ChatChunk, None]:
-    """A stream's context as a plain async iterator: closing the generator leaves the context."""
-    async with opened as chunks:
-        async for chunk in chunks:
-            yield chunk
-
-
-class ToolStep:
-    """Handle given inside `turn.tool(...)`: set `.result` to record the tool's output."""
-
-    def __init__(self, name: str, call_id: str | None, step: int) -> None:
-        self.name = name
-        self.call_id = call_id
-        self.step = step
-        self.result: object = None  # what the tool returned (traced where content is recorded)
-
-
-# ---------------------------------------------------------------- sync wrappers
-
-
-class SyncRunner:
-    """Blocking facade: the Runner runs on a private event loop in a daemon thread."""
-
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="openalice-runner-loop", daemon=True
-        )
-        self._thread.start()
-
-    @classmethod
-    def from_config(cls, *args: Any, **kwargs: Any) -> SyncRunner:
-        """`Runner.from_config`'s arguments, forwarded as they are."""
-        return cls(Runner.from_config(*args, **kwargs))
-
-    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def chat(self, request: ChatRequest, ctx: CallContext | None = None) -> ChatResult:
-        return self._run(self.runner.chat(request, ctx))
-
-    def turn(
-        self, conversation_id: str | None = None, turn_type: str = "chat", agent: str | None = None
-    ) -> SyncTurn:
-        return SyncTurn(self, Turn(self.runner, conversation_id, turn_type, agent, attach_context=False))
-
-    def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._run(self.runner.aclose())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
-
-    def __enter__(self) -> SyncRunner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class SyncTurn:
-    def __init__(self, sync: SyncRunner, turn: Turn) -> None:
-        self._sync = sync
-        self.turn = turn
-
-    @property
-    def step(self) -> int:
-        return self.turn.step
-
-    def __enter__(self) -> SyncTurn:
-        self._sync._run(self.turn.__aenter__())
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._sync._run(self.turn.__aexit__(exc_type, exc, tb))
-
-    def chat(self, messages: MessagesArg, **kwargs: Any) -> ChatResult:
-        """`Turn.chat`, blocking; `kwargs` are its keyword arguments, forwarded."""
-        return self._sync._run(self.turn.chat(messages, **kwargs))
-
-    def stream(self, messages: MessagesArg, **kwargs: Any) -> Iterator[ChatChunk]:
-        """`Turn.stream`, blocking; `kwargs` are its keyword arguments, forwarded."""
-        chunks = self.turn.stream(messages, **kwargs)
-
-        async def next_chunk() -> ChatChunk | None:
-            # StopAsyncIteration cannot cross a future: None stands for the end (a stream yields no None).
-            try:
-                return await anext(chunks)
-            except StopAsyncIteration:
-                return None
-
-        try:
-            while (chunk := self._sync._run(next_chunk())) is not None:
-                yield chunk
-        finally:
-            self._sync._run(chunks.aclose())  # stops the generation when the caller stops reading
-
-    @contextlib.contextmanager
-    def tool(self, name: str, call_id: str | None = None, arguments: object = None) -> Iterator[ToolStep]:
-        cm = self.turn.tool(name, call_id, arguments)
-        step = self._sync._run(cm.__aenter__())
-        try:
-            yield step
-        except BaseException as exc:
-            if not self._sync._run(cm.__aexit__(type(exc), exc, exc.__traceback__)):
-                raise
-        else:
-            self._sync._run(cm.__aexit__(None, None, None))

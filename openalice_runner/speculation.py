@@ -13,7 +13,10 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
+
+if TYPE_CHECKING:
+    from openalice_runner.policies import RequestContext
 
 from openalice_runner.first_token import FirstTokenBreakdown
 
@@ -137,6 +140,16 @@ class SpeculationOutcome:
         if self.ttft_s is None or self.total_s is None:
             return None
         return max(0.0, self.total_s - self.ttft_s)
+
+
+class SpeculationPolicy(Protocol):
+    """What the Runner asks before each call and tells after it: a PolicyStore, or anything with these
+    two methods (`watch_policy` also needs PolicyStore's start_watching / stop_watching)."""
+
+    def decide(self, ctx: RequestContext) -> SpeculationPlan: ...
+
+    # PolicyStore also takes `tenant=` (adaptive γ per tenant); it is passed only for requests that have one
+    def observe(self, turn_type: str, method: str, provider: str | None, outcome: SpeculationOutcome) -> None: ...
 
 
 # Keys the JSON contracts used to carry, kept one release beside the names above (docs/vocabulary.md):

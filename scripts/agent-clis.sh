@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The agent CLIs OpenAlice runs, pinned, for their headless tests against `serve`
-# (tests/test_agent_clis.py): Claude Code, Codex and opencode, installed from npm into a folder of
+# (tests/wires/test_agent_clis.py): Claude Code, Codex and opencode, installed from npm into a folder of
 # their own (never globally). (The Vercel AI SDK's providers are pinned in tests/node/package.json,
 # where its tests import them from.)
 #

@@ -2,12 +2,12 @@
 # Side venv for the SGLang contract tier: SGLang 0.5.23's own code (installed --no-deps) plus what
 # importing its OpenAI protocol classes (sglang/srt/entrypoints/openai/protocol.py) and its
 # ServerArgs parser needs, and nothing of the GPU stack beyond a CPU torch. The runner never
-# imports SGLang: tests/test_sglang_contract.py and tests/test_policy_sglang.py run this venv's
+# imports SGLang: tests/providers/test_sglang_contract.py and tests/policies/test_sglang_flags.py run this venv's
 # python in a subprocess and skip, saying so, without it.
 #
 #   scripts/sglang-contract-venv.sh [VENV_DIR]          # default /tmp/sglang-contract
 #   export OPENALICE_SGLANG_VENV=/tmp/sglang-contract
-#   pytest tests/test_sglang_contract.py tests/test_policy_sglang.py
+#   pytest tests/providers/test_sglang_contract.py tests/policies/test_sglang_flags.py
 #
 # SGLang imports torch at package import (sglang/srt/utils/common.py). A torch already installed in
 # the project's venv (OPENALICE_HOST_PYTHON, default .venv/bin/python) is reused through a .pth

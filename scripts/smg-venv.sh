@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SGLang's model gateway (smg 1.13.0, a Rust binary on PyPI) in a side venv: the gateway in front of
-# two vLLM workers in the live tier (tests/test_vllm_live.py) and the gateway benchmark
+# two vLLM workers in the live tier (tests/providers/test_vllm_live.py) and the gateway benchmark
 # (openalice_runner/bench/gateway_affinity.py). The runner never imports it; it runs `smg launch`.
 #
 #   scripts/smg-venv.sh            # build or reuse; prints the binary's path last

@@ -138,7 +138,7 @@ class VLLMServer:
                 self.kill()
 
     def metric(self, name: str) -> float:
-        from openalice_runner.providers.pools.pool import parse_prometheus_sum
+        from openalice_runner.providers.pools.replicas import parse_prometheus_sum
 
         value = parse_prometheus_sum(httpx.get(f"{self.url}/metrics", timeout=5).text, name)
         return float(value or 0.0)

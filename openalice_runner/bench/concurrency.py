@@ -54,7 +54,7 @@ def run_level(
             decision = policy_store.decide(
                 RequestContext(turn_type=case.turn_type, batch_size=running + waiting + 1, provider="local")
             )
-            # the decision's γ by batch size is followed at every step (SpecConfig.gamma_by_batch)
+            # the plan's γ by batch size is followed at every step (SpecConfig.per_batch)
             result = target.generate(prompt, sampling, SpecConfig.from_plan(decision))
             with lock:
                 policy_store.observe(case.turn_type, decision.method, "local", result.stats.outcome())

@@ -8,7 +8,7 @@ cases, four modes run side by side on one engine, in turns per case:
 - `constrained-forced-ngram`: forced tokens first, then n-gram drafts.
 
 Each case becomes the request a client would send, and the local provider turns it into the
-prompt and grammar it serves (`LocalProvider.build_prompt`): a tool-call turn asks for one call
+prompt and grammar it serves (`EmbeddedProvider.build_prompt`): a tool-call turn asks for one call
 (`tool_choice: "required"`, `parallel_tool_calls: false`, as the workload's turns want one), so
 a constrained reply is one valid call and then ends; a structured turn sends
 `response_format: json_schema`. All four modes decode the same prompt (the provider's prefill
@@ -34,9 +34,9 @@ import jsonschema
 from openalice_runner.bench.runner import geomean
 from openalice_runner.bench.workload import Case
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
-from openalice_runner.providers.embedded.local_config import LocalConfig
+from openalice_runner.providers.embedded.config import EmbeddedConfig
+from openalice_runner.providers.embedded.provider import EmbeddedProvider
 from openalice_runner.providers.embedded.tool_format import TOOL_CALL_CLOSE, parse_tool_calls
-from openalice_runner.providers.local import LocalProvider
 from openalice_runner.types import ChatRequest
 
 MODES = ("unconstrained-off", "constrained-off", "constrained-forced", "constrained-forced-ngram")
@@ -100,7 +100,7 @@ class Served:
 
 
 def serve_prompt(engine: Engine, request: ChatRequest) -> Served:
-    provider = LocalProvider("bench", LocalConfig(type="local", prefix_reuse=False), engine=engine)
+    provider = EmbeddedProvider("bench", EmbeddedConfig(type="local", prefix_reuse=False), engine=engine)
     prompt = provider.build_prompt(request)
     # as the provider's sampling settings: a pre-filled call is one call, it stops at its close tag
     stop = (TOOL_CALL_CLOSE,) if prompt.prefill else ()

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from openalice_runner.bench.workload import load_workload
 from openalice_runner.providers.base import CallContext
-from openalice_runner.providers.embedded.local_config import LocalConfig
-from openalice_runner.providers.local import LocalProvider
+from openalice_runner.providers.embedded.config import EmbeddedConfig
+from openalice_runner.providers.embedded.provider import EmbeddedProvider
 from openalice_runner.types import ChatRequest
 
 # ../shared/workloads beside the checkout
@@ -29,7 +29,7 @@ def main():
     cases = {c.id: c for c in load_workload(str(WORKLOAD))}
     warm = sys.argv[1] == "warm"
     t = time.process_time()
-    p = LocalProvider("local", LocalConfig(type="local", threads=1, warm_up=warm, max_batch=1))
+    p = EmbeddedProvider("local", EmbeddedConfig(type="local", threads=1, warm_up=warm, max_batch=1))
     asyncio.run(p.ensure_loaded())
     print(f"warm_up={warm} load {time.process_time()-t:.2f} CPU s, warm-up {p.warm_up_s}", flush=True)
 

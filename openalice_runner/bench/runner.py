@@ -262,21 +262,30 @@ def summarize(rows: list[dict], methods: list[str]) -> dict:
         }
     copy_cases = [c for c in cases if group_of[c] in COPY_HEAVY]
     if copy_cases:
-        # throughput over the copy-heavy cases as a whole: all their tokens over all their time
-        totals = {(r["case"], r["method"]): (r["tokens"], r["seconds"]) for r in rows}
-        aggregate = {}
-        for m in methods:
-            got = [totals[(c, m)] for c in copy_cases if (c, m) in totals]
-            if len(got) == len(copy_cases) and sum(t for _, t in got) > 0:
-                aggregate[m] = round(sum(n for n, _ in got) / sum(t for _, t in got), 2)
-        summary["copy_heavy_aggregate_tokens_per_second"] = aggregate
+        summary["copy_heavy_aggregate_tokens_per_second"] = _aggregate_tokens_per_second(rows, methods, copy_cases)
+    summary["identical_to_off"] = _identical_to_off(rows, methods)
+    return summary
+
+
+def _aggregate_tokens_per_second(rows: list[dict], methods: list[str], cases: list[str]) -> dict[str, float]:
+    """Throughput over `cases` as a whole, per method: all their tokens over all their time."""
+    totals = {(r["case"], r["method"]): (r["tokens"], r["seconds"]) for r in rows}
+    aggregate = {}
+    for m in methods:
+        got = [totals[(c, m)] for c in cases if (c, m) in totals]
+        if len(got) == len(cases) and sum(t for _, t in got) > 0:
+            aggregate[m] = round(sum(n for n, _ in got) / sum(t for _, t in got), 2)
+    return aggregate
+
+
+def _identical_to_off(rows: list[dict], methods: list[str]) -> dict[str, str]:
+    """Per method but off: how many of its replies equal speculation off's ("n/m")."""
     identical = {}
     for m in methods:
         flags = [r["identical_to_off"] for r in rows if r["method"] == m and r["identical_to_off"] is not None]
         if m != "off" and flags:
             identical[m] = f"{sum(flags)}/{len(flags)}"
-    summary["identical_to_off"] = identical
-    return summary
+    return identical
 
 
 def _row_line(row: dict) -> str:

@@ -1,7 +1,7 @@
 """A Chat Completions conversation written as an Anthropic Messages request, as Claude Code writes
-one: `system` blocks, `tool_use` and `tool_result` blocks, tools with `input_schema`. One
-translation for the benches that send the same conversation over both wires (`wire_overhead`,
-`loops`), so both compare the same request."""
+one (`system` blocks, `tool_use` and `tool_result` blocks, tools with `input_schema`), and as an
+OpenAI Responses request, as Codex writes one. One translation for the benches that send the same
+conversation over several wires (`wire_overhead`, `loops`), so all compare the same request."""
 
 from __future__ import annotations
 
@@ -53,3 +53,60 @@ def anthropic_tool_choice(choice: Any) -> dict[str, Any]:
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "tool", "name": choice["function"]["name"]}
     raise ValueError(f"tool_choice {choice!r} has no Messages form")
+
+
+def responses_body(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, model: str | None,
+                   max_tokens: int, stream: bool) -> dict[str, Any]:
+    """The OpenAI Responses request for Chat `messages`/`tools`, as Codex writes it: `instructions`,
+    message / function_call / function_call_output items, flat function tools, `store: false`;
+    greedy (temperature 0)."""
+    instructions, items = [], []
+    for m in messages:
+        if m["role"] == "system":
+            instructions.append(m["content"])
+        elif m["role"] == "user":
+            items.append(
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": m["content"]}]}
+            )
+        elif m["role"] == "assistant":
+            if m.get("content"):
+                items.append(
+                    {
+                        "type": "message",
+                        "role": "assistant",
+                        "content": [{"type": "output_text", "text": m["content"]}],
+                    }
+                )
+            items += [
+                {
+                    "type": "function_call",
+                    "call_id": c["id"],
+                    "name": c["function"]["name"],
+                    "arguments": c["function"]["arguments"],
+                }
+                for c in m.get("tool_calls") or []
+            ]
+        elif m["role"] == "tool":
+            items.append(
+                {"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]}
+            )
+    body: dict[str, Any] = {
+        "model": model,
+        "instructions": "\n\n".join(instructions),
+        "input": items,
+        "max_output_tokens": max_tokens,
+        "temperature": 0,
+        "store": False,
+        "stream": stream,
+    }
+    if tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "name": t["function"]["name"],
+                "description": t["function"].get("description", ""),
+                "parameters": t["function"]["parameters"],
+            }
+            for t in tools
+        ]
+    return body

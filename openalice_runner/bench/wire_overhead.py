@@ -36,7 +36,8 @@ from typing import Any
 
 from openalice_runner.bench.loop_targets import free_port
 from openalice_runner.bench.loops import Conversation, load_loops
-from openalice_runner.bench.wire_bodies import messages_body
+from openalice_runner.bench.wire_bodies import messages_body, responses_body
+from openalice_runner.bench.wire_replies import summary
 from openalice_runner.providers.base import CallContext, Capabilities, Provider
 from openalice_runner.providers.streams import chat_stream
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, ChunkChoice, Usage, new_id
@@ -179,58 +180,8 @@ def as_messages(req: dict[str, Any], model: str, stream: bool) -> dict[str, Any]
 
 
 def as_responses(req: dict[str, Any], model: str, stream: bool) -> dict[str, Any]:
-    """OpenAI Responses, as Codex writes it: `instructions`, message / function_call /
-    function_call_output items, flat function tools, `store: false`."""
-    instructions, items = [], []
-    for m in req["messages"]:
-        if m["role"] == "system":
-            instructions.append(m["content"])
-        elif m["role"] == "user":
-            items.append(
-                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": m["content"]}]}
-            )
-        elif m["role"] == "assistant":
-            if m.get("content"):
-                items.append(
-                    {
-                        "type": "message",
-                        "role": "assistant",
-                        "content": [{"type": "output_text", "text": m["content"]}],
-                    }
-                )
-            items += [
-                {
-                    "type": "function_call",
-                    "call_id": c["id"],
-                    "name": c["function"]["name"],
-                    "arguments": c["function"]["arguments"],
-                }
-                for c in m.get("tool_calls") or []
-            ]
-        elif m["role"] == "tool":
-            items.append(
-                {"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]}
-            )
-    body: dict[str, Any] = {
-        "model": model,
-        "instructions": "\n\n".join(instructions),
-        "input": items,
-        "max_output_tokens": 1,
-        "temperature": 0,
-        "store": False,
-        "stream": stream,
-    }
-    if req["tools"]:
-        body["tools"] = [
-            {
-                "type": "function",
-                "name": t["function"]["name"],
-                "description": t["function"].get("description", ""),
-                "parameters": t["function"]["parameters"],
-            }
-            for t in req["tools"]
-        ]
-    return body
+    """OpenAI Responses, as Codex writes it (wire_bodies.responses_body)."""
+    return responses_body(req["messages"], req["tools"], model=model, max_tokens=1, stream=stream)
 
 
 SERVERS = {
@@ -257,63 +208,6 @@ def _call(client, base: str, wire: str, body: dict[str, Any]) -> tuple[float, by
     if response.status_code != 200:
         raise RuntimeError(f"{wire}: {response.status_code} {raw[:500]!r}")
     return elapsed, raw
-
-
-def _events(raw: bytes) -> list[dict[str, Any]]:
-    out = []
-    for line in raw.decode().splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            out.append(json.loads(line[6:]))
-    return out
-
-
-def _anthropic_input(u: dict[str, Any]) -> int:
-    """Anthropic's input_tokens leave out what the cache served: the whole prompt is the sum."""
-    return (
-        u["input_tokens"]
-        + (u.get("cache_read_input_tokens") or 0)
-        + (u.get("cache_creation_input_tokens") or 0)
-    )
-
-
-def summary(wire: str, raw: bytes, stream: bool) -> tuple[int, str]:
-    """(prompt tokens, reply text) from a reply of any wire, plain or streamed."""
-    if not stream:
-        body = json.loads(raw)
-        if wire == "chat":
-            return body["usage"]["prompt_tokens"], body["choices"][0]["message"].get("content") or ""
-        if wire == "messages":
-            return _anthropic_input(body["usage"]), "".join(
-                b.get("text", "") for b in body["content"] if b["type"] == "text"
-            )
-        output = "".join(
-            p.get("text", "")
-            for item in body["output"]
-            if item["type"] == "message"
-            for p in item["content"]
-            if p["type"] == "output_text"
-        )
-        return body["usage"]["input_tokens"], output
-    tokens, text = -1, []  # type: int, list[str]
-    events = _events(raw)
-    for e in events:
-        if wire == "chat":
-            for choice in e.get("choices") or []:
-                text.append((choice.get("delta") or {}).get("content") or "")
-            if e.get("usage"):
-                tokens = e["usage"]["prompt_tokens"]
-        elif wire == "messages":
-            if e["type"] in ("message_start", "message_delta"):  # the counts may come with either
-                u = e["message"]["usage"] if e["type"] == "message_start" else e.get("usage") or {}
-                if u.get("input_tokens"):
-                    tokens = _anthropic_input(u)
-            elif e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta":
-                text.append(e["delta"]["text"])
-        elif e["type"] == "response.output_text.delta":
-            text.append(e["delta"])
-        elif e["type"] in ("response.completed", "response.incomplete"):
-            tokens = e["response"]["usage"]["input_tokens"]
-    return tokens, "".join(text)
 
 
 # --- the run -----------------------------------------------------------------------------------

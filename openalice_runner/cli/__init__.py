@@ -9,9 +9,11 @@ import argparse
 import importlib
 import sys
 
-# module name under openalice_runner.cli -> registers one or more subcommands
+# module name under openalice_runner.cli (or a full name: a pool dialect's command lives in its wing)
+# -> registers one or more subcommands
 _COMMAND_MODULES = ("generate", "bench", "bench_concurrency", "bench_follow_up", "bench_loops", "bench_constrained",
-                    "policy", "sglang", "vllm", "serve", "keys", "trace", "loadtest", "draft")
+                    "policy", "openalice_runner.providers.pools.sglang.cli",
+                    "openalice_runner.providers.pools.vllm.cli", "serve", "keys", "trace", "loadtest", "draft")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMAND_MODULES:
         # a module that fails to import is an error, not a missing command: --help must not hide it
-        importlib.import_module(f"openalice_runner.cli.{name}").register(sub)
+        module = name if name.startswith("openalice_runner.") else f"openalice_runner.cli.{name}"
+        importlib.import_module(module).register(sub)
     return parser
 
 

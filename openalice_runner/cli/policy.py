@@ -56,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     speedup.add_argument("--json", action="store_true")
     speedup.set_defaults(func=_speedup)
 
-    from openalice_runner.cli.sglang import add_args_parser
+    from openalice_runner.providers.pools.sglang.cli import add_args_parser
 
     add_args_parser(sub, "sglang-args")  # the same generator as `sglang args`
 
@@ -113,7 +113,7 @@ def _check(args: argparse.Namespace) -> int:
         load_policy_file(args.file)
         problems = []
         if args.providers:
-            from openalice_runner.providers.pools.pool_checks import check_pool_files
+            from openalice_runner.pool_checks import check_pool_files
 
             problems = check_pool_files(args.file, args.providers, notes)
     except ConfigError as exc:  # the policy (PolicyError) or the routing file on its own

@@ -14,8 +14,8 @@ def load_checked(policy_path: str, providers_path: str) -> tuple[Any, Any] | Non
     """(policy, routing), or None after printing each problem as FILE:LINE:COL to stderr."""
     from openalice_runner.config_files import ConfigError
     from openalice_runner.policies import load_policy_file
+    from openalice_runner.pool_checks import check_pool_files
     from openalice_runner.providers.config import load_routing_file
-    from openalice_runner.providers.pools.pool_checks import check_pool_files
 
     try:
         problems = check_pool_files(policy_path, providers_path)
@@ -34,7 +34,7 @@ def pool_launch_or_none(policy_path: str, providers_path: str, dialect: str, poo
                         build: Callable[[Any, Any], Launch]) -> Launch | None:
     """`build(pool, policy)` for the named pool of the checked files, or None after printing what
     is wrong (the files' problems, an unknown pool, a launch the pool's settings cannot make)."""
-    from openalice_runner.providers.pools.pool_checks import find_pool
+    from openalice_runner.pool_checks import find_pool
 
     files = load_checked(policy_path, providers_path)
     if files is None:

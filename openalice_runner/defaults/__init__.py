@@ -1,7 +1,7 @@
 """The default policy and routing config, shipped inside the package.
 
 policy.yaml and providers.yaml are copies of the repository's policies/default.yaml and
-providers/default.yaml (the operators' editable copies); tests/test_packaging.py keeps them identical.
+providers/default.yaml (the operators' editable copies); tests/project/test_packaging.py keeps them identical.
 They live here so that an install from a wheel, with no checkout around it, still finds them.
 """
 

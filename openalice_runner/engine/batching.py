@@ -99,7 +99,7 @@ class BatchRequest:
     def gamma_now(self, batch: int, waiting: int) -> int:
         if self.seq.drafter is None:
             return 0
-        table = self.seq.spec.gamma_by_batch
+        table = self.seq.spec.per_batch
         if table is None or self.seq.fixed_draft_length:
             return self.seq.spec.gamma
         # waiting requests join the batch within a step or two: γ for the batch they make

@@ -218,7 +218,7 @@ class Engine:
         """Generate, yielding text as rounds are accepted; the last event carries the result.
 
         `drafter` overrides the one `spec` names (tests use it for all-accept/all-reject drafters).
-        `spec.gamma_by_batch` sets γ at every step of a batched engine from the live batch size.
+        `spec.per_batch` sets γ at every step of a batched engine from the live batch size.
         `grammar` (from `self.grammars.compile`) constrains the reply (grammar.py).
         `tenant`: whose request; what it leaves behind (its prefix in the cache, its reply in the
         suffix drafter's store) serves that tenant's later requests only.

@@ -89,7 +89,7 @@ class SpecConfig:
     adaptive_length: bool = True
     # γ by live batch size (running + waiting), looked up at every step of the batching engine;
     # None: `gamma` throughout. A row's γ is capped by nothing here: the policy compiled it.
-    gamma_by_batch: GammaTable | None = None
+    per_batch: GammaTable | None = None
     # under a grammar, draft the tokens it forces (free: always accepted) before the drafter's;
     # applies with method "off" too. False: forced tokens are decoded one pass each (benchmarks)
     forced_drafts: bool = True
@@ -99,12 +99,12 @@ class SpecConfig:
         """The engine's settings for a policy's plan (`options` are this engine's drafter knobs)."""
         if not plan.speculates:
             return cls(method="off", gamma=0)
-        return cls(method=plan.method, gamma=plan.gamma, gamma_by_batch=plan.per_batch, **plan.options)
+        return cls(method=plan.method, gamma=plan.gamma, per_batch=plan.per_batch, **plan.options)
 
     @property
     def draft_rows(self) -> int:
         """The most draft tokens one round feeds (a tree may hold more tokens than γ, its depth)."""
-        table = max((g for _, g in self.gamma_by_batch.rows), default=0) if self.gamma_by_batch else 0
+        table = max((g for _, g in self.per_batch.rows), default=0) if self.per_batch else 0
         return max(self.gamma, self.eagle_tree, table)
 
     def __post_init__(self) -> None:

@@ -7,9 +7,9 @@ d.method, d.gamma, d.per_batch   # a SpeculationPlan (openalice_runner.speculati
 """
 
 from openalice_runner.policies.adaptive import AdaptiveGamma, Choice
-from openalice_runner.policies.decision import CompiledPolicy, RequestContext
 from openalice_runner.policies.errors import PolicyError, Problem
 from openalice_runner.policies.loader import LoadedPolicy, load_policy_file, load_policy_text
+from openalice_runner.policies.plan import CompiledPolicy, RequestContext
 from openalice_runner.policies.schema import Policy
 from openalice_runner.policies.speedup import best_gamma, expected_speedup, tokens_per_round
 from openalice_runner.policies.store import PolicyStore

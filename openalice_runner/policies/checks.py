@@ -2,14 +2,14 @@
 
 What a rule's `pool:` must find in the routing file (the pool, a method it can serve, a tool-call
 parser, a batch range within max_running_requests) is checked with both files:
-providers/pools/pool_checks.py."""
+pool_checks.py."""
 
 from __future__ import annotations
 
 from openalice_runner.config_files.errors import Problem
 from openalice_runner.config_files.yaml_nodes import Located, Path
 from openalice_runner.drafter_options import DRAFTER_OPTIONS, OPTION, OPTIONS_BY_METHOD, ngram_problem
-from openalice_runner.policies.schema import DecisionSpec, Match, Policy
+from openalice_runner.policies.schema import Match, PlanSpec, Policy
 
 
 def check_policy(policy: Policy, loc: Located) -> list[Problem]:
@@ -28,8 +28,8 @@ def check_policy(policy: Policy, loc: Located) -> list[Problem]:
         else:
             seen[rule.name] = i
         problems += _check_match(rule.match, (*path, "match"), loc)
-        problems += _check_decision(rule, path, loc)
-    problems += _check_decision(policy.default, ("default",), loc)
+        problems += _check_plan(rule, path, loc)
+    problems += _check_plan(policy.default, ("default",), loc)
     return problems
 
 
@@ -56,11 +56,11 @@ def _check_match(match: Match, path: Path, loc: Located) -> list[Problem]:
     return problems
 
 
-def _check_decision(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
+def _check_plan(d: PlanSpec, path: Path, loc: Located) -> list[Problem]:
     return _check_gamma(d, path, loc) + _check_options(d, path, loc) + _check_drafter(d, path, loc)
 
 
-def _check_gamma(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
+def _check_gamma(d: PlanSpec, path: Path, loc: Located) -> list[Problem]:
     problems = []
     at = lambda *sub: (*path, *sub)  # noqa: E731
     if d.method == "off":
@@ -83,7 +83,7 @@ def _check_gamma(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
     return problems
 
 
-def _check_options(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
+def _check_options(d: PlanSpec, path: Path, loc: Located) -> list[Problem]:
     """Each option belongs to the method and sits within its limits (drafter_options.py)."""
     problems = []
     at = lambda *sub: (*path, *sub)  # noqa: E731
@@ -106,7 +106,7 @@ def _check_options(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
     return problems
 
 
-def _check_drafter(d: DecisionSpec, path: Path, loc: Located) -> list[Problem]:
+def _check_drafter(d: PlanSpec, path: Path, loc: Located) -> list[Problem]:
     """What each method needs to draft with, refused here rather than by every request it matches."""
     problems = []
     opts = d.options

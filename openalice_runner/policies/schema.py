@@ -56,7 +56,7 @@ def _limits(name: str) -> Any:
 
 class MethodOptions(_Strict):
     """Options of the speculation method; only the ones that belong to the rule's method are allowed.
-    Their types, limits and methods are drafter_options.py's (tests/test_vocabulary.py keeps the
+    Their types, limits and methods are drafter_options.py's (tests/project/test_vocabulary.py keeps the
     fields and that table the same)."""
 
     ngram_min: int | None = _limits("ngram_min")
@@ -68,7 +68,7 @@ class MethodOptions(_Strict):
     eagle_tree: int | None = _limits("eagle_tree")
 
 
-class DecisionSpec(_Strict):
+class PlanSpec(_Strict):
     """What to do: a method and its γ (draft tokens per round), fixed or `auto`."""
 
     method: Method
@@ -95,7 +95,7 @@ class DecisionSpec(_Strict):
         return (int(self.gamma or 0), int(self.gamma or 0))
 
 
-class Rule(DecisionSpec):
+class Rule(PlanSpec):
     name: str
     match: Match
 
@@ -137,4 +137,4 @@ class Policy(_Strict):
     description: str | None = None
     adaptive: AdaptiveSettings = AdaptiveSettings()
     rules: list[Rule] = []
-    default: DecisionSpec
+    default: PlanSpec

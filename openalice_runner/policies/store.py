@@ -26,9 +26,9 @@ from typing import cast
 from openalice_runner.config_files.errors import Problem
 from openalice_runner.config_files.reading import read_operator_file
 from openalice_runner.policies.adaptive import AdaptiveGamma
-from openalice_runner.policies.decision import CompiledPolicy, RequestContext
 from openalice_runner.policies.errors import PolicyError
 from openalice_runner.policies.loader import content_version, load_policy_bytes, load_policy_text
+from openalice_runner.policies.plan import CompiledPolicy, RequestContext
 from openalice_runner.policies.schema import Policy
 from openalice_runner.speculation import SpeculationOutcome, SpeculationPlan
 

@@ -1,4 +1,5 @@
-"""The provider interface: where a chat request runs (embedded engine, SGLang pool, hosted API).
+"""The provider interface: where a chat request runs (the embedded engine, an SGLang or vLLM pool, a
+hosted API; providers/registry.py builds each by its routing-file `type`).
 
 Providers are composed by wrapping (WrapperProvider): fallback and tracing are wrappers, not code
 inside every provider. Errors are typed so that a wrapper can tell "nothing was produced yet,
@@ -45,15 +46,20 @@ class ProviderLoad:
         return (self.batch_size or 0) + (self.queue_depth or 0)
 
 
+#: CallContext.attributes key under which a caller may pass the OpenTelemetry context to parent the call
+#: span on (the sidecar does: its turn spans live across requests, not in the current context).
+OTEL_CONTEXT_KEY = "otel_context"
+
+
 @dataclass
 class CallContext:
-    """Who is asking: the turn's identity and the policy decision for this one call."""
+    """Who is asking: the turn's identity and the policy's plan for this one call."""
 
     conversation_id: str | None = None
     turn_type: str = "chat"
     step: int = 0
     agent: str | None = None
-    decision: SpeculationPlan | None = None  # γ by batch size included (`per_batch`)
+    plan: SpeculationPlan | None = None  # γ by batch size included (`per_batch`)
     model: str | None = None
     attributes: dict[str, Any] = field(default_factory=dict)
     # whose key the request came with (`serve --keys`/`--api-key`); None: an open server, one shared
@@ -168,7 +174,7 @@ class Provider(ABC):
     """One place a request can run. Subclasses set `name` and `capabilities`."""
 
     name: str = "provider"
-    kind: str = "provider"  # local | sglang | hosted (what the policy's RequestContext.provider sees)
+    kind: str = "provider"  # local | sglang | vllm | hosted: the routing-file `type` (admission gates read it)
     gen_ai_provider_name: str = "openalice"  # OpenTelemetry gen_ai.provider.name
     capabilities: Capabilities = Capabilities()
 

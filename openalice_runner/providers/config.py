@@ -32,15 +32,15 @@ from pydantic import Field, ValidationError, model_validator
 
 from openalice_runner.config_files import ConfigError, Located, Problem, StrictModel, load_located
 from openalice_runner.config_files.reading import read_operator_file
-from openalice_runner.providers.embedded.local_config import LocalConfig
+from openalice_runner.providers.embedded.config import EmbeddedConfig
 from openalice_runner.providers.hosted import HostedConfig
-from openalice_runner.providers.pools.sglang import SGLangConfig
-from openalice_runner.providers.pools.sglang_launch import launch_problems
-from openalice_runner.providers.pools.vllm import VLLMConfig
-from openalice_runner.providers.pools.vllm_launch import launch_problems as vllm_launch_problems
+from openalice_runner.providers.pools.sglang.launch import launch_problems
+from openalice_runner.providers.pools.sglang.provider import SGLangConfig
+from openalice_runner.providers.pools.vllm.launch import launch_problems as vllm_launch_problems
+from openalice_runner.providers.pools.vllm.provider import VLLMConfig
 
 ProviderConfig = Annotated[
-    LocalConfig | SGLangConfig | VLLMConfig | HostedConfig, Field(discriminator="type")
+    EmbeddedConfig | SGLangConfig | VLLMConfig | HostedConfig, Field(discriminator="type")
 ]
 
 

@@ -100,7 +100,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
     field_error = (first.get("ctx") or {}).get("error")
-    if isinstance(field_error, FieldError):  # a request-level check (types.py) that names its field
+    if isinstance(field_error, FieldError):  # a request-level check (types/request.py) that names its field
         return APIError(400, f"{field_error.param}: {field_error}", param=field_error.param, code="invalid_value")
     if tuple(first.get("loc", ())) == ("body",) and first.get("type") in _NOT_AN_OBJECT:
         return APIError(

@@ -126,7 +126,7 @@ class GuardMiddleware:
         t0 = time.perf_counter()
         status_holder = {"status": 500}
         response = _ResponseState()
-        state = scope.setdefault("state", {})
+        scope.setdefault("state", {})  # request.state: the tenant, the trace ids
         extra: dict[str, Any] = {}
         request_id = secrets.token_hex(8)  # in the access log, error lines and X-Request-Id
         REQUEST_ID.set(request_id)
@@ -168,29 +168,34 @@ class GuardMiddleware:
         finally:
             if admitted:
                 self.drain.in_flight -= 1
-            status = status_holder["status"]
-            elapsed = time.perf_counter() - t0
-            method = scope.get("method", "")
-            tenant = state.get("tenant")
-            if tenant is not None:
-                self.metrics.tenant_requests.labels(tenant=self.bounds.tenant(tenant.name), status=str(status)).inc()
-                extra["tenant"] = tenant.name
-            self.metrics.http_requests.labels(
-                route=route, method=method if method in KNOWN_METHODS else "other", status=str(status)
-            ).inc()
-            self.metrics.http_duration.labels(route=route).observe(elapsed)
-            ids = state.get("trace_ids")
-            if ids:
-                extra.update(trace_id=ids[0], span_id=ids[1])
-            log.info(
-                "request",
-                request_id=request_id,
-                method=scope.get("method"),
-                path=route,
-                status=status,
-                duration_ms=round(elapsed * 1000, 2),
-                **extra,
-            )
+            self._account(scope, route, status_holder["status"], time.perf_counter() - t0, request_id, extra)
+
+    def _account(
+        self, scope: dict, route: str, status: int, elapsed: float, request_id: str, extra: dict[str, Any]
+    ) -> None:
+        """A finished request's metrics (by tenant where there is one) and its access-log line."""
+        state = scope["state"]
+        method = scope.get("method", "")
+        tenant = state.get("tenant")
+        if tenant is not None:
+            self.metrics.tenant_requests.labels(tenant=self.bounds.tenant(tenant.name), status=str(status)).inc()
+            extra["tenant"] = tenant.name
+        self.metrics.http_requests.labels(
+            route=route, method=method if method in KNOWN_METHODS else "other", status=str(status)
+        ).inc()
+        self.metrics.http_duration.labels(route=route).observe(elapsed)
+        ids = state.get("trace_ids")
+        if ids:
+            extra.update(trace_id=ids[0], span_id=ids[1])
+        log.info(
+            "request",
+            request_id=request_id,
+            method=scope.get("method"),
+            path=route,
+            status=status,
+            duration_ms=round(elapsed * 1000, 2),
+            **extra,
+        )
 
     def _check(self, scope: dict, path: str) -> APIError | None:
         headers = _headers(scope)

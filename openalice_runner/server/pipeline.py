@@ -21,9 +21,8 @@ from fastapi.responses import Response
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from openalice_runner.providers.base import CallContext
+from openalice_runner.providers.base import OTEL_CONTEXT_KEY, CallContext
 from openalice_runner.providers.streams import ChatStream
-from openalice_runner.providers.wrappers.instrumented import OTEL_CONTEXT_KEY
 from openalice_runner.server.context import (
     TurnContext,
     caller_trace_context,

@@ -46,7 +46,7 @@ class RoutingWatcher(WatchedFile):
         if policy_path is None:
             return  # no policy file (switched off, or given as an object)
         from openalice_runner.config_files import ConfigError
-        from openalice_runner.providers.pools.pool_checks import check_pool_files
+        from openalice_runner.pool_checks import check_pool_files
 
         problems = check_pool_files(policy_path, self.path)
         if problems:

@@ -16,7 +16,7 @@ from openalice_runner.types import ChatRequest, ChatResult
 
 if TYPE_CHECKING:  # annotations only: the routing config imports every provider type
     from openalice_runner.providers.config import RoutingConfig
-    from openalice_runner.runner import SpeculationPolicy
+    from openalice_runner.speculation import SpeculationPolicy
 
 
 @runtime_checkable

@@ -1,6 +1,6 @@
 """Checks on a chat request past its schema, done before any work: each problem is a 400 naming the field.
 
-The schema (openalice_runner/types.py) checks each field; here the request as a whole: tool messages
+The schema (openalice_runner/types/) checks each field; here the request as a whole: tool messages
 answer calls the conversation made, strings are valid Unicode (JSON can carry lone surrogates, which
 no tokenizer takes), max_tokens is not absurd. The body field `timeout` is the sidecar's own
 (see server/deadline.py); everything else is OpenAI's.

@@ -8,6 +8,7 @@ Application side (CLI, server): openalice_runner.tracing.setup.configure_telemet
 
 from __future__ import annotations
 
-from openalice_runner.tracing.telemetry import ChatCall, RunnerTelemetry, current_trace_ids
+from openalice_runner.tracing.chat_call import ChatCall
+from openalice_runner.tracing.telemetry import RunnerTelemetry, current_trace_ids
 
 __all__ = ["ChatCall", "RunnerTelemetry", "current_trace_ids"]

@@ -288,6 +288,31 @@ def _feature_rows(out, taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tenso
     return hidden, torch.cat([tapped, hidden], dim=-1)
 
 
+def _admitted(model, cache, slot: int, prompt: list[int], key: str, taps: tuple[int, ...]) -> dict:
+    """A prompt prefilled into cache row `slot`: its state, with the first greedy token."""
+    cache.lengths[slot] = 0
+    feats = []
+    hidden = None
+    for i in range(0, len(prompt), PREFILL_CHUNK):
+        chunk = torch.tensor([prompt[i : i + PREFILL_CHUNK]])
+        hidden, rows = _feature_rows(model.forward(chunk, cache, [slot], taps), taps)
+        hidden = hidden[0]
+        feats.append(rows[0].to(torch.bfloat16))
+    first = int(model.logits(hidden[-1]).argmax())
+    return {"key": key, "tokens": list(prompt) + [first], "feats": feats, "prompt_len": len(prompt)}
+
+
+def _retire(slots: list[dict | None], slot: int, on_sample: Callable[[Sample], None] | None,
+            complete: bool = True) -> None:
+    """Free `slot`, handing its sequence to `on_sample` (cut short at a deadline: incomplete)."""
+    s = slots[slot]
+    slots[slot] = None
+    tokens = s["tokens"]
+    feats = torch.cat(s["feats"])
+    if on_sample is not None:
+        on_sample(Sample(s["key"], torch.tensor(tokens[: feats.shape[0] + 1]), feats, s["prompt_len"], complete))
+
+
 @torch.inference_mode()
 def distill(engine, prompts: list[list[int]], keys: list[str], max_new: int, batch: int = 8,
             deadline: float | None = None, on_sample: Callable[[Sample], None] | None = None,
@@ -305,44 +330,23 @@ def distill(engine, prompts: list[list[int]], keys: list[str], max_new: int, bat
     queue.reverse()
     done = 0
 
-    def admit(slot: int) -> None:
-        prompt, key = queue.pop()
-        cache.lengths[slot] = 0
-        feats = []
-        hidden = None
-        for i in range(0, len(prompt), PREFILL_CHUNK):
-            chunk = torch.tensor([prompt[i : i + PREFILL_CHUNK]])
-            hidden, rows = _feature_rows(model.forward(chunk, cache, [slot], taps), taps)
-            hidden = hidden[0]
-            feats.append(rows[0].to(torch.bfloat16))
-        first = int(model.logits(hidden[-1]).argmax())
-        slots[slot] = {"key": key, "tokens": list(prompt) + [first], "feats": feats, "prompt_len": len(prompt)}
-
-    def retire(slot: int, complete: bool = True) -> None:
-        nonlocal done
-        s = slots[slot]
-        slots[slot] = None
-        tokens = s["tokens"]
-        feats = torch.cat(s["feats"])
-        if on_sample is not None:
-            on_sample(Sample(s["key"], torch.tensor(tokens[: feats.shape[0] + 1]), feats, s["prompt_len"], complete))
-        done += 1
-
     while True:
         for slot in range(batch):
             if slots[slot] is None and queue and (deadline is None or time.monotonic() < deadline):
-                admit(slot)
+                slots[slot] = _admitted(model, cache, slot, *queue.pop(), taps)
         active = [i for i in range(batch) if slots[i] is not None]
         if not active:
             break
         if deadline is not None and time.monotonic() >= deadline:
             for i in active:
-                retire(i, complete=False)
+                _retire(slots, i, on_sample, complete=False)
+                done += 1
             break
         for i in active:  # finished ones (EOS or budget) leave before the next pass
             s = slots[i]
             if s["tokens"][-1] in eos or len(s["tokens"]) - s["prompt_len"] >= max_new:
-                retire(i)
+                _retire(slots, i, on_sample)
+                done += 1
         active = [i for i in range(batch) if slots[i] is not None]
         if not active:
             continue

@@ -95,6 +95,21 @@ def _head_layers(s: BuildSettings, n_layers: int) -> list[int]:
     return list(layers or ())
 
 
+def _training_prompts(
+    data: list[str | Path], exclude: list[str | Path] | None, max_prompts: int | None
+) -> tuple[list, int]:
+    """The prompts of `data` less those of `exclude`, at most `max_prompts`; and how many were read."""
+    prompts = read_prompts(data)
+    n_read = len(prompts)
+    if exclude:
+        prompts = exclude_prompts(prompts, read_prompts(exclude))
+    if max_prompts:
+        prompts = prompts[:max_prompts]
+    if not prompts:
+        raise ValueError("no training prompts left (after excluding the benchmark prompts)")
+    return prompts, n_read
+
+
 def build_head(engine, data: list[str | Path], out: str | Path | None = None,
                exclude: list[str | Path] | None = None, settings: BuildSettings | None = None) -> tuple[Path, dict]:
     """Train a head for `engine`'s model on prompts from `data` (JSON lines), excluding the
@@ -106,14 +121,7 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
     head_layers = _head_layers(s, model.cfg.n_layers)
     taps = tuple(sorted(set(head_layers)))  # as a pass taps them: distinct, ascending
     fingerprint = target_fingerprint(engine.model_name, model)
-    prompts = read_prompts(data)
-    n_read = len(prompts)
-    if exclude:
-        prompts = exclude_prompts(prompts, read_prompts(exclude))
-    if s.max_prompts:
-        prompts = prompts[: s.max_prompts]
-    if not prompts:
-        raise ValueError("no training prompts left (after excluding the benchmark prompts)")
+    prompts, n_read = _training_prompts(data, exclude, s.max_prompts)
     ids = [engine.render_chat(m) for m in prompts]
     keys = [prompt_key(fingerprint, p, s.max_new_tokens, taps) for p in ids]
     unique = dict(zip(keys, ids, strict=True))

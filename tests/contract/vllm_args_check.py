@@ -1,4 +1,4 @@
-"""Run by the vLLM side venv's python (tests/test_policy_vllm.py): parse each server command line with
+"""Run by the vLLM side venv's python (tests/policies/test_vllm_flags.py): parse each server command line with
 vLLM 0.32's own API-server parser, validate it as the server does before loading, and build the
 engine config (SpeculativeConfig included, and the per-batch table's dense lookup as the scheduler
 builds it). stdin: {"lines": [[flag, ...], ...]}; stdout, last line: {"results": [...]}."""

@@ -1,5 +1,5 @@
 // The Vercel AI SDK against `openalice-runner serve`: every reply must come back in the requested
-// shape. Run by tests/test_clients_structured.py with OPENALICE_BASE_URL and OPENALICE_API_KEY set;
+// shape. Run by tests/wires/test_clients_structured.py with OPENALICE_BASE_URL and OPENALICE_API_KEY set;
 // prints one JSON object: per scenario, the replies that parsed and the failures.
 import { createOpenAICompatible } from '@ai-sdk/openai-compatible';
 import { generateObject, generateText, stepCountIs, streamText, tool } from 'ai';

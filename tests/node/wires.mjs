@@ -1,6 +1,6 @@
 // The Vercel AI SDK's Anthropic (Messages) and OpenAI (Responses) providers against `openalice-runner
 // serve`: generateText and streamText with tools, a forced call, and its result sent back for a text
-// answer. Run by tests/test_agent_clis.py with OPENALICE_BASE_URL (ending in /v1), OPENALICE_API_KEY
+// answer. Run by tests/wires/test_agent_clis.py with OPENALICE_BASE_URL (ending in /v1), OPENALICE_API_KEY
 // and OPENALICE_MODEL set; prints one JSON object: per scenario, the runs that passed and the failures.
 import { createAnthropic } from '@ai-sdk/anthropic';
 import { createOpenAI } from '@ai-sdk/openai';

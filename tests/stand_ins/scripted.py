@@ -55,7 +55,7 @@ class ScriptedProvider(Provider):
         return words[: request.max_tokens] if request.max_tokens else words
 
     def _outcome(self, ctx: CallContext, tokens: int) -> SpeculationOutcome:
-        plan = ctx.decision
+        plan = ctx.plan
         if plan is None or not plan.speculates:
             return SpeculationOutcome(completion_tokens=tokens, target_passes=tokens, tokens_per_pass=1.0)
         rounds = max(1, tokens // (plan.gamma + 1))

@@ -1,4 +1,6 @@
-"""Torch-free parts of the embedded engine's provider (`type: local`, providers/local.py): its settings,
-the prompt and its context bounds, the reply's grammar, tool-call rendering and streaming, the reply
-and the one mapping of engine errors. Only providers/local.py imports the engine itself; what these
-need of it, it hands in."""
+"""The embedded provider's wing (`type: local` in a routing file): the engine in-process as a provider.
+
+provider.py is the provider and the one module here that imports the engine (torch); the rest is
+torch-free, so that reading a routing file never loads torch: its settings (config.py), the prompt and
+its context bounds, the reply's grammar, tool-call rendering and streaming, the reply and the one
+mapping of engine errors. What these need of the engine, provider.py hands in."""

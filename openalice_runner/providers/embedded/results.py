@@ -2,7 +2,7 @@
 chunks (its calls as they are written, then its last chunk), both reporting the same usage,
 speculation and finish reason.
 
-The engine's results and stats (engine/types.py) are read by attribute (only providers/local.py
+The engine's results and stats (engine/types.py) are read by attribute (only providers/embedded/provider.py
 imports the engine): `result` has text, finish_reason and stats; `event` text and result."""
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def finish_reason(engine_finish: str) -> Literal["stop", "length"]:
 
 def stamp(stats: Any, ctx: CallContext) -> None:
     """The policy's rule and version on the engine's stats (its outcome reports them)."""
-    decision = ctx.decision
-    if decision is not None:
-        stats.rule = decision.rule
-        stats.policy_version = decision.policy_version
+    plan = ctx.plan
+    if plan is not None:
+        stats.rule = plan.rule
+        stats.policy_version = plan.policy_version

@@ -2,15 +2,13 @@
 
 Both engines fix speculation per server at launch, so the runner realises a policy by routing:
 the plan's `pool` (or, failing that, the pool whose method matches the plan's method, or
-the default pool) picks the pool; inside it one replica serves. A dialect (providers/pools/sglang.py,
-providers/pools/vllm.py) says what differs: how a replica's load is read, what the request body adds,
+the default pool) picks the pool; inside it one replica serves. A dialect (providers/pools/sglang/provider.py,
+providers/pools/vllm/provider.py) says what differs: how a replica's load is read, what the request body adds,
 where the per-request speculation figures come back, and the engine's name in messages.
 
-Replica choice (`rank_replicas`): with a conversation id, consistent hashing keeps a conversation
-on one replica (its prefix cache lives there) as long as that replica's load stays within
-`affinity_load_factor` of the pool's mean (consistent hashing with bounded loads); without one,
-or past the bound, the least-loaded healthy replica. A replica whose load cannot be read has
-unknown load: it goes after the ones whose load is known, and the runner logs it once.
+Beside it: the routing file's entry (config.py); replicas, their load and the order to try them
+in (replicas.py); a server's errors (errors.py); a streamed reply's reading (streaming.py); what a
+request carries besides its body (upstream.py).
 
 One attempt loop (`_over_replicas`) serves plain and streamed calls: a replica that refuses the
 connection, answers 5xx, or whose stream ends before its first token is marked down for
@@ -27,44 +25,43 @@ worker, which is where the gateway's reading says the request goes.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import AbstractAsyncContextManager, aclosing
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from pydantic import Field, field_validator, model_validator
 
-from openalice_runner.config_files.models import StrictModel
 from openalice_runner.providers import openai_wire as wire
 from openalice_runner.providers.base import (
     CallContext,
     Capabilities,
     Provider,
-    ProviderBadRequest,
     ProviderBadResponse,
     ProviderError,
     ProviderLoad,
-    ProviderRateLimited,
     ProviderTimeout,
     ProviderUnavailable,
     StreamBroken,
 )
-from openalice_runner.providers.pools.breaker import Breaker
+from openalice_runner.providers.pools.config import PoolConfigBase
+from openalice_runner.providers.pools.errors import NextReplica, error_message, http_error
+from openalice_runner.providers.pools.replicas import (
+    LoadReader,
+    Replica,
+    least_loaded,
+    rank_replicas,
+    read_replica_load,
+)
+from openalice_runner.providers.pools.streaming import sse_chunks
+from openalice_runner.providers.pools.upstream import request_body, upstream_headers
 from openalice_runner.providers.streams import ChatStream, chat_stream
-from openalice_runner.providers.wrappers.admission import AdmissionLimits
 from openalice_runner.redaction import register_secret
-from openalice_runner.speculation import SpecMethod, SpeculationOutcome
+from openalice_runner.speculation import SpeculationOutcome
 from openalice_runner.types import (
-    CONVERSATION_HEADER,
-    AllowedToolChoice,
     ChatChunk,
     ChatRequest,
     ChatResult,
@@ -74,212 +71,8 @@ from openalice_runner.types import (
 
 logger = logging.getLogger(__name__)
 
-# How long a stream's body may go on after `[DONE]` before its connection is given up (_drain).
-DRAIN_S = 1.0
 # What a probe of a suspect replica asks (breaker.py): one token, the least a server can answer.
 _PROBE = ChatRequest(messages=[{"role": "user", "content": "ping"}], max_tokens=1)
-
-# ---------------------------------------------------------------- config
-
-
-class PoolBase(StrictModel):
-    """What every pool has: its replicas' base URLs (e.g. http://10.0.0.5:30000). A dialect adds
-    its `launch` settings and how γ follows from them."""
-
-    replicas: list[str] = Field(min_length=1)
-    # Where `replicas` is a gateway (smg) in front of the pool's workers: the workers, read for the
-    # pool's load (the gateway's /metrics are its own), while requests go to the gateway.
-    load_from: list[str] | None = Field(None, min_length=1)
-
-    @field_validator("replicas", "load_from")
-    @classmethod
-    def _urls(cls, v: list[str] | None) -> list[str] | None:
-        if v is None:
-            return None
-        for url in v:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"replica {url!r} must be an http(s) URL")
-        return [u.rstrip("/") for u in v]
-
-    @property
-    def method(self) -> SpecMethod:
-        raise NotImplementedError
-
-    @property
-    def adaptive(self) -> bool:  # γ varies per round (SGLang adaptive, vLLM per-batch-size table)
-        return False
-
-    def gamma_for(self, decision: Any = None) -> int:
-        raise NotImplementedError
-
-
-def decision_gamma(decision: Any) -> int | None:
-    """The deciding rule's largest γ (an auto rule's range even where auto chose off: the pool's
-    servers draft regardless); None without a decision or with one that never speculates."""
-    if decision is None:
-        return None
-    bounds = getattr(decision, "gamma_range", None)
-    if bounds:
-        return int(bounds[1])
-    return int(getattr(decision, "gamma", 0) or 0) or None
-
-
-class PoolConfigBase(AdmissionLimits):  # max_in_flight / max_queue: the gate in front of it
-    model: str  # the served model name the servers answer to
-    pools: dict[str, Any]  # a dialect narrows it to its own pool class
-    default_pool: str | None = None
-    api_key_env: str | None = None  # env var holding the servers' --api-key, if set
-    connect_timeout_s: float = Field(default=2.0, gt=0)
-    first_token_timeout_s: float = Field(default=60.0, gt=0)  # also the gap allowed between chunks
-    load_cache_s: float = Field(default=0.5, ge=0)
-    # A reading older than load_cache_s but younger than this is used at once, and a fresh one is
-    # read in the background once the call ends: a /metrics scrape (~15 ms of a busy CPU server's
-    # time) is then neither waited for nor run beside the request it would slow. Older readings
-    # are waited for. The runner's own requests since a reading are counted either way
-    # (Replica.in_flight); only other clients' load can be this old.
-    load_stale_s: float = Field(default=2.0, ge=0)
-    load_timeout_s: float = Field(default=0.5, gt=0)
-    down_for_s: float = Field(default=2.0, ge=0)  # how long a refusing replica is skipped
-    # How long a replica that gave no first token in time is skipped before a probe (breaker.py);
-    # doubled after each failed probe.
-    suspect_for_s: float = Field(default=10.0, gt=0)
-    # A conversation stays on its replica (its prefix cache) while that replica's load is at most
-    # this factor of the pool's mean load (+1); 0 turns affinity off (least-loaded alone).
-    affinity_load_factor: float = Field(default=1.5, ge=0)
-
-    @model_validator(mode="after")
-    def _default_pool_exists(self) -> PoolConfigBase:
-        if self.default_pool is None:
-            self.default_pool = next(iter(self.pools))
-        elif self.default_pool not in self.pools:
-            raise ValueError(f"default_pool {self.default_pool!r} is not one of the pools {list(self.pools)}")
-        return self
-
-
-# ---------------------------------------------------------------- replica load
-
-
-@dataclass
-class Replica:
-    url: str
-    running: int | None = None
-    waiting: int | None = None
-    max_running: int | None = None  # the server's batch cap, where its load endpoint reports it
-    read_at: float = 0.0  # monotonic time of the last load read
-    down_until: float = 0.0
-    load_endpoint: str | None = None  # the endpoint that answered last time
-    in_flight: int = 0  # our own requests on it, counted between load reads
-    unknown_logged: bool = False  # "load unknown" said once until it is read again
-    breaker: Breaker = field(default_factory=Breaker)
-
-    def age(self, now: float) -> float:
-        """Seconds since the last load read; never read, infinite (monotonic time may be younger
-        than `load_cache_s` on a fresh machine: 0.0 is no reading)."""
-        return now - self.read_at if self.read_at else float("inf")
-
-    @property
-    def load(self) -> float:
-        if self.running is None:
-            return float("inf")
-        return self.running + (self.waiting or 0) + self.in_flight
-
-
-Figures = tuple[int, int, int | None]  # running, waiting, max running (None: not reported)
-LoadReader = Callable[[httpx.AsyncClient, str, float], Awaitable["Figures | None"]]
-
-
-async def read_replica_load(
-    client: httpx.AsyncClient, replica: Replica, timeout: float, readers: dict[str, LoadReader]
-) -> None:
-    """Fill `replica.running/waiting` from whichever load endpoint the server offers."""
-    order = list(readers)
-    if replica.load_endpoint in readers:
-        order.remove(replica.load_endpoint)
-        order.insert(0, replica.load_endpoint)
-    for endpoint in order:
-        try:
-            figures = await readers[endpoint](client, replica.url, timeout)
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            figures = None
-        if figures is not None:
-            replica.running, replica.waiting, cap = figures
-            if cap is not None:  # a server that reports its cap; else what the launch says stays
-                replica.max_running = cap
-            replica.load_endpoint = endpoint
-            replica.read_at = time.monotonic()
-            replica.in_flight = 0
-            replica.unknown_logged = False
-            return
-    replica.running = replica.waiting = None
-    replica.read_at = time.monotonic()
-    if not replica.unknown_logged:
-        replica.unknown_logged = True
-        logger.warning(
-            "replica %s: load unknown (no answer from %s); the policy sees an unknown batch size",
-            replica.url,
-            ", ".join(order),
-        )
-
-
-def parse_prometheus_sum(text: str, metric: str) -> float | None:
-    """Sum of all samples of one metric (over label sets) in Prometheus text format."""
-    total = None
-    for line in text.splitlines():
-        if not line.startswith(metric) or line.startswith("#"):
-            continue
-        rest = line[len(metric) :]
-        if rest and rest[0] not in "{ ":
-            continue  # a longer metric name sharing the prefix
-        try:
-            value = float(rest.rsplit(None, 1)[-1] if "}" not in rest else rest.split("}", 1)[1].split()[0])
-        except (ValueError, IndexError):
-            continue
-        total = (total or 0.0) + value
-    return total
-
-
-def _affinity_score(key: str, url: str) -> int:
-    """Rendezvous (highest-random-weight) hashing: a stable order of replicas per key, which moves
-    only the keys of a replica that leaves or joins."""
-    return int.from_bytes(hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest(), "big")
-
-
-def rank_replicas(
-    replicas: list[Replica], key: str | None, now: float, load_factor: float
-) -> list[Replica]:
-    """Replicas in the order to try them: healthy before marked-down ones; among the healthy, with
-    a key, its hash order while within the load bound, then the rest least loaded first; without
-    a key, least loaded first (unknown load last)."""
-    up = [r for r in replicas if r.down_until <= now]
-    down = sorted((r for r in replicas if r.down_until > now), key=lambda r: r.load)
-    by_load = sorted(up, key=lambda r: r.load)
-    if key is None or load_factor <= 0 or len(up) < 2:
-        return by_load + down
-    known = [r.load for r in up if r.running is not None]
-    order = sorted(up, key=lambda r: _affinity_score(key, r.url), reverse=True)
-    if not known:  # nothing to bound by: keep the conversation where it hashes
-        return order + down
-    bound = load_factor * (sum(known) + 1) / len(known) + 1
-    within = [r for r in order if r.running is not None and r.load + 1 <= bound]
-    rest = [r for r in by_load if r not in within]
-    return within + rest + down
-
-
-def _least_loaded(replicas: list[Replica]) -> ProviderLoad:
-    known = [(r, r.running) for r in replicas if r.running is not None]
-    if not known:
-        return ProviderLoad(unknown=True)
-    best, running = min(known, key=lambda pair: pair[0].load)
-    return ProviderLoad(
-        batch_size=running + best.in_flight, queue_depth=best.waiting, max_batch=best.max_running
-    )
-
-
-# ---------------------------------------------------------------- the provider
-
-
-class _NextReplica(Exception):
-    """This replica failed before anything went out: mark it down, try the next."""
 
 
 class PoolProvider(Provider):
@@ -321,22 +114,7 @@ class PoolProvider(Provider):
         raise NotImplementedError
 
     def body(self, request: ChatRequest, stream: bool, ctx: CallContext | None = None) -> dict[str, Any]:
-        body = wire.request_body(request, self.config.model)
-        if ctx is not None and ctx.tenant is not None:
-            # vLLM's and SGLang's own per-request prefix-cache isolation: a tenant's cached prefixes
-            # serve that tenant only (docs/security.md, "Tenants")
-            body["cache_salt"] = cache_salt(ctx.tenant)
-        if stream:
-            body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
-        choice = request.tool_choice
-        if isinstance(choice, AllowedToolChoice):
-            # neither SGLang 0.5.23's nor vLLM 0.32's ChatCompletionRequest has the allowed_tools
-            # form: the same calls, as only the allowed tools under the plain mode
-            allowed = set(choice.allowed_tools.names)
-            body["tools"] = [t for t in body["tools"] if t["function"]["name"] in allowed]
-            body["tool_choice"] = choice.allowed_tools.mode
-        return body
+        return request_body(request, self.config.model, stream, ctx.tenant if ctx is not None else None)
 
     def capture(self, ext: dict[str, Any], data: dict[str, Any]) -> None:
         """Keep what the dialect's speculation figures need from a response or stream event."""
@@ -361,14 +139,14 @@ class PoolProvider(Provider):
     def load(self) -> ProviderLoad:
         """The least-loaded replica's figures (what a request joining now would see); unknown
         (`ProviderLoad(unknown=True)`) where no replica's load could be read."""
-        return _least_loaded(self._all_load_sources())
+        return least_loaded(self._all_load_sources())
 
     def pool_load(self, pool: str) -> ProviderLoad | None:
         """The load a request joining `pool` would see: its least-loaded replica's."""
         replicas = self.load_sources.get(pool)
         if replicas is None:
             return None
-        return _least_loaded(replicas)
+        return least_loaded(replicas)
 
     async def current_load(self) -> ProviderLoad:
         await self.refresh_loads()
@@ -407,13 +185,13 @@ class PoolProvider(Provider):
             )
 
     def choose_pool(self, ctx: CallContext) -> str:
-        decision = ctx.decision
-        pool = getattr(decision, "pool", None) if decision is not None else None
+        plan = ctx.plan
+        pool = plan.pool if plan is not None else None
         if pool:
             if pool in self.pools:
                 return pool
             logger.warning("%s: policy pool %r is not configured; choosing by method", self.name, pool)
-        method = getattr(decision, "method", None) if decision is not None else None
+        method = plan.method if plan is not None else None
         if method:
             for name, cfg in self.config.pools.items():
                 if cfg.method == method:
@@ -475,7 +253,7 @@ class PoolProvider(Provider):
                         yielded = True
                         yield item
                 return
-            except _NextReplica as exc:
+            except NextReplica as exc:
                 self._mark_down(replica, errors, f"{replica.url}: {exc}")
             except httpx.PoolTimeout as exc:  # the runner's own connection pool, not the replica
                 raise ProviderTimeout(f"no connection to {replica.url} free in time", provider=self.name) from exc
@@ -559,9 +337,9 @@ class PoolProvider(Provider):
 
         async def attempt(replica: Replica) -> AsyncGenerator[ChatResult, None]:
             resp = await self._client.post(f"{replica.url}/v1/chat/completions", json=body, timeout=self._timeout(),
-                                           headers=_upstream_headers(ctx))
+                                           headers=upstream_headers(ctx))
             if resp.status_code >= 500:
-                raise _NextReplica(f"HTTP {resp.status_code} {error_message(resp)}")
+                raise NextReplica(f"HTTP {resp.status_code} {error_message(resp)}")
             if resp.status_code != 200:
                 raise self.request_error(resp)
             yield self._result(resp, pool, ctx)
@@ -587,7 +365,7 @@ class PoolProvider(Provider):
         tool_calls = wire.tool_calls_of(choice.message, self.name, finish)
         ext: dict[str, Any] = {}
         self.capture(ext, data)
-        outcome = self._speculation(ext, pool, ctx, usage)
+        outcome = self.speculation(ext, pool, ctx, usage)
         result = ChatResult.single(
             id=body.id,
             model=body.model or self.config.model,
@@ -601,20 +379,20 @@ class PoolProvider(Provider):
         )
         return result.attach_outcome(outcome)
 
-    def _speculation(
+    def speculation(
         self, ext: dict[str, Any], pool: str, ctx: CallContext, usage: Usage | None
     ) -> SpeculationOutcome:
         cfg = self.config.pools[pool]
-        decision = ctx.decision
-        gamma = cfg.gamma_for(decision)
+        plan = ctx.plan
+        gamma = cfg.gamma_for(plan)
         figures = self.spec_figures(ext, pool, gamma, usage) if cfg.method != "off" else {}
         return SpeculationOutcome(
             method=cfg.method,
             gamma=gamma,
             # unknown usage: the outcome's count is an int; pools set no total_s, so no rate comes of it
             completion_tokens=usage.completion_tokens if usage is not None else 0,
-            rule=decision.rule if decision is not None else None,
-            policy_version=decision.policy_version if decision is not None else None,
+            rule=plan.rule if plan is not None else None,
+            policy_version=plan.policy_version if plan is not None else None,
             pool=pool,
             **figures,
         )
@@ -631,78 +409,21 @@ class PoolProvider(Provider):
         async def attempt(replica: Replica) -> AsyncGenerator[ChatChunk, None]:
             async with self._client.stream(
                 "POST", f"{replica.url}/v1/chat/completions", json=body, timeout=self._timeout(),
-                headers=_upstream_headers(ctx),
+                headers=upstream_headers(ctx),
             ) as resp:
                 if resp.status_code >= 500:
                     await resp.aread()
-                    raise _NextReplica(f"HTTP {resp.status_code} {error_message(resp)}")
+                    raise NextReplica(f"HTTP {resp.status_code} {error_message(resp)}")
                 if resp.status_code != 200:
                     await resp.aread()
                     raise self.request_error(resp)
-                async with aclosing(self._chunks(resp, pool, ctx)) as chunks:
+                async with aclosing(sse_chunks(self, resp, pool, ctx)) as chunks:
                     async for chunk in chunks:
                         yield chunk
 
         async with aclosing(self._over_replicas(pool, ctx, attempt)) as chunks:
             async for chunk in chunks:
                 yield chunk
-
-    async def _chunks(
-        self, resp: httpx.Response, pool: str, ctx: CallContext
-    ) -> AsyncGenerator[ChatChunk, None]:
-        """SSE events -> ChatChunks. A failure before the first chunk tries the next replica
-        (transport errors reach the attempt loop as they are); after it, StreamBroken."""
-        acc = wire.ChunkAccumulator(self.config.model)
-        ext: dict[str, Any] = {}
-        engine = self.engine
-        lines = resp.aiter_lines()
-        try:
-            async for line in lines:
-                if not line.startswith("data:"):
-                    continue  # comments, `event:` lines (SGLang's framed `sglext_ids`), blanks
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                data = json.loads(payload)
-                if isinstance(data, dict) and "error" in data:
-                    raise self._stream_error(data["error"], acc.started)
-                if isinstance(data, dict):
-                    self.capture(ext, data)
-                for chunk in acc.feed(wire.read_chunk(data, self.name)):
-                    yield chunk
-        except (json.JSONDecodeError, ProviderBadResponse) as exc:
-            if acc.started:
-                raise StreamBroken(f"{engine} stream unreadable: {exc}", provider=self.name) from exc
-            if isinstance(exc, ProviderBadResponse):
-                raise
-            raise ProviderBadResponse(f"{engine} stream event is not JSON: {exc}", provider=self.name) from exc
-        self._check_stream_end(acc)
-        usage = acc.usage  # None where the server sent none (no usage chunk): unknown
-        outcome = self._speculation(ext, pool, ctx, usage)
-        yield acc.final(SpeculationInfo.from_outcome(outcome), self.name).attach_outcome(outcome)
-        await _drain(lines)
-
-    def _stream_error(self, body: Any, started: bool) -> Exception:
-        """An SSE `error` event: StreamBroken once tokens went out; before, the next replica where
-        the error allows a fallback, else the error itself."""
-        err = error_from_body(body, self.name)
-        if started:
-            return StreamBroken(f"{self.engine} stream error: {err.message}", provider=self.name)
-        if err.fallback_ok:
-            return _NextReplica(f"stream error before the first token: {err.message}")
-        return err
-
-    def _check_stream_end(self, acc: wire.ChunkAccumulator) -> None:
-        """A stream that ended without a finish, or aborted: broken after tokens, else retried or refused."""
-        engine = self.engine
-        if acc.finish is None:
-            if acc.started:
-                raise StreamBroken(f"{engine} stream ended without a finish_reason", provider=self.name)
-            raise _NextReplica("stream ended before any token")
-        if acc.finish == "abort":
-            if acc.started:
-                raise StreamBroken(f"{engine} aborted the request mid-stream", provider=self.name)
-            raise ProviderUnavailable(f"{engine} aborted the request", provider=self.name)
 
     async def aclose(self) -> None:
         for probe in list(self._probes):
@@ -714,96 +435,3 @@ class PoolProvider(Provider):
                 await self._background_refresh
         if self._owns_client:
             await self._client.aclose()
-
-
-# ---------------------------------------------------------------- errors
-
-
-def _error_object(data: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAI-style {"error": {...}} inside a JSON error body, else the body itself."""
-    error = data.get("error")
-    return error if isinstance(error, dict) else data
-
-
-def error_message(resp: httpx.Response) -> str:
-    try:
-        data = resp.json()
-    except ValueError:
-        return resp.text[:200]
-    if isinstance(data, dict):
-        inner = _error_object(data)
-        return str(inner.get("message") or inner.get("detail") or data)[:500]
-    return str(data)[:200]
-
-
-def error_param(resp: httpx.Response) -> str | None:
-    try:
-        data = resp.json()
-    except ValueError:
-        return None
-    if isinstance(data, dict):
-        inner = _error_object(data)
-        param = inner.get("param")
-        return str(param) if param else None
-    return None
-
-
-def http_error(resp: httpx.Response, provider: str, param: str | None = None) -> ProviderError:
-    message = error_message(resp)
-    code = resp.status_code
-    if code == 429:
-        return ProviderRateLimited(
-            message, provider=provider, status_code=code, retry_after=wire.retry_after(resp.headers)
-        )
-    if code in (408, 504):
-        return ProviderTimeout(message, provider=provider, status_code=code)
-    if code >= 500:
-        return ProviderUnavailable(message, provider=provider, status_code=code)
-    return ProviderBadRequest(message, provider=provider, status_code=code, param=param or error_param(resp))
-
-
-def error_from_body(err: Any, provider: str) -> ProviderError:
-    if not isinstance(err, dict):
-        return ProviderUnavailable(str(err), provider=provider)
-    message = str(err.get("message") or err)
-    try:
-        code = int(err.get("code") or 500)
-    except (TypeError, ValueError):
-        code = 500
-    if code == 429:
-        return ProviderRateLimited(message, provider=provider, status_code=code)
-    if code >= 500:
-        return ProviderUnavailable(message, provider=provider, status_code=code)
-    return ProviderBadRequest(message, provider=provider, status_code=code, param=err.get("param") or None)
-
-
-async def _drain(lines: AsyncIterator[str]) -> None:
-    """Read what follows `[DONE]` (the chunked body's end): a response read to its end hands its
-    connection back to the pool; one left unread is closed, and the next call pays a new connect.
-    A server that keeps the body open past `[DONE]` gets DRAIN_S, then its connection is closed."""
-    with contextlib.suppress(TimeoutError, httpx.HTTPError):
-        async with asyncio.timeout(DRAIN_S):
-            async for _ in lines:
-                pass
-
-
-CACHE_SALT_DOMAIN = b"openalice-runner cache_salt v1\0"
-
-
-def cache_salt(tenant: str) -> str:
-    """The `cache_salt` a tenant's requests carry upstream: from its name (never its key), 256 bits as
-    43 base64url characters, as vLLM's field asks (base64url: vLLM 0.32 refuses a salt with `/`).
-    Derived, not random: every runner in front of the same pool gives a tenant the same salt, so its
-    prefixes are shared across runners and restarts (the salt is a namespace, not a secret: clients
-    reach the runner, never the pools directly)."""
-    digest = hashlib.sha256(CACHE_SALT_DOMAIN + tenant.encode()).digest()
-    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
-
-
-def _upstream_headers(ctx: CallContext) -> dict[str, str]:
-    """The conversation id, sent on: a gateway in front of a pool's workers (smg `--policy
-    consistent_hashing --routing-key-headers x-openalice-conversation-id`) keys each conversation
-    to the worker that holds its prefix cache. Scoped by the tenant: the same id from two tenants is two
-    conversations."""
-    conversation = ctx.scoped_conversation
-    return {CONVERSATION_HEADER: conversation} if conversation else {}

@@ -12,15 +12,12 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 
-from openalice_runner.providers.base import CallContext
+from openalice_runner.providers.base import OTEL_CONTEXT_KEY, CallContext
 from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.providers.wrappers.wrapper import WrapperProvider
-from openalice_runner.tracing.telemetry import ChatCall, RunnerTelemetry
+from openalice_runner.tracing.chat_call import ChatCall
+from openalice_runner.tracing.telemetry import RunnerTelemetry
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult, Usage
-
-#: CallContext.attributes key under which a caller may pass the OpenTelemetry context to parent the call
-#: span on (the sidecar does: its turn spans live across requests, not in the current context).
-OTEL_CONTEXT_KEY = "otel_context"
 
 
 class InstrumentedProvider(WrapperProvider):
@@ -40,7 +37,7 @@ class InstrumentedProvider(WrapperProvider):
             conversation_id=ctx.conversation_id,
             step=ctx.step,
             agent=ctx.agent,
-            decision=ctx.decision,
+            plan=ctx.plan,
             request=request,
             stream=stream,
             parent=parent,

@@ -2,8 +2,8 @@
 
 It wraps one provider of a fallback chain, so each attempt is decided for the provider that will
 actually serve it, with that provider's own load as the batch size (the request itself included).
-The decision travels in a copy of the CallContext (tracing reads it there); the finished request's
-outcome goes to `policy.observe` for adaptive γ. The decision carries γ by batch size
+The plan travels in a copy of the CallContext (tracing reads it there); the finished request's
+outcome goes to `policy.observe` for adaptive γ. The plan carries γ by batch size
 (`per_batch`), which a batching engine follows step by step.
 """
 
@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any
 
 from openalice_runner.providers.base import CallContext, Provider, ProviderLoad
 from openalice_runner.providers.streams import ChatStream, chat_stream
 from openalice_runner.providers.wrappers.wrapper import WrapperProvider
-from openalice_runner.speculation import SpeculationOutcome
+from openalice_runner.speculation import SpeculationOutcome, SpeculationPlan, SpeculationPolicy
 from openalice_runner.types import ChatChunk, ChatRequest, ChatResult
 
 
@@ -33,19 +32,19 @@ def _batch(load: ProviderLoad) -> int | None:
 
 
 class PolicyProvider(WrapperProvider):
-    def __init__(self, wrapped: Provider, policy: Any, provider_name: str | None = None) -> None:
+    def __init__(self, wrapped: Provider, policy: SpeculationPolicy, provider_name: str | None = None) -> None:
         super().__init__(wrapped)
-        self.policy = policy  # openalice_runner.policies.PolicyStore
+        self.policy = policy  # a PolicyStore, or the caller's own
         self.provider_name = provider_name or wrapped.name
 
     async def decide(self, request: ChatRequest, ctx: CallContext) -> CallContext:
-        if ctx.decision is not None:
+        if ctx.plan is not None:
             return ctx  # decided upstream (e.g. pinned by the caller)
         from openalice_runner.policies import RequestContext
 
         load = await self.wrapped.current_load()
 
-        def decide(load: ProviderLoad) -> Any:
+        def decide(load: ProviderLoad) -> SpeculationPlan:
             return self.policy.decide(
                 RequestContext(
                     turn_type=ctx.turn_type,
@@ -56,14 +55,14 @@ class PolicyProvider(WrapperProvider):
                 )
             )
 
-        decision = decide(load)
+        plan = decide(load)
         # A pool provider's rules name a pool, and the batch a request joins is that pool's: decide
         # again on its load where it differs from the provider-wide figure (once: the pool the second
-        # decision names is where the request goes)
-        pool_load = self.wrapped.pool_load(decision.pool) if decision.pool else None
+        # plan names is where the request goes)
+        pool_load = self.wrapped.pool_load(plan.pool) if plan.pool else None
         if pool_load is not None and _batch(pool_load) != _batch(load):
-            decision = decide(pool_load)
-        return replace(ctx, decision=decision)
+            plan = decide(pool_load)
+        return replace(ctx, plan=plan)
 
     def observe(self, ctx: CallContext, outcome: SpeculationOutcome | None) -> None:
         if outcome is not None:

@@ -1,7 +1,7 @@
 """WrapperProvider: a provider that delegates the Provider interface to the one it wraps.
 
 Subclasses (fallback, tracing) override only what they add; the rest of the interface passes through.
-Nothing else does: what only one kind of provider has (LocalProvider.engine) is reached through
+Nothing else does: what only one kind of provider has (EmbeddedProvider.engine) is reached through
 `unwrap()`, so a wrapper never answers for attributes it does not know.
 """
 

@@ -186,6 +186,34 @@ class _Stream:
         return self.queue.take(upto=self.passes - 2)
 
 
+async def _next_chunk(
+    state: _Stream, pending: asyncio.Future[Any], due: float | None, clock: Clock
+) -> tuple[asyncio.Future[Any] | None, list[ChatChunk] | None, BaseException | None]:
+    """Wait for the next chunk until the tick is due: (the chunk's future while it is still pending,
+    what must leave now, the stream's own error after what was produced)."""
+    starved = not state.queue.units
+    await clock.wait(pending, due)
+    if not pending.done():  # the tick is due
+        return pending, None, None
+    broke = None if pending.cancelled() else pending.exception()
+    if broke is not None:  # what was produced still leaves, as in pass mode, then the error
+        state.queue.add(state.cutter.flush(), state.passes)
+        out = state.queue.take(upto=state.passes, ended=True) if state.queue.atoms else None
+        return None, out, broke
+    catch_up = state.arrived(pending.result(), clock.now(), starved=starved)
+    return None, catch_up or None, None  # the bound: never more than one pass behind
+
+
+async def _settle(pending: asyncio.Future[Any]) -> None:
+    """The next chunk's future, given up: cancelled and waited for, its exception retrieved."""
+    if not pending.done():
+        pending.cancel()
+        with anyio.CancelScope(shield=True):  # the stream's chunks are closed once this returns
+            await asyncio.wait({pending})
+    if not pending.cancelled():
+        pending.exception()  # retrieved: the stream's own ending is what counts
+
+
 async def paced(
     chunks: AsyncIterator[ChatChunk], pacer: Pacer, clock: Clock, *,
     on_end: Callable[[float | None], None] | None = None,
@@ -199,20 +227,11 @@ async def paced(
                 pending = asyncio.ensure_future(anext(chunks, _END))
             due = pacer.due() if queue.units else None
             if pending is not None and (due is None or due > clock.now()):
-                starved = not queue.units
-                await clock.wait(pending, due)
-                if pending.done():  # else the tick is due
-                    broke = None if pending.cancelled() else pending.exception()
-                    if broke is not None:  # what was produced still leaves, as in pass mode, then the error
-                        pending = None
-                        queue.add(state.cutter.flush(), state.passes)
-                        if queue.atoms:
-                            yield queue.take(upto=state.passes, ended=True)
-                        raise broke
-                    chunk, pending = pending.result(), None
-                    catch_up = state.arrived(chunk, clock.now(), starved=starved)
-                    if catch_up:
-                        yield catch_up  # the bound: never more than one pass behind
+                pending, out, broke = await _next_chunk(state, pending, due, clock)
+                if out is not None:
+                    yield out
+                if broke is not None:
+                    raise broke
                 continue
             if due is None:  # the stream ended before a rate was known: what is left goes now
                 yield queue.take(upto=state.passes, ended=True)
@@ -225,11 +244,6 @@ async def paced(
             yield queue.take(ended=True)
     finally:
         if pending is not None:
-            if not pending.done():
-                pending.cancel()
-                with anyio.CancelScope(shield=True):  # the stream's chunks are closed once this returns
-                    await asyncio.wait({pending})
-            if not pending.cancelled():
-                pending.exception()  # retrieved: the stream's own ending is what counts
+            await _settle(pending)
         if on_end is not None:
             on_end(pacer.rate() if pacer.produced else None)

@@ -5,7 +5,7 @@ The padding is an SSE comment at the start of the write, an event block of its o
 and the blank line that ends the block. The SSE standard has every parser ignore a line that begins
 with a colon (servers send them as keep-alives), and a block with no data dispatches no event. The
 clients in use read it so: the openai and anthropic Python SDKs (their SSEDecoder returns None for a
-`:` line and for a block without data; tests/test_server_release.py streams through both), the
+`:` line and for a block without data; tests/server/test_release.py streams through both), the
 TypeScript SDKs (Claude Code) and eventsource-parser (the Vercel AI SDK) the same way, Rust's
 eventsource-stream (Codex) per the standard. A block of its own, not a line inside the event's
 block, so that a hand-written client that splits on blank lines and wants each block to begin with

@@ -24,6 +24,7 @@ from openalice_runner.server.wires.messages_request import (
     SearchResultBlock,
     TextBlock,
     ThinkingBlock,
+    ToolChoice,
     ToolReferenceBlock,
     ToolResultBlock,
     ToolUseBlock,
@@ -61,14 +62,8 @@ def to_chat(request: MessagesRequest | CountTokensRequest) -> Translated:
     chat: dict[str, Any] = {"model": request.model, "messages": messages}
     if request.tools:
         chat["tools"] = [_tool(t) for t in request.tools]
-    choice = request.tool_choice
-    if choice is not None:
-        if choice.type == "tool":
-            chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
-        else:
-            chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
-        if choice.disable_parallel_tool_use:
-            chat["parallel_tool_calls"] = False
+    if request.tool_choice is not None:
+        chat.update(_tool_choice(request.tool_choice))
     output = request.output_config
     if output is not None and output.format is not None:
         chat["response_format"] = {
@@ -76,19 +71,36 @@ def to_chat(request: MessagesRequest | CountTokensRequest) -> Translated:
             "json_schema": {"name": "output", "schema": output.format.schema_},
         }
     if isinstance(request, MessagesRequest):
-        chat["max_tokens"] = request.max_tokens
-        chat["stream"] = request.stream
-        if request.stream:
-            chat["stream_options"] = {"include_usage": True}
-        for name, value in (
-            ("temperature", request.temperature),
-            ("top_p", request.top_p),
-            ("top_k", request.top_k),
-            ("stop", request.stop_sequences),
-        ):
-            if value is not None:
-                chat[name] = value
+        chat.update(_sampling(request))
     return Translated(chat, origin)
+
+
+def _tool_choice(choice: ToolChoice) -> dict[str, Any]:
+    """tool_choice (and parallel_tool_calls) in Chat's terms."""
+    out: dict[str, Any] = {}
+    if choice.type == "tool":
+        out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    else:
+        out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    if choice.disable_parallel_tool_use:
+        out["parallel_tool_calls"] = False
+    return out
+
+
+def _sampling(request: MessagesRequest) -> dict[str, Any]:
+    """A Messages request's budget, streaming and sampling in Chat's terms (count_tokens has none)."""
+    out: dict[str, Any] = {"max_tokens": request.max_tokens, "stream": request.stream}
+    if request.stream:
+        out["stream_options"] = {"include_usage": True}
+    for name, value in (
+        ("temperature", request.temperature),
+        ("top_p", request.top_p),
+        ("top_k", request.top_k),
+        ("stop", request.stop_sequences),
+    ):
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def chat_request(translated: Translated) -> ServerChatRequest:

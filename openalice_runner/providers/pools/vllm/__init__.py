@@ -1,0 +1,4 @@
+"""The vLLM dialect of the pool provider: reply and load reading (provider.py), a pool's launch
+settings and the checks that need only them (launch.py), its servers' command line from those
+settings and the policy's rules routed to it (args.py), and `openalice-runner vllm args` (cli.py).
+Nothing is imported here, so that reading launch settings does not load the provider."""

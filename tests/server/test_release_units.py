@@ -1,0 +1,344 @@
+"""`serve --stream-release` below the server (issue 48, Build 1): what a token is at the chunk layer,
+fixed:N's groups, paced's clock (on an injected clock, never wall time), the padding's buckets, and
+the flag's bad values. tests/server/test_release.py runs the modes through `serve` on all three wires."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import itertools
+import statistics
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from stand_ins.streams import joined_tool_calls
+
+from openalice_runner.cli import build_parser
+from openalice_runner.providers.base import StreamBroken
+from openalice_runner.server.release.fixed import fixed
+from openalice_runner.server.release.modes import ReleaseMode, parse_release
+from openalice_runner.server.release.paced import MAX_RATE_KEYS, Pacer, PaceRates, paced
+from openalice_runner.server.release.padding import bucket, padded
+from openalice_runner.server.release.units import Cutter, cut
+from openalice_runner.server.settings import ServerSettings
+from openalice_runner.types import (
+    ChatChunk,
+    ChunkChoice,
+    FunctionCallDelta,
+    SpeculationInfo,
+    ToolCallDelta,
+    Usage,
+)
+
+# ---------------------------------------------------------------- a scripted stream
+
+
+def text(piece: str, first: bool = False) -> ChatChunk:
+    return ChatChunk.text("chatcmpl-1", "m", piece, role=first)
+
+
+def call_piece(index: int, arguments: str, *, name: str | None = None) -> ChatChunk:
+    delta = ToolCallDelta(index=index, id=f"call_{index}" if name else None, type="function" if name else None,
+                          function=FunctionCallDelta(name=name, arguments=arguments or None))  # fmt: skip
+    return ChatChunk.piece("chatcmpl-1", "m", tool_calls=[delta])
+
+
+def final() -> ChatChunk:
+    return ChatChunk(id="chatcmpl-1", model="m", choices=[ChunkChoice(finish_reason="tool_calls")],
+                     usage=Usage.of(11, 29), speculation=SpeculationInfo(method="ngram", gamma=3, accepted=7))  # fmt: skip
+
+
+def script() -> list[ChatChunk]:
+    """Passes of 1 to 5 tokens, a word cut across passes, then two tool calls cut mid-argument."""
+    return [
+        text("The", first=True), text(" quick brown"), text(" fox jum"), text("ps over the lazy"),
+        text(" dog and"), text(" then it"), text(" calls"),
+        call_piece(0, '{"city": "Pa', name="get_weather"), call_piece(0, 'ris", "days"'), call_piece(0, ": 3}"),
+        call_piece(1, "", name="get_time"), call_piece(1, '{"zone": "CET"}'),
+        final(),
+    ]  # fmt: skip
+
+
+async def _stream(chunks: list[ChatChunk]):
+    for chunk in chunks:
+        yield chunk
+
+
+def _collect(groups_of) -> list[list[ChatChunk]]:
+    async def run():
+        return [group async for group in groups_of]
+
+    return asyncio.run(run())
+
+
+def _joined(chunks: list[ChatChunk]) -> tuple[str, list[dict[str, str]]]:
+    return "".join(c.delta_text for c in chunks), joined_tool_calls(chunks)
+
+
+def units_of(group: list[ChatChunk]) -> int:
+    """Tokens in a group, counted from what a client sees: words of the text, each call's opening,
+    the arguments cut as units.py cuts them."""
+    count = 0
+    for chunk in group:
+        count += len(cut(chunk.delta_text)) if chunk.delta_text else 0
+        for delta in chunk.tool_call_deltas:
+            count += 1 if delta.id else 0
+            arguments = delta.function.arguments if delta.function else None
+            count += len(cut(arguments)) if arguments else 0
+    return count
+
+
+# ---------------------------------------------------------------- tokens at the chunk layer
+
+
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=60), st.lists(st.integers(0, 60), max_size=8))
+@settings(max_examples=300, deadline=None)
+def test_a_text_cut_in_passes_gives_the_units_of_the_whole_text(whole, cuts):
+    """Where units end is a function of the text alone, never of where the passes ended."""
+    assert "".join(cut(whole)) == whole  # nothing lost
+    bounds = sorted({0, len(whole), *(c for c in cuts if c <= len(whole))})
+    cutter, units = Cutter(), []
+    for a, b in itertools.pairwise(bounds):
+        if b > a:
+            units += [atom.text for atom in cutter.feed(text(whole[a:b]))]
+    units += [atom.text for atom in cutter.flush()]
+    assert units == cut(whole)
+
+
+def test_units_are_about_a_token_each():
+    assert cut("Hello world, it's 2026!") == ["Hello", " world", ",", " it", "'", "s", " 202", "6", "!"]
+    assert cut('{"city": "Paris"}') == ['{"', "city", '":', ' "', "Paris", '"}']
+
+
+# ---------------------------------------------------------------- fixed:N
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 64])
+def test_fixed_groups_hold_n_tokens_each_and_lose_nothing(n):
+    groups = _collect(fixed(_stream(script()), n))
+    counts = [units_of(group) for group in groups]
+    assert all(count == n for count in counts[:-1]), counts
+    assert 0 < counts[-1] <= n or (counts[-1] == 0 and len(groups) == 1)
+    out = [chunk for group in groups for chunk in group]
+    assert _joined(out) == _joined(script())
+    assert out[0].delta.role == "assistant" and all(c.delta.role is None for c in out[1:])
+    # the last chunk goes last and whole: finish reason, usage, speculation
+    ends = [c for c in out if c.finish_reason or c.usage or c.speculation]
+    assert ends == [out[-1]] and out[-1].usage == final().usage and out[-1].speculation == final().speculation
+    assert out[-1].finish_reason == "tool_calls" and out[-1] in groups[-1]
+
+
+def test_fixed_release_is_the_same_whatever_the_passes():
+    """The same text in other passes leaves in the same groups: their boundaries say nothing."""
+    one_pass = [text("".join(c.delta_text for c in script()[:7]), first=True), *script()[7:]]
+    a = [[(c.delta_text, c.tool_call_deltas) for c in g] for g in _collect(fixed(_stream(script()), 3))]
+    b = [[(c.delta_text, c.tool_call_deltas) for c in g] for g in _collect(fixed(_stream(one_pass), 3))]
+    assert a == b
+
+
+# ---------------------------------------------------------------- paced, on an injected clock
+
+
+class FakeClock:
+    """Virtual time: waits return at once, time jumping to the next timer (a pass's arrival) or to the
+    tick asked for, whichever is first."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.timers: list[tuple[float, int, asyncio.Future]] = []
+        self.seq = itertools.count()
+
+    def now(self) -> float:
+        return self.t
+
+    def at(self, t: float) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self.timers, (t, next(self.seq), future))
+        return future
+
+    async def wait(self, pending, until):
+        while True:
+            for _ in range(20):  # lets the reading task run to its next wait
+                await asyncio.sleep(0)
+            if pending is not None and pending.done():
+                return
+            if self.timers and (until is None or self.timers[0][0] <= until):
+                t, _, future = heapq.heappop(self.timers)
+                self.t = max(self.t, t)
+                future.set_result(None)
+                continue
+            assert until is not None, "a wait with nothing to wait for"
+            self.t = max(self.t, until)
+            return
+
+
+def word_passes(sizes: list[int], gap: float) -> list[tuple[float, ChatChunk]]:
+    """Passes of `sizes` words (one token each: letters only), `gap` apart, then the last chunk."""
+    words = ("".join(letters) for letters in itertools.product("abcdefghij", repeat=3))
+    out = []
+    for k, size in enumerate(sizes):
+        piece = "".join(f" {next(words)}" for _ in range(size))
+        out.append((k * gap, text(piece, first=k == 0)))
+    out.append((len(sizes) * gap, ChatChunk(id="chatcmpl-1", model="m", choices=[ChunkChoice(finish_reason="stop")],
+                                            usage=Usage.of(3, sum(sizes)))))  # fmt: skip
+    return out
+
+
+def run_paced(passes, prior: float | None):
+    """(time, tokens) of each event, and (time, passes so far) of each arrival."""
+    clock = FakeClock()
+    events: list[tuple[float, int, list[ChatChunk]]] = []
+    arrivals: list[float] = []
+
+    async def upstream():
+        for t, chunk in passes:
+            await clock.at(t)
+            arrivals.append(clock.now())
+            yield chunk
+
+    async def main():
+        async for group in paced(upstream(), Pacer(prior=prior), clock):
+            events.append((clock.now(), units_of(group), group))
+
+    asyncio.run(main())
+    return events, arrivals
+
+
+def _gaps(events) -> list[float]:
+    times = [t for t, units, _ in events if units]
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def _steady(gaps: list[float]) -> float:
+    """The tick of a stream whose gaps are whole ticks (a tick that found nothing to send is skipped,
+    the clock keeps its grid), nearly all of them single; returns the tick."""
+    tick = statistics.median(gaps)
+    ticks = [gap / tick for gap in gaps]
+    assert all(abs(t - round(t)) < 0.1 and round(t) >= 1 for t in ticks), ticks
+    assert sum(round(t) == 1 for t in ticks) >= 0.9 * len(ticks), ticks
+    return tick
+
+
+def test_paced_gaps_are_steady_whatever_tokens_each_pass_accepted():
+    """Passes of 1 to 3 tokens every 0.1 s (20 tokens/s): one token an event on a 0.05 s clock, as
+    for passes of 2 each: the gaps do not show the passes."""
+    sizes = [1, 3, 2, 2, 3, 1] * 6
+    uneven, _ = run_paced(word_passes(sizes, 0.1), prior=20.0)
+    even, _ = run_paced(word_passes([2] * 36, 0.1), prior=20.0)
+    ticks = []
+    for events in (uneven, even):
+        assert all(units == 1 for _, units, _ in events), [u for _, u, _ in events]
+        ticks.append(_steady(_gaps(events)[1:]))
+        assert ticks[-1] == pytest.approx(0.05, rel=0.05)
+    assert ticks[0] == pytest.approx(ticks[1], rel=0.03)
+    out = [c for *_, g in uneven for c in g]
+    assert "".join(c.delta_text for c in out) == "".join(c.delta_text for _, c in word_passes(sizes, 0.1))
+
+
+def test_paced_learns_the_rate_without_recent_streams_and_records_it():
+    rates = PaceRates()
+    events, _ = run_paced(word_passes([2] * 30, 0.1), prior=None)
+    assert _steady(_gaps(events)[4:]) == pytest.approx(0.05, rel=0.05)
+    pacer = rates.pacer("m")
+    assert pacer.prior is None
+    rates.record("m", 20.0)
+    rates.record("m", 30.0)
+    assert rates.pacer("m").prior == pytest.approx(22.0)
+    for i in range(MAX_RATE_KEYS + 10):  # bounded, the oldest dropped, the latest kept
+        rates.record(f"model-{i}", 5.0)
+    assert len(rates.rates) == MAX_RATE_KEYS and "m" not in rates.rates and f"model-{MAX_RATE_KEYS + 9}" in rates.rates
+
+
+def test_paced_is_never_more_than_one_pass_behind():
+    """A pass of 12 tokens among passes of 1: what the clock has not sent of it by the next pass but
+    one goes at once; at every arrival of pass k+1 every token of passes up to k-1 has left."""
+    sizes = [1, 1, 1, 12, 1, 1, 1, 1, 1, 1]
+    passes = word_passes(sizes, 0.1)
+    events, arrivals = run_paced(passes, prior=10.0)
+    assert any(units > 1 for _, units, _ in events), "the big pass forced no catch-up"
+    for k in range(2, len(sizes)):  # arrival of pass k+1 (index k)
+        released = sum(units for t, units, _ in events if t <= arrivals[k])
+        # a pass's last word completes with the next pass's text (units.py): complete by pass k-1
+        complete = sum(sizes[: k - 1]) - 1
+        assert released >= complete, (k, released, complete)
+    out = [c for *_, g in events for c in g]
+    assert "".join(c.delta_text for c in out) == "".join(c.delta_text for _, c in passes)
+    assert out[-1].usage == passes[-1][1].usage and out[-1].finish_reason == "stop"
+
+
+def test_paced_stream_with_tool_calls_loses_nothing():
+    passes = [(0.05 * k, chunk) for k, chunk in enumerate(script())]
+    events, _ = run_paced(passes, prior=None)
+    out = [c for *_, g in events for c in g]
+    assert _joined(out) == _joined(script())
+    assert out[-1].usage == final().usage and out[-1].speculation == final().speculation
+    content, calls = _joined(script())
+    whole = len(cut(content)) + sum(1 + len(cut(call["arguments"])) for call in calls)
+    assert sum(units for _, units, _ in events) == whole  # each token once
+
+
+# ---------------------------------------------------------------- a stream that breaks
+
+
+@pytest.mark.parametrize("mode", ["fixed", "paced"])
+def test_a_broken_stream_still_sends_what_it_produced_then_its_error(mode):
+    """As in pass mode, where every chunk before the fault went out: the text produced before it
+    leaves, then the fault ends the stream (the server writes its error event)."""
+    sent = script()[:5]
+
+    async def broken():
+        for chunk in sent:
+            await asyncio.sleep(0)
+            yield chunk
+        raise StreamBroken("upstream cut", provider="p")
+
+    async def run():
+        groups = []
+        stream = fixed(broken(), 4) if mode == "fixed" else paced(broken(), Pacer(prior=1.0), FakeClock())
+        with pytest.raises(StreamBroken):
+            async for group in stream:
+                groups.append(group)
+        return [chunk for group in groups for chunk in group]
+
+    out = asyncio.run(run())
+    assert "".join(c.delta_text for c in out) == "".join(c.delta_text for c in sent)
+
+
+# ---------------------------------------------------------------- padding, modes, the flag
+
+
+def test_buckets_are_powers_of_two_from_1k():
+    assert [bucket(n) for n in (1, 1024, 1025, 3000, 5000)] == [1024, 1024, 2048, 4096, 8192]
+    for size in (0, 100, 1020, 1021, 1022, 1024, 4000):
+        data = b"x" * size
+        out = padded(data)
+        assert len(out) == bucket(size + 3) and out.endswith(data)
+        comment = out[: len(out) - size]  # a block of its own: a comment line and the blank line
+        assert comment.startswith(b":") and comment.endswith(b"\n\n") and comment.count(b"\n") == 2
+
+
+@pytest.mark.parametrize("value, mode", [("pass", ReleaseMode()), ("paced", ReleaseMode("paced")),
+                                         ("fixed:1", ReleaseMode("fixed", 1)), (" fixed:16 ", ReleaseMode("fixed", 16))])  # fmt: skip
+def test_modes_parse(value, mode):
+    assert parse_release(value) == mode
+    assert ServerSettings(stream_release=value).stream_release == mode
+
+
+@pytest.mark.parametrize("value", ["", "fixed", "fixed:", "fixed:0", "fixed:-1", "fixed:257", "fixed:2.5",
+                                   "fixed:٣", "Paced", "burst", "pass,paced"])  # fmt: skip
+def test_bad_values_of_the_flag_are_refused_naming_it(value, capsys):
+    with pytest.raises(ValueError, match="expected pass, fixed:N"):
+        parse_release(value)
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", "--stream-release", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --stream-release: expected pass, fixed:N" in err and repr(value.strip()[:40]) in err
+
+
+def test_the_flag_defaults_to_pass():
+    args = build_parser().parse_args(["serve"])
+    assert args.stream_release == ReleaseMode("pass")
+    assert isinstance(build_parser(), argparse.ArgumentParser)

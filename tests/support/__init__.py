@@ -1,0 +1,1 @@
+"""What tests in several folders share: servers on loopback and the tiny stacks built on them."""
