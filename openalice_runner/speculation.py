@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 if TYPE_CHECKING:
     from openalice_runner.policies import RequestContext
 
+from openalice_runner.first_token import FirstTokenBreakdown
+
 SpecMethod = Literal["off", "ngram", "draft", "eagle", "suffix"]  # suffix: prompt lookup + recent responses (engine)
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 MAX_GAMMA = 64  # the most draft tokens one round may propose
@@ -121,6 +123,7 @@ class SpeculationOutcome:
     rule: str | None = None
     policy_version: str | None = None
     pool: str | None = None
+    first_token: FirstTokenBreakdown | None = None  # where the time before the first token went
 
     @property
     def acceptance_rate(self) -> float:

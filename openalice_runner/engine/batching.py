@@ -89,6 +89,8 @@ class BatchRequest:
     prefilled: int = 0  # prompt tokens whose keys and values are in the cache
     reserved: int = 0  # cache positions it may ever need (`_reservation`), set at admission
     prefill_started: float = 0.0
+    first_token_at: float = 0.0  # when the prefill chose the first token (FirstTokenTimes.first_decode_s)
+    first_text: bool = False  # that token's text went out at once (no first decode in its time to first text)
 
     @property
     def prefilling(self) -> bool:
@@ -332,6 +334,7 @@ class BatchScheduler:
         """Grow the cache to `slots` slots and put `request` in one, or raise leaving the scheduler as
         it was (the cache grows all or nothing; slots join the free list only once they exist)."""
         seq = request.seq
+        admitted = time.perf_counter()
         if self.admission_faults and self._faults.random() < self.admission_faults:
             raise InjectedFault("an admission fault injected for a test (OPENALICE_INJECT_ADMISSION_FAULTS)")
         # positions for the prompt and a round; the reply's grow as it is written (`_reserve`): sizing
@@ -342,11 +345,14 @@ class BatchScheduler:
         self._free_slots += range(batch, self.cache.batch)
         seq.cache = self.cache
         free, held, held_drafters = list(self._free_slots), dict(self._held), dict(self._held_drafters)
+        t0 = time.perf_counter()
         try:
             seq.slot, reused = self._take_slot(seq)
         except BaseException:
             self._free_slots, self._held, self._held_drafters = free, held, held_drafters
             raise
+        times = seq.stats.first_token
+        times.queue_s, times.prefix_match_s = admitted - seq.started, time.perf_counter() - t0
         self.cache.lengths[seq.slot] = reused
         request.reserved = reserved
         request.prefilled = reused
@@ -552,6 +558,9 @@ class BatchScheduler:
         logits = self.model.logits(hidden[rows.logit_rows]) if rows.logit_rows else None
         pass_s = time.perf_counter() - t0
         self.steps += 1
+        for plan in plans:
+            if plan.round is None:  # a prompt chunk: its pass, whole, in the request's time to first token
+                plan.request.seq.stats.first_token.chunks.append([plan.count, pass_s])
         if self.costs is not None and all(plan.round is not None for plan in plans):
             # decode-only steps: what drafters weigh a longer draft against (prefill rows would
             # make a step of few decode rows look dear)
@@ -579,6 +588,7 @@ class BatchScheduler:
             own = out.logits[plan.logits_at : plan.logits_at + plan.count]
             emitted = settle_round(seq, plan.round, own, rows, out.pass_s)
         event = emit(seq, emitted)
+        _time_first_text(request, plan.round is None, event)
         if event is not None:
             request.events.put(event)
         if seq.finished:
@@ -595,10 +605,13 @@ class BatchScheduler:
             seq.drafter.observe(rows)
         if request.prefilling:
             return None
+        t0 = time.perf_counter()
         first = choose_token(logits[plan.logits_at], seq)
         # the invariant of generator.py holds: `first` is emitted but not yet fed
-        seq.stats.prefill_s = time.perf_counter() - request.prefill_started
-        seq.stats.ttft_s = time.perf_counter() - seq.started
+        request.first_token_at = time.perf_counter()
+        seq.stats.first_token.first_token_s = request.first_token_at - t0
+        seq.stats.prefill_s = request.first_token_at - request.prefill_started
+        seq.stats.ttft_s = request.first_token_at - seq.started
         return accept_tokens(seq, [first])
 
     def _retire(self, request: BatchRequest) -> None:
@@ -638,6 +651,15 @@ class BatchScheduler:
 
 class InjectedFault(RuntimeError):
     """A fault injected on purpose (ADMISSION_FAULTS_ENV), to test that nothing is lost."""
+
+
+def _time_first_text(request: BatchRequest, prefill: bool, event: StreamEvent | None) -> None:
+    """Note whether the first token's text went out with it; where it did not, the first decode
+    round (the wait for its step and its pass) is part of the time to the first text."""
+    if prefill:
+        request.first_text = event is not None and bool(event.text)
+    elif not request.first_text and request.seq.stats.target_passes == 1:
+        request.seq.stats.first_token.first_decode_s = time.perf_counter() - request.first_token_at
 
 
 def _fault_rate(raw: str | None) -> float:

@@ -179,12 +179,13 @@ class Engine:
     # ---- prompts --------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of OpenAI-shaped messages through the model's chat template."""
-        ids = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return self.encode(self.chat_text(messages, tools))
+
+    def chat_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat template's text of OpenAI-shaped messages (tokenized as `encode` does: no special
+        tokens added, as the template's own tokenizing does; apart so that each step can be timed)."""
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                  tokenize=False)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -126,12 +126,18 @@ def prefill(model: LlamaModel, seq: Sequence, reused: int = 0) -> list[int]:
     hidden = None
     wants_hidden = seq.drafter is not None and seq.drafter.wants_hidden
     taps = taps_for([seq.drafter])
+    times = seq.stats.first_token
     for i in range(reused, len(seq.prompt), PREFILL_CHUNK):
+        t0 = time.perf_counter()
         chunk = torch.tensor([seq.prompt[i : i + PREFILL_CHUNK]])
         hidden, tapped = _forward(model, chunk, seq, taps, prompt=True)
         if wants_hidden:
             seq.drafter.observe(observed_rows(seq.drafter, hidden[0], tapped, taps))
-    first = choose_token(model.logits(hidden[0, -1]), seq)
+        logits = model.logits(hidden[0, -1]) if i + PREFILL_CHUNK >= len(seq.prompt) else None
+        times.chunks.append([chunk.shape[1], time.perf_counter() - t0])
+    t0 = time.perf_counter()
+    first = choose_token(logits, seq)
+    times.first_token_s = time.perf_counter() - t0
     seq.stats.prefill_s = time.perf_counter() - start
     # The invariant holds again: `first` is the emitted but not yet fed last token.
     return accept_tokens(seq, [first])

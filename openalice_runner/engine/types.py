@@ -129,6 +129,28 @@ class SpecConfig:
 
 
 @dataclass
+class FirstTokenTimes:
+    """The engine's share of the time before a request's first token, in seconds (issue 49).
+
+    `queue_s`: submitted until admitted to a cache slot; `prefix_match_s`: finding the slot that holds
+    the longest cached prefix; `chunks`: each prefill pass as [prompt tokens, seconds] (a pass shared
+    with other sequences' rows counts whole); `first_token_s`: choosing the first token from the last
+    chunk's logits (grammar mask, sampling); `first_decode_s`: from that choice until the first decode
+    round had settled (the wait for the scheduler's next step and the pass), kept only where the first
+    token's text was empty, so that the caller's first text came after that round (None otherwise)."""
+
+    queue_s: float = 0.0
+    prefix_match_s: float = 0.0
+    chunks: list[list[float]] = field(default_factory=list)
+    first_token_s: float = 0.0
+    first_decode_s: float | None = None
+
+    @property
+    def prefill_s(self) -> float:
+        return sum(seconds for _, seconds in self.chunks)
+
+
+@dataclass
 class GenerationStats:
     """Figures every finished request reports (the CLI's JSON `stats`, snake_case, is a contract).
 
@@ -167,6 +189,7 @@ class GenerationStats:
     # and accepted a of them: what the exactness tests read to show drafts of every length ran
     draft_depth_histogram: list[list[int]] = field(default_factory=list)
     finish_reason: str = "length"
+    first_token: FirstTokenTimes = field(default_factory=FirstTokenTimes)  # where the time to it went
 
     def count_round(self, proposed: int, accepted: int, parents: list[int] | None = None) -> None:
         """One round of the drafter's: `proposed` tokens (a tree's nodes where `parents`), `accepted` of them."""

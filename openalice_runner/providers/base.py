@@ -66,6 +66,7 @@ class CallContext:
     # tenant. Providers keep what one request leaves behind (drafter stores, prefix caches,
     # histories, γ statistics) per tenant, and a conversation id is scoped by it (`scoped_conversation`).
     tenant: str | None = None
+    parse_s: float | None = None  # the server's reading and validating of the request's body (None: no server)
 
     @property
     def scoped_conversation(self) -> str | None:

@@ -77,11 +77,13 @@ class RequestPipeline:
 
     async def serve(self, request: Request, wire: Wire) -> Response:
         # parsed, validated, checked and translated off the loop (server/body.py)
+        t0 = time.perf_counter()
         call = await wire.read(request, self.settings)
-        return await self.run(request, wire, call)
+        return await self.run(request, wire, call, parse_s=time.perf_counter() - t0)
 
-    async def run(self, request: Request, wire: Wire, call: WireCall) -> Response:
-        """`call`, read by `wire`, served and answered in the wire's shape."""
+    async def run(self, request: Request, wire: Wire, call: WireCall, parse_s: float | None = None) -> Response:
+        """`call`, read by `wire`, served and answered in the wire's shape (`parse_s`: the reading took,
+        part of the call's time before its first token)."""
         body = call.body
         # the request's tenant (its key: server/guard.py) and what it runs under: its tenant's settings,
         # else serve's
@@ -114,6 +116,7 @@ class RequestPipeline:
             model=body.model,
             attributes={OTEL_CONTEXT_KEY: step.turn.context},
             tenant=served.tenant,
+            parse_s=parse_s,
         )
         span_ctx = step.turn.span.get_span_context()
         request.state.trace_ids = (format(span_ctx.trace_id, "032x"), format(span_ctx.span_id, "016x"))

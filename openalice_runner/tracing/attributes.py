@@ -81,6 +81,13 @@ LATENCY_DECODE_MS = "openalice.latency.decode_ms"
 LATENCY_DRAFT_MS = "openalice.latency.draft_ms"
 LATENCY_VERIFY_MS = "openalice.latency.verify_ms"
 TOKENS_PER_SECOND = "openalice.tokens_per_second"
+# the time before the first token by part (first_token.py PARTS): `{LATENCY_FIRST_TOKEN}.{part}_ms`, and
+# `.total_ms` their sum; each prefill pass as an event on the call span, its tokens and ms
+LATENCY_FIRST_TOKEN = "openalice.latency.first_token"
+EVENT_PREFILL_CHUNK = "openalice.prefill.chunk"
+PREFILL_CHUNK_INDEX = "openalice.prefill.chunk.index"
+PREFILL_CHUNK_TOKENS = "openalice.prefill.chunk.tokens"
+PREFILL_CHUNK_MS = "openalice.prefill.chunk.ms"
 TURN_STEPS = "openalice.turn.steps"  # model calls the turn held, set when it ends
 TURN_END_REASON = "openalice.turn.end_reason"  # server-tracked turns: final_answer | error | idle | shutdown
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Span, Status, StatusCode
 
+from openalice_runner.first_token import FirstTokenBreakdown
 from openalice_runner.redaction import redact
 from openalice_runner.speculation import SpeculationOutcome, SpeculationPlan, with_old_keys
 from openalice_runner.tracing import attributes as A
@@ -86,7 +87,16 @@ def outcome_attributes(outcome: SpeculationOutcome) -> dict[str, Any]:
     ):
         if seconds is not None:
             out[key] = round(seconds * 1000.0, 3)
+    if outcome.first_token is not None:
+        out.update(first_token_attributes(outcome.first_token))
     return with_old_keys("span", out)
+
+
+def first_token_attributes(breakdown: FirstTokenBreakdown) -> dict[str, float]:
+    """`openalice.latency.first_token.{part}_ms` of each part measured, and `.total_ms`, their sum."""
+    out = {f"{A.LATENCY_FIRST_TOKEN}.{part}_ms": round(seconds * 1000.0, 3) for part, seconds in breakdown.parts}
+    out[f"{A.LATENCY_FIRST_TOKEN}.total_ms"] = round(breakdown.total_s * 1000.0, 3)
+    return out
 
 
 @dataclass
@@ -175,6 +185,9 @@ class ChatCall:
             attrs[A.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = int(cached_input_tokens)
         if speculation is not None:
             attrs.update(outcome_attributes(speculation))
+            for i, (tokens, seconds) in enumerate(speculation.first_token.chunks if speculation.first_token else ()):
+                self.span.add_event(A.EVENT_PREFILL_CHUNK, {A.PREFILL_CHUNK_INDEX: i, A.PREFILL_CHUNK_TOKENS: tokens,
+                                                            A.PREFILL_CHUNK_MS: round(seconds * 1000.0, 3)})
         if self.first_chunk_s is not None and A.LATENCY_TTFT_MS not in attrs:
             attrs[A.LATENCY_TTFT_MS] = round(self.first_chunk_s * 1000.0, 3)
         if self.telemetry.record_content and output_message is not None:

@@ -64,6 +64,8 @@ class SpeculationInfo(BaseModel):
     turn_type: str | None = None
     turn_type_source: str | None = None
     conversation_source: str | None = None
+    # where the time before the first token went, ms by part (first_token.py FirstTokenBreakdown.as_json)
+    first_token: dict[str, Any] | None = None
 
     @classmethod
     def from_outcome(cls, outcome: SpeculationOutcome) -> SpeculationInfo:
@@ -79,6 +81,7 @@ class SpeculationInfo(BaseModel):
             rule=outcome.rule,
             policy_version=outcome.policy_version,
             pool=outcome.pool,
+            first_token=None if outcome.first_token is None else outcome.first_token.as_json(),
         )
 
     @model_serializer(mode="wrap")

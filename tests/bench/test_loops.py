@@ -373,3 +373,29 @@ def test_a_loop_sends_back_only_the_call_its_tool_result_answers():
     assert [m["role"] for m in last] == ["user", "assistant", "tool", "assistant", "user"]
     assert [c["id"] for c in last[1]["tool_calls"]] == ["c1"] and last[2]["tool_call_id"] == "c1"
     assert "tool_calls" not in last[3] and last[3]["content"] == ""
+
+
+def test_every_call_reports_its_time_to_first_token_by_part(loops_file, sidecars):
+    """Issue 49: each call's `speculation.first_token` names the server's parse, the prompt's template,
+    tokenizing and grammar, the engine's queue, prefix match, prefill passes and first token; the parts
+    come to no more than the time to the first chunk the loop measured; the summary adds them up."""
+    conversations = load_loops(loops_file, ["loop-tools"])
+    report = bench_loops(conversations, sidecars, repeat=1, warmup=0)
+    for row in report["conversations"]:
+        for k, call in enumerate(row["calls"]):
+            breakdown = call["speculation"]["first_token"]
+            parts = breakdown["parts_ms"]
+            expected = {"parse", "template", "tokenize", "grammar", "queue", "prefix_match", "prefill", "first_token",
+                        "held_back"}
+            assert expected <= set(parts), (k, parts)
+            assert k == 0 or "history_align" in parts  # a later call's ids are matched to the history's
+            assert all(ms >= 0 for ms in parts.values())
+            assert breakdown["total_ms"] <= 1000 * call["ttft_s"] + 0.05  # ttft_s is rounded to 0.1 ms
+            # every prompt token not served from the cache went through one of the prefill passes
+            assert sum(t for t, _ in breakdown["prefill_chunks"]) == call["prompt_tokens"] - call["cached_tokens"]
+    summary = report["summary"]["first_token"]
+    for target in ("policy", "off"):
+        later = summary[target]["later"]
+        assert later["calls"] == later["reported"] == 2
+        assert later["rest_ms"] >= 0 and later["new_prompt_tokens"] > 0 and later["prefill_tokens_per_s"] > 0
+    assert "time to first token, ms summed" in format_table(report)

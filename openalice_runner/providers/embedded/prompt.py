@@ -6,8 +6,9 @@ hands in (the engine itself): only provider.py imports the engine."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from openalice_runner.providers.base import ProviderBadRequest
@@ -23,6 +24,8 @@ class Prompt:
     tool_names: set[str] | None  # None: do not parse tool calls
     grammar: Any = None  # the engine's compiled Grammar the reply must follow (None: free)
     budget: int | None = None  # the max_tokens the reply runs under, clamped to the context (ContextBounds.budget)
+    # seconds its building took by part (template, tokenize, grammar; first_token.py's names)
+    times: dict[str, float] = field(default_factory=dict)
 
 
 class ChatRenderer(Protocol):
@@ -31,6 +34,35 @@ class ChatRenderer(Protocol):
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]: ...
 
     def encode(self, text: str) -> list[int]: ...
+
+
+class _TimedRenderer:
+    """A renderer whose template and tokenizing times add up in `times` (template and tokenize apart
+    where the engine renders text on its own, `chat_text`; else all under template)."""
+
+    def __init__(self, engine: ChatRenderer) -> None:
+        self.engine = engine
+        self.times = {"template": 0.0, "tokenize": 0.0}
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        chat_text = getattr(self.engine, "chat_text", None)
+        t0 = time.perf_counter()
+        if chat_text is None:
+            ids = self.engine.render_chat(messages, tools)
+            self.times["template"] += time.perf_counter() - t0
+            return ids
+        text = chat_text(messages, tools)
+        t1 = time.perf_counter()
+        ids = self.engine.encode(text)
+        self.times["template"] += t1 - t0
+        self.times["tokenize"] += time.perf_counter() - t1
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        t0 = time.perf_counter()
+        ids = self.engine.encode(text)
+        self.times["tokenize"] += time.perf_counter() - t0
+        return ids
 
 
 def build_prompt(
@@ -42,7 +74,8 @@ def build_prompt(
     provider: str,
 ) -> Prompt:
     """`renders_tools`: the model's chat template renders the tools itself (else tool_format's
-    fallback messages do)."""
+    fallback messages do). The prompt's `times` say what its template, tokenizing and grammar took."""
+    engine = timed = _TimedRenderer(engine)
     messages = request.message_dicts()
     choice = request.effective_tool_choice
     # The tools are rendered whatever tool_choice says, "none" included, and the call's own
@@ -64,16 +97,19 @@ def build_prompt(
         ids = engine.render_chat(tool_format.render_fallback_messages(messages, tools, choice))
     else:
         ids = engine.render_chat(messages)
+    t0 = time.perf_counter()
     grammar = reply_grammars.reply_grammar(request, callable_tools, choice, backend, provider)
     # A forced call's opening is pre-filled (the grammar would force it anyway; a weak model
     # also gets the first argument's key), and the grammar starts after it.
     prefill = tool_format.assistant_prefill(choice, callable_tools) if tools else ""
     if prefill and grammar is not None:
         prefill, grammar = reply_grammars.prefill_within(grammar, prefill, choice, backend)
+    grammar_s = time.perf_counter() - t0
     if prefill:
         ids = list(ids) + engine.encode(prefill)
     names = {t["function"]["name"] for t in callable_tools or ()} if tools and choice != "none" else None
-    return Prompt(ids=list(ids), prefill=prefill, tool_names=names, grammar=grammar)
+    times = {**timed.times, "grammar": grammar_s}
+    return Prompt(ids=list(ids), prefill=prefill, tool_names=names, grammar=grammar, times=times)
 
 
 _FRAMED_ROLES = ("system", "user", "assistant")  # the roles message_overhead measures

@@ -212,7 +212,9 @@ class _EngineRuns:
         history = self._histories.get(conversation) if reuse else None
         if history:
             # the history re-rendered may split into other tokens than the engine holds (histories.py)
+            t0 = time.perf_counter()
             prompt.ids = align_prompt(provider.engine.tokenizer, history, prompt.ids)
+            prompt.times["history_align"] = time.perf_counter() - t0
         sampling, spec = self._settings.of(request, ctx, prompt)
         self._bounds.check_prompt(prompt)
         self._bounds.check_budget(prompt, sampling.max_tokens, _shortest_reply)

@@ -8,10 +8,12 @@ imports the engine): `result` has text, finish_reason and stats; `event` text an
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from openalice_runner.first_token import FirstTokenBreakdown
 from openalice_runner.providers.base import CallContext
 from openalice_runner.providers.embedded import tool_format
 from openalice_runner.providers.embedded.prompt import Prompt
@@ -38,12 +40,29 @@ class Finished:
     speculation: SpeculationInfo
 
     @classmethod
-    def of(cls, result: Any, prompt: Prompt, ctx: CallContext) -> Finished:
+    def of(cls, result: Any, prompt: Prompt, ctx: CallContext, held_s: float | None = None) -> Finished:
+        """`held_s`: a stream's time from the first token's arrival to its first chunk with content."""
         stats = result.stats
         stamp(stats, ctx)
-        outcome = stats.outcome()
+        outcome = replace(stats.outcome(), first_token=first_token(stats, prompt, ctx, held_s))
         usage = Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens, stats.cached_prompt_tokens)
         return cls(outcome=outcome, usage=usage, speculation=speculation(outcome, stats))
+
+
+def first_token(stats: Any, prompt: Prompt, ctx: CallContext, held_s: float | None = None) -> FirstTokenBreakdown:
+    """The call's time before its first token by part: the server's parse, the prompt's building, the
+    engine's `FirstTokenTimes` (an engine stood in by a test may have none) and a stream's held-back
+    time (`held_s`, less the first decode round the engine counted)."""
+    parts: dict[str, float | None] = {"parse": ctx.parse_s, **prompt.times}
+    engine = getattr(stats, "first_token", None)
+    first_decode = None if engine is None else engine.first_decode_s
+    if held_s is not None:
+        parts["held_back"] = max(0.0, held_s - (first_decode or 0.0))
+    if engine is None:
+        return FirstTokenBreakdown.of(parts)
+    parts.update(queue=engine.queue_s, prefix_match=engine.prefix_match_s, prefill=engine.prefill_s,
+                 first_token=engine.first_token_s, first_decode=first_decode)
+    return FirstTokenBreakdown.of(parts, engine.chunks)
 
 
 def reply(result: Any, prompt: Prompt, ctx: CallContext, *, model: str, provider: str) -> ChatResult:
@@ -72,20 +91,32 @@ class StreamedReply:
         self.calls = ToolCallStream(prompt.prefill, prompt.tool_names, incremental=prompt.grammar is not None)
         self.started = False  # a chunk went out (an engine failure now breaks the stream)
         self.result: Any = None
+        # when the first token arrived, and then the first chunk with content went out (first_token.py)
+        self._first_token_at: float | None = None
+        self._held_s: float | None = None
 
     def feed(self, event: Any) -> Iterator[ChatChunk]:
         if event.result is not None:
             self.result = event.result
+        if self._first_token_at is None and event.token_ids:
+            self._first_token_at = time.perf_counter()
         for piece in self.calls.feed(event.text) if event.text else ():
             chunk = ChatChunk.piece(self.chunk_id, self.model, piece.content, piece.tool_calls, first=not self.started)
+            self._mark_first_chunk()
             yield chunk.with_budget(self.prompt.budget)
             self.started = True
+
+    def _mark_first_chunk(self) -> None:
+        if not self.started and self._first_token_at is not None:
+            self._held_s = time.perf_counter() - self._first_token_at
 
     def end(self, ctx: CallContext) -> Iterator[ChatChunk]:
         result = self.result
         assert result is not None, "engine stream ended without a result"
-        done = Finished.of(result, self.prompt, ctx)
         end = self.calls.finish(budget_ended=budget_ended(result))
+        if end.pieces:  # the first chunk may be one held to the end
+            self._mark_first_chunk()
+        done = Finished.of(result, self.prompt, ctx, self._held_s)
         for piece in end.pieces:
             chunk = ChatChunk.piece(self.chunk_id, self.model, piece.content, piece.tool_calls, first=not self.started)
             yield chunk.with_budget(self.prompt.budget)
