@@ -172,12 +172,13 @@ def test_a_draft_token_outside_the_vocabulary_fails_its_sequence_not_the_pass(en
     planned = {"bad": 0, "others": 0}
 
     def plan_round(seq, gamma):
-        proposal, draft = real(seq, gamma)
+        planned_round = real(seq, gamma)
         if seq.sampling.max_tokens == MARK:
             planned["bad"] += 1
-            return proposal, [*draft, vocab + 5]
+            planned_round.draft = [*planned_round.draft, vocab + 5]
+            return planned_round
         planned["others"] += 1
-        return proposal, draft
+        return planned_round
 
     monkeypatch.setattr(batching, "plan_round", plan_round)
     out = _together(engine, [24, MARK, 24])

@@ -320,6 +320,6 @@ def test_a_tree_is_cut_to_the_room_in_the_cache():
                                        SpecConfig(method="eagle", gamma=4), Wide()),
                        Target(cache, Quiet(), frozenset(), context_length=64))
     begin(seq)
-    proposal, draft = plan_round(seq, 4)
-    assert len(draft) == 12 - 5  # positions 5..11: the root's successors that the cache holds
-    assert proposal.parents == [-1] * 7
+    planned = plan_round(seq, 4)
+    assert len(planned.draft) == 12 - 5  # positions 5..11: the root's successors that the cache holds
+    assert planned.proposal.parents == [-1] * 7

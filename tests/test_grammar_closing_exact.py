@@ -153,7 +153,7 @@ def test_speculative_sampling_with_a_cutting_budget_matches_the_budget_masked_ta
 
 def test_closing_drawn_without_the_budget_mask_is_caught(monkeypatch):
     # broken: the budget ignored, every position drawn from the grammar's mask alone
-    monkeypatch.setattr(closing, "mode", lambda seq, left, rows: (closing.FREE, None, left))
+    monkeypatch.setattr(closing, "mode", lambda budget, tokens, left, rows: (closing.FREE, None, left))
     target, draft = random_pair_chain(1), grammar_drafts(2, ROWS)
     sampling = SamplingParams(temperature=0.9, max_tokens=LENGTH)
     run = sample_budgeted(target, lambda: PairDrafter(draft), sampling, SpecConfig(method="draft", gamma=3), 31)

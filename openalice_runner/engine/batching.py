@@ -524,13 +524,12 @@ class BatchScheduler:
         if seq.drafter is not None:
             # rows so far, plus one for this and each decoding sequence still to come
             seq.drafter.step_load(decoders, len(rows.tokens) + 1 + unplanned)
-        proposal, draft = plan_round(seq, gamma)
-        preview = preview_forced(seq, draft)  # certain tokens go out before the pass
+        planned = plan_round(seq, gamma)
+        preview = preview_forced(seq, planned)  # certain tokens go out before the pass
         if preview is not None:
             request.events.put(preview)
-        start = seq.cache.lengths[seq.slot]
-        fed = [seq.tokens[-1], *draft]
-        rows.add(request, fed, start, len(fed), Round(proposal, draft, start))  # every row verifies
+        fed = [seq.tokens[-1], *planned.draft]
+        rows.add(request, fed, planned.start, len(fed), planned)  # every row verifies
 
     def _pass(self, rows: _StepRows) -> _PassOut:
         """The step's one forward pass over every planned row, and the logits of the rows that choose."""
@@ -578,7 +577,7 @@ class BatchScheduler:
         else:
             own = out.logits[plan.logits_at : plan.logits_at + plan.count]
             emitted = settle_round(seq, plan.round, own, rows, out.pass_s)
-        event = emit(seq, emitted)
+        event = emit(seq, emitted, plan.round)
         if event is not None:
             request.events.put(event)
         if seq.finished:

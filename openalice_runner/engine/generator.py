@@ -49,6 +49,28 @@ MAX_FORCED = 16  # grammar-forced tokens drafted in one round (they ride the pas
 
 
 @dataclass
+class Round:
+    """One decode round as planned (`plan_round`) and settled (`settle_round`); k: the draft's
+    length, V: the vocabulary. What lives across rounds stays on `Sequence`."""
+
+    proposal: Proposal  # the drafter's, as drafted: tokens (k,), q (k, V) or None, parents (k,) for a tree
+    draft: list[int]  # (k,) fed after the last token: forced, the drafter's, forced after (a tree's nodes in order)
+    start: int  # the cache position where the last token is fed; the draft follows from start + 1
+    masks: torch.Tensor | None = None  # (k+1, V) bool: the grammar's allowed tokens at each row (None: no grammar)
+    forced: int = 0  # the draft's first tokens, forced by the grammar (always accepted once reached)
+    forced_after: int = 0  # its last tokens, forced after the drafter's (constrained_round)
+    left: int = 0  # a window round (closing.py): the tokens left, each kept only where the closing fits after
+    closing: int = 0  # a closing round: the tokens it forces to close (the draft and the bonus row)
+    previewed: int = 0  # forced tokens whose text went out before the pass (preview_forced)
+
+    def tree_mask(self) -> TreeMask | None:
+        """The pass's mask over the round's rows (None for a chain)."""
+        if self.proposal.parents is None:
+            return None
+        return TreeMask.from_rows(tree_rows(self.start, self.proposal.parents))
+
+
+@dataclass
 class Sequence:
     prompt: list[int]
     sampling: SamplingParams
@@ -69,14 +91,7 @@ class Sequence:
     costs: PassCostModel | None = None  # where target pass times are recorded
     constraint: GrammarConstraint | None = None  # the grammar the reply must follow (grammar.py)
     tenant: str | None = None  # whose request (SequenceRequest.tenant)
-    # this round's allowed sets (k+1, V) along the draft, and how many of its tokens were forced
-    round_masks: torch.Tensor | None = None
-    round_forced: int = 0
-    round_forced_after: int = 0  # forced tokens drafted after the drafter's (constrained_proposal)
-    previewed: int = 0  # this round's forced tokens whose text went out before its pass (preview_forced)
     budget: closing.Budget = field(default_factory=closing.Budget)  # closing within the budget (closing.py)
-    round_left: int = 0  # a window round: the tokens left, its one token chosen among those that fit
-    round_closing: int = 0  # a closing round: the tokens it forces to close
 
     @property
     def generated(self) -> int:
@@ -102,7 +117,7 @@ def choose_token(logits: torch.Tensor, seq: Sequence) -> int:
     allowed = None if seq.constraint is None else seq.constraint.allowed()
     if allowed is not None:
         left = tokens_left(seq)
-        state, path, _ = closing.mode(seq, left, 0)
+        state, path, _ = closing.mode(seq.budget, seq.tokens, left, 0)
         if state == closing.CLOSING:
             seq.budget.closing += 1
             return path[0]
@@ -143,24 +158,25 @@ def round_rows(spec: SpecConfig, constrained: bool) -> int:
     return spec.draft_rows + (MAX_FORCED if constrained and spec.forced_drafts else 0)
 
 
-def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
-    """The drafter's proposal for this round (possibly empty), cut to what the budget and the
-    context leave room for; returns it with the draft tokens to feed after the last token (a
-    tree's nodes in order).
+def plan_round(seq: Sequence, gamma: int) -> Round:
+    """This round: the drafter's proposal (possibly empty), cut to what the budget and the context
+    leave room for, and the draft tokens to feed after the last token (a tree's nodes in order).
 
     Under a grammar the draft starts with the tokens the grammar forces (when `spec.forced_drafts`;
     no drafter work, always accepted), the drafter continues from there, and the draft ends at
     the first token the grammar forbids; the masks along it are kept for verification. A draft the
     grammar allows to its end carries on through the tokens the grammar forces after it."""
+    start = seq.cache.lengths[seq.slot]  # where the last token is fed (the cache invariant)
+    window = 0
     room_context = seq.context_length - len(seq.tokens)  # cache after the pass holds len + k
     room_budget = seq.sampling.max_tokens - seq.generated
     if seq.constraint is not None:  # near the budget's end, the reply closes within it (closing.py)
         left = min(room_budget, room_context)
-        state, path, room = closing.mode(seq, left, round_rows(seq.spec, True) + gamma)
+        state, path, room = closing.mode(seq.budget, seq.tokens, left, round_rows(seq.spec, True) + gamma)
         if state == closing.CLOSING:
-            return closing_round(seq, path, left)
+            return closing_round(seq, path, left, start)
         if state == closing.WINDOWED:  # drafted as ever; the verdict keeps only tokens the closing fits after
-            seq.round_left = left
+            window = left
         room_budget = min(room_budget, room)  # a free round ends at the window's edge
     forced: list[int] = []
     if seq.constraint is not None and seq.spec.forced_drafts:
@@ -178,24 +194,23 @@ def plan_round(seq: Sequence, gamma: int) -> tuple[Proposal, list[int]]:
         room_cache = seq.cache.max_len - len(seq.tokens) - len(forced)
         proposal = proposal.cut(max_draft, min(room_context - len(forced), room_cache))
     if seq.constraint is None:
-        return proposal, proposal.tokens
+        return Round(proposal, proposal.tokens, start)
     room_after = 0  # forced tokens after the draft: within round_rows and the room left
     if proposal.tokens and seq.spec.forced_drafts:
         drafted = len(forced) + len(proposal.tokens)
         room_after = min(MAX_FORCED - len(forced), room_budget - 1 - drafted, room_context - drafted,
                          seq.cache.max_len - len(seq.tokens) - drafted)
-    return constrained_proposal(seq, forced, proposal, room_after)
+    return constrained_round(seq, forced, proposal, Round(proposal, [], start, left=window), room_after)
 
 
-def closing_round(seq: Sequence, path: list[int], left: int) -> tuple[Proposal, list[int]]:
+def closing_round(seq: Sequence, path: list[int], left: int, start: int) -> Round:
     """A round that forces the closing path: its tokens drafted for free (they are the only
     ones the budget-masked target allows) and the pass's bonus row on the path too. Without
     `spec.forced_drafts` nothing is drafted: the pass's one row takes the path's next token."""
     most = MAX_FORCED if seq.spec.forced_drafts else 0
     k = min(most, left - 1, len(path) - 1, seq.cache.max_len - len(seq.tokens))
-    seq.round_masks = closing.onehot_rows(path[: k + 1], seq.constraint.vocab_size)
-    seq.round_forced, seq.round_forced_after, seq.round_closing = k, 0, k + 1
-    return Proposal(path[:k]), path[:k]
+    masks = closing.onehot_rows(path[: k + 1], seq.constraint.vocab_size)
+    return Round(Proposal(path[:k]), path[:k], start, masks, forced=k, closing=k + 1)
 
 
 def budget_choice(logits: torch.Tensor, seq: Sequence, allowed: torch.Tensor, left: int, path: list[int] | None,
@@ -205,7 +220,7 @@ def budget_choice(logits: torch.Tensor, seq: Sequence, allowed: torch.Tensor, le
     draws' stream (a redraw after the round's own draw takes a stream of its own)."""
     if seq.sampling.greedy:
         pick = lambda mask: greedy_choices(logits.unsqueeze(0), mask.unsqueeze(0))[0]  # noqa: E731
-        return closing.windowed_choice(seq, position, allowed, left, path, pick, lambda mask, _: pick(mask))
+        return closing.windowed_choice(seq.budget, position, allowed, left, path, pick, lambda mask, _: pick(mask))
     probs = processed_probs(masked_logits(logits, allowed), seq.sampling)
     generator = stream(seq.draws, position, use)
 
@@ -215,13 +230,13 @@ def budget_choice(logits: torch.Tensor, seq: Sequence, allowed: torch.Tensor, le
         total = float(kept.sum())
         return None if total <= 0 else sample(kept / total, generator)
 
-    return closing.windowed_choice(seq, position, allowed, left, path, draw, draw)
+    return closing.windowed_choice(seq.budget, position, allowed, left, path, draw, draw)
 
 
-def constrained_proposal(seq: Sequence, forced: list[int], proposal: Proposal,
-                         room_after: int = 0) -> tuple[Proposal, list[int]]:
-    """Forced tokens, then the drafter's chain (a tree's first branch), cut where the grammar
-    forbids a token; the round's masks and forced counts are left on `seq`.
+def constrained_round(seq: Sequence, forced: list[int], proposal: Proposal, planned: Round,
+                      room_after: int = 0) -> Round:
+    """`planned` with its draft: forced tokens, then the drafter's chain (a tree's first branch),
+    cut where the grammar forbids a token, and the masks and forced counts along it.
 
     Where the grammar allows the whole chain and then forces tokens (a tool call's opening after
     its tag, a key after a value), up to `room_after` of them follow the chain: certain once the
@@ -230,14 +245,15 @@ def constrained_proposal(seq: Sequence, forced: list[int], proposal: Proposal,
     if proposal.parents is not None:
         proposal = first_branch(proposal)
     tokens = forced + proposal.tokens
-    n, seq.round_masks, after = seq.constraint.walk_on(tokens, room_after)
-    seq.round_forced = min(len(forced), n)
-    seq.round_forced_after = len(after)
+    n, planned.masks, after = seq.constraint.walk_on(tokens, room_after)
+    planned.forced = min(len(forced), n)
+    planned.forced_after = len(after)
     tokens += after
     q = proposal.q
     if q is not None:
         q = torch.cat([_onehot(forced, q), q[: len(proposal.tokens)], _onehot(after, q)])[:n]
-    return Proposal(tokens[:n], q, proposal.probe), tokens[:n]
+    planned.proposal, planned.draft = Proposal(tokens[:n], q, proposal.probe), tokens[:n]
+    return planned
 
 
 def _onehot(tokens: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -257,28 +273,13 @@ def first_branch(proposal: Proposal) -> Proposal:
     return Proposal(tokens, None, proposal.probe)
 
 
-def round_mask(proposal: Proposal, start: int) -> TreeMask | None:
-    """The tree mask of a round whose root is fed at `start` (None for a chain)."""
-    return None if proposal.parents is None else TreeMask.from_rows(tree_rows(start, proposal.parents))
-
-
-@dataclass
-class Round:
-    """One decode round as planned: the drafter's proposal, the draft fed after the last token (a
-    tree's nodes in order), and `start`, the cache position where that last token is fed."""
-
-    proposal: Proposal
-    draft: list[int]
-    start: int
-
-
 def settle_round(seq: Sequence, planned: Round, logits: torch.Tensor, hidden: torch.Tensor,
                  pass_s: float) -> list[int]:
     """Verify the draft against the target's (k+1, V) logits of the round, roll the cache back
     to the accepted prefix and emit 1..k+1 tokens. `hidden`: the round's (k+1, ...) rows as the
     drafter observes them (`observed_rows`); `pass_s`: the pass's time."""
     t0 = time.perf_counter()
-    verdict = verify(logits, planned.proposal, planned.draft, seq)
+    verdict = verify(logits, planned, seq)
     kept = roll_back(seq, planned, verdict)
     seq.stats.verify_s += pass_s + time.perf_counter() - t0
     seq.stats.target_passes += 1
@@ -303,15 +304,12 @@ def roll_back(seq: Sequence, planned: Round, verdict: Verdict | TreeVerdict) -> 
 
 
 def count_round(seq: Sequence, planned: Round, verdict: Verdict | TreeVerdict) -> tuple[int, int]:
-    """The round's figures into the stats, and the drafter's (proposed, accepted) tokens; the
-    round's grammar state is cleared for the next."""
+    """The round's figures into the stats, and the drafter's (proposed, accepted) tokens."""
     # forced tokens are always accepted once reached; the drafter's figures are its own tokens' alone
-    proposed = len(planned.draft) - seq.round_forced - seq.round_forced_after
-    accepted = min(max(verdict.accepted - seq.round_forced, 0), proposed)
+    proposed = len(planned.draft) - planned.forced - planned.forced_after
+    accepted = min(max(verdict.accepted - planned.forced, 0), proposed)
     seq.stats.forced += verdict.accepted - accepted  # those before the drafter's and after
-    seq.budget.closing += seq.round_closing
-    seq.round_masks, seq.round_forced, seq.round_forced_after = None, 0, 0
-    seq.round_left, seq.round_closing = 0, 0
+    seq.budget.closing += planned.closing
     if proposed > 0:
         seq.stats.proposed += proposed
         seq.stats.accepted += accepted
@@ -323,21 +321,19 @@ def count_round(seq: Sequence, planned: Round, verdict: Verdict | TreeVerdict) -
     return proposed, accepted
 
 
-def decode_round(model: LlamaModel, seq: Sequence, planned: tuple[Proposal, list[int]]) -> list[int]:
+def decode_round(model: LlamaModel, seq: Sequence, planned: Round) -> list[int]:
     """One target pass for one sequence: verify the round `plan_round` planned and emit 1..k+1
     tokens."""
-    proposal, draft = planned
     t0 = time.perf_counter()
-    length_before = seq.cache.lengths[seq.slot]
-    feed = torch.tensor([[seq.tokens[-1], *draft]])
+    feed = torch.tensor([[seq.tokens[-1], *planned.draft]])  # (1, k+1)
     taps = taps_for([seq.drafter])
-    hidden, tapped = _forward(model, feed, seq, taps, round_mask(proposal, length_before))
+    hidden, tapped = _forward(model, feed, seq, taps, planned.tree_mask())
     logits = model.logits(hidden[0])  # (k+1, V)
     pass_s = time.perf_counter() - t0
     if seq.costs is not None:
-        seq.costs.record(len(draft) + 1, pass_s, context=length_before + len(draft) + 1)
+        seq.costs.record(len(planned.draft) + 1, pass_s, context=planned.start + len(planned.draft) + 1)
     observed = hidden[0] if seq.drafter is None else observed_rows(seq.drafter, hidden[0], tapped, taps)
-    return settle_round(seq, Round(proposal, draft, length_before), logits, observed, pass_s)
+    return settle_round(seq, planned, logits, observed, pass_s)
 
 
 def _forward(model: LlamaModel, feed: torch.Tensor, seq: Sequence, taps: tuple[int, ...],
@@ -352,42 +348,44 @@ def _forward(model: LlamaModel, feed: torch.Tensor, seq: Sequence, taps: tuple[i
     return hidden, tapped[0]
 
 
-def verify(logits: torch.Tensor, proposal: Proposal, draft: list[int], seq: Sequence) -> Verdict | TreeVerdict:
-    verdict = _verify(logits, proposal, draft, seq)
-    return verdict if not seq.round_left else within_budget(verdict, logits, draft, seq)
+def verify(logits: torch.Tensor, planned: Round, seq: Sequence) -> Verdict | TreeVerdict:
+    """The round's verdict on the target's (k+1, V) logits."""
+    verdict = _verify(logits, planned, seq)
+    return verdict if not planned.left else within_budget(verdict, logits, planned, seq)
 
 
-def within_budget(verdict: Verdict, logits: torch.Tensor, draft: list[int], seq: Sequence) -> Verdict:
+def within_budget(verdict: Verdict, logits: torch.Tensor, planned: Round, seq: Sequence) -> Verdict:
     """A window round's verdict, up to its first token after which the closing no longer fits; that
     one is chosen again among those that fit (greedy: the next best; sampled: drawn again from the
     target without it, so a token that fits comes out with its probability under the target
     restricted to the tokens that fit, whether the verdict drew it or the redraw did)."""
-    emitted = verdict.emitted(draft)
+    emitted = verdict.emitted(planned.draft)
     position = len(seq.tokens)
     for j, token in enumerate(emitted):
         with closing.ahead(seq.constraint, emitted[:j]):
-            if closing.fits(seq, position + j, token, seq.round_left - j):
+            if closing.fits(seq.budget, position + j, token, planned.left - j):
                 continue
             # the redraw starts from the grammar's own mask, not one without the misfit: top-p and
             # top-k must keep the target's set (windowed_choice leaves the misfit out itself)
-            chosen = budget_choice(logits[j], seq, seq.round_masks[j], seq.round_left - j, None, position + j,
+            chosen = budget_choice(logits[j], seq, planned.masks[j], planned.left - j, None, position + j,
                                    TokenDraws.CLOSING)
         return Verdict(j, chosen)
     return verdict
 
 
-def _verify(logits: torch.Tensor, proposal: Proposal, draft: list[int], seq: Sequence) -> Verdict | TreeVerdict:
+def _verify(logits: torch.Tensor, planned: Round, seq: Sequence) -> Verdict | TreeVerdict:
+    proposal, draft = planned.proposal, planned.draft
     if seq.sampling.greedy:  # the target's choices, within the grammar's masks under one
-        chosen = greedy_choices(logits, seq.round_masks)
+        chosen = greedy_choices(logits, planned.masks)
         if proposal.parents is not None:
             return verify_tree_greedy(chosen, draft, proposal.parents)
         return verify_greedy(chosen, draft)
     q = None if proposal.q is None else proposal.q[: len(draft)]
-    if seq.round_masks is not None:
+    if planned.masks is not None:
         # the constrained distributions: target and draft masked alike (the draft's tokens
         # are all allowed: plan_round cut it at the first forbidden one)
-        logits = masked_logits(logits, seq.round_masks)
-        q = None if q is None else masked_probs(q, seq.round_masks[: len(draft)])
+        logits = masked_logits(logits, planned.masks)
+        q = None if q is None else masked_probs(q, planned.masks[: len(draft)])
     if proposal.parents is not None:
         return verify_tree_sampled(processed_probs(logits, seq.sampling), draft, proposal.parents, seq.draws,
                                    len(seq.tokens))
@@ -439,26 +437,27 @@ def begin(seq: Sequence) -> None:
     seq.tokens = list(seq.prompt)
 
 
-def preview_forced(seq: Sequence, draft: list[int]) -> StreamEvent | None:
+def preview_forced(seq: Sequence, planned: Round) -> StreamEvent | None:
     """The text of this round's forced tokens, sent before the pass that verifies them: the
     grammar allows nothing else there, so the pass accepts them whatever the model says (the
     masked target puts all its mass on each). A tool call's name and opening, JSON keys and
     punctuation thus stream a pass earlier. Stop strings change nothing: one the forced text
     completes ends the reply there whatever the pass says, and the text stream holds back a
     possible beginning of one as always. `emit` leaves the previewed tokens out afterwards."""
-    if not seq.round_forced or seq.text.stopped:
+    if not planned.forced or seq.text.stopped:
         return None
-    forced = draft[: seq.round_forced]
-    seq.previewed = len(forced)
+    forced = planned.draft[: planned.forced]
+    planned.previewed = len(forced)
     delta = seq.text.add(forced)
     return StreamEvent(delta, forced)
 
 
-def emit(seq: Sequence, tokens: list[int]) -> StreamEvent | None:
+def emit(seq: Sequence, tokens: list[int], planned: Round | None = None) -> StreamEvent | None:
     """The stream event for tokens just accepted (None when there is nothing to say), less the
-    ones previewed before their pass; a stop string found in the text ends the sequence."""
-    if seq.previewed:
-        previewed, seq.previewed = seq.previewed, 0
+    ones `planned`, the round they came from, previewed before its pass; a stop string found in
+    the text ends the sequence."""
+    previewed = 0 if planned is None else planned.previewed
+    if previewed:
         if len(tokens) < previewed:  # pragma: no cover - forced tokens are always accepted
             raise RuntimeError(f"{previewed} previewed forced tokens, but the pass accepted {len(tokens)}")
         tokens = tokens[previewed:]
@@ -479,8 +478,9 @@ def run_sequence(model: LlamaModel, seq: Sequence, cancel: threading.Event | Non
     begin(seq)
     tokens = prefill(model, seq, reused)
     seq.stats.ttft_s = time.perf_counter() - seq.started
+    planned = None
     while True:
-        event = emit(seq, tokens)
+        event = emit(seq, tokens, planned)
         if event is not None:
             yield event
         if seq.finished:
@@ -489,7 +489,7 @@ def run_sequence(model: LlamaModel, seq: Sequence, cancel: threading.Event | Non
             seq.finish_reason = "cancelled"
             break
         planned = plan_round(seq, seq.spec.gamma)
-        preview = preview_forced(seq, planned[1])
+        preview = preview_forced(seq, planned)
         if preview is not None:
             yield preview
         tokens = decode_round(model, seq, planned)
@@ -573,4 +573,5 @@ def new_sequence(request: SequenceRequest, target: Target, slot: int = 0) -> Seq
         costs=target.costs,
         constraint=request.constraint,
         tenant=request.tenant,
+        budget=closing.Budget(request.constraint, target.eos_ids),
     )
