@@ -12,15 +12,9 @@ Prefill is chunked: while others decode, a step feeds at most `prefill_chunk` pr
 so a long new prompt delays the running sequences by one chunk's cost per step, not by its
 whole prefill.
 
-Prefix reuse (`prefix_reuse`): an agent loop sends its whole history again with every call, and
-on a CPU prefill is compute-bound. A finished sequence's slot keeps its keys and values until
-the slot is needed; a new request takes the free slot that holds the longest prefix of its
-prompt and prefills only the rest (the cache rows of a position depend only on the tokens up to
-it, so reusing them is exact). Only a request of the finished one's tenant reuses its prefix: a
-prefill cut short tells the caller that someone sent that prefix before (a time-to-first-token
-channel), so nothing is reused across tenants. Drafters that read the target's hidden states
-(EAGLE heads) take over the finished sequence's drafter state for the shared positions
-(`Drafter.reuse`); where they cannot, the prompt is prefilled in full.
+Prefix reuse (`prefix_reuse`, prefixes.py): a finished sequence's slot keeps its keys and values
+until the slot is needed; a new request of its tenant takes the free slot that holds the longest
+prefix of its prompt and prefills only the rest.
 
 KV-cache budget (`kv_cache_bytes`): the cache is one rectangle, slots x positions, and grows as
 requests write. Each admitted request reserves the positions it may ever need (its prompt, its
@@ -65,6 +59,7 @@ from openalice_runner.engine.generator import (
     settle_round,
 )
 from openalice_runner.engine.llama import LlamaModel
+from openalice_runner.engine.prefixes import HeldPrefixes
 from openalice_runner.engine.tree import TreeMask, plain_rows, tree_rows
 from openalice_runner.engine.types import EngineOverloaded, SchedulerStopped, StreamEvent
 
@@ -190,11 +185,7 @@ class BatchScheduler:
         self._running: list[BatchRequest] = []
         self._free_slots: list[int] = []  # least recently freed first
         self.prefix_reuse = prefix_reuse
-        # free slot -> the tokens whose keys and values it still holds, at positions 0..n-1,
-        # and the drafter that read their hidden states (None for the others)
-        self._held: dict[int, list[int]] = {}
-        self._held_drafters: dict[int, object] = {}
-        self._held_tenants: dict[int, str | None] = {}  # whose sequence left a held slot's tokens
+        self.prefixes = HeldPrefixes()  # the free slots' histories (prefix reuse)
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -278,7 +269,8 @@ class BatchScheduler:
     def _reset(self) -> None:
         """A fresh, empty cache: nothing it held can be trusted after a fault outside the loop's care."""
         self.cache = self.model.new_cache(0, CACHE_GRANULE)
-        self._free_slots, self._held, self._held_drafters, self._held_tenants = [], {}, {}, {}
+        self._free_slots = []
+        self.prefixes.clear()
 
     def _loop(self) -> None:
         while True:
@@ -341,11 +333,11 @@ class BatchScheduler:
         self.cache.grow(slots, need)
         self._free_slots += range(batch, self.cache.batch)
         seq.cache = self.cache
-        free, held, held_drafters = list(self._free_slots), dict(self._held), dict(self._held_drafters)
+        free, held = list(self._free_slots), dict(self.prefixes.slots)
         try:
             seq.slot, reused = self._take_slot(seq)
         except BaseException:
-            self._free_slots, self._held, self._held_drafters = free, held, held_drafters
+            self._free_slots, self.prefixes.slots = free, held
             raise
         self.cache.lengths[seq.slot] = reused
         request.reserved = reserved
@@ -395,15 +387,14 @@ class BatchScheduler:
         before = self.cache.nbytes()
         self.cache.shrink(slots, positions)
         self._free_slots = [slot for slot in self._free_slots if slot < slots]
-        self._held = {slot: tokens[: self.cache.max_len] for slot, tokens in self._held.items() if slot < slots}
-        self._held_drafters = {slot: d for slot, d in self._held_drafters.items() if slot < slots}
+        self.prefixes.cut(slots, self.cache.max_len)
         logger.debug("KV cache budget: %d -> %d bytes", before, self.cache.nbytes())
         return True
 
     def _kept_shape(self) -> tuple[int, int]:
         """(slots, positions) the held histories need."""
-        slots = 1 + max(self._held, default=-1)
-        longest = max((len(tokens) for tokens in self._held.values()), default=0)
+        slots = 1 + max(self.prefixes.slots, default=-1)
+        longest = max((len(held.tokens) for held in self.prefixes.slots.values()), default=0)
         return slots, max(CACHE_GRANULE, -(-longest // CACHE_GRANULE) * CACHE_GRANULE)
 
     def _shrinkable(self) -> bool:
@@ -426,26 +417,12 @@ class BatchScheduler:
 
         The slot with the longest usable prefix wins; without one, a slot that holds nothing,
         else the one freed longest ago, so recent histories stay for the calls that follow them."""
-        best, reused = None, 0
-        if self.prefix_reuse:
-            limit = len(seq.prompt) - 1  # the last prompt token is always fed: its logits start the reply
-            for slot in self._free_slots:
-                if self._held_tenants.get(slot) != seq.tenant:
-                    continue  # another tenant's prefix: never reused
-                n = common_prefix(self._held.get(slot, ()), seq.prompt, limit)
-                if n > reused:
-                    best, reused = slot, n
+        best, reused = self.prefixes.best(self._free_slots, seq) if self.prefix_reuse else (None, 0)
         if best is None:
-            empty = [slot for slot in self._free_slots if slot not in self._held]
+            empty = [slot for slot in self._free_slots if slot not in self.prefixes.slots]
             best = empty[0] if empty else self._free_slots[0]
         self._free_slots.remove(best)
-        self._held.pop(best, None)
-        previous = self._held_drafters.pop(best, None)
-        if reused and seq.drafter is not None and seq.drafter.wants_hidden:
-            # it must know the hidden states of the positions it will not observe
-            adopted = previous is not None and seq.drafter.reuse(previous, reused)
-            reused = reused if adopted else 0
-        return best, reused
+        return best, self.prefixes.take(best, seq, reused)
 
     def _reserve(self) -> None:
         """Grow the cache's positions, a granule at a time, to what this step may write: every decoding
@@ -605,12 +582,7 @@ class BatchScheduler:
         self._running.remove(request)
         self._free_slots.append(seq.slot)
         if self.prefix_reuse:
-            # Positions below both the cache length and the token count hold these tokens'
-            # entries (the cache may also hold accepted drafts cut off by max_tokens or EOS).
-            self._held[seq.slot] = seq.tokens[: min(self.cache.lengths[seq.slot], len(seq.tokens))]
-            self._held_tenants[seq.slot] = seq.tenant
-            if seq.drafter is not None and seq.drafter.wants_hidden:
-                self._held_drafters[seq.slot] = seq.drafter
+            self.prefixes.hold(seq, self.cache.lengths[seq.slot])
         request.events.put(final_event(seq))
 
     def _fail_one(self, request: BatchRequest, exc: BaseException, logged: bool = False) -> None:
@@ -691,15 +663,6 @@ def _tree_mask(plans: list[_Rows]) -> TreeMask | None:
         else:
             rows += tree_rows(plan.start, plan.round.proposal.parents)
     return TreeMask.from_rows(rows)
-
-
-def common_prefix(held, prompt: list[int], limit: int) -> int:
-    """How many leading tokens `held` and `prompt` share, at most `limit`."""
-    n = min(len(held), limit)
-    for i in range(n):
-        if held[i] != prompt[i]:
-            return i
-    return max(n, 0)
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:
