@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 from openalice_runner.engine.batching import CACHE_GRANULE, BatchScheduler
 from openalice_runner.engine.engine import DEFAULT_KV_CACHE_BYTES
-from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence
+from openalice_runner.engine.sequence import SequenceRequest, Target, new_sequence
 from openalice_runner.engine.types import EngineOverloaded
 from openalice_runner.providers.local import LocalConfig, LocalProvider
 

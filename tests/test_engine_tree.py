@@ -305,7 +305,8 @@ def test_a_tree_is_cut_to_the_room_in_the_cache():
 
     from openalice_runner.engine import SamplingParams, SpecConfig
     from openalice_runner.engine.drafters.base import Drafter, Proposal
-    from openalice_runner.engine.generator import SequenceRequest, Target, begin, new_sequence, plan_round
+    from openalice_runner.engine.round import plan_round
+    from openalice_runner.engine.sequence import SequenceRequest, Target, begin, new_sequence
 
     class Wide(Drafter):
         def propose(self, history, gamma, sampling, generator):

@@ -42,24 +42,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openalice_runner.engine.choice import choose_token
 from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import observed_rows, taps_for
-from openalice_runner.engine.generator import (
-    PREFILL_CHUNK,
-    Round,
-    Sequence,
-    accept_tokens,
-    begin,
-    choose_token,
-    emit,
-    final_event,
-    plan_round,
-    preview_forced,
-    round_rows,
-    settle_round,
-)
+from openalice_runner.engine.generator import PREFILL_CHUNK
 from openalice_runner.engine.llama import LlamaModel
 from openalice_runner.engine.prefixes import HeldPrefixes
+from openalice_runner.engine.round import Round, plan_round, round_rows
+from openalice_runner.engine.sequence import Sequence, accept_tokens, begin, emit, final_event, preview_forced
+from openalice_runner.engine.settle import settle_round
 from openalice_runner.engine.tree import TreeMask, plain_rows, tree_rows
 from openalice_runner.engine.types import EngineOverloaded, SchedulerStopped, StreamEvent
 

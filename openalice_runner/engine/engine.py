@@ -15,7 +15,7 @@ from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
 from openalice_runner.engine.drafters.ngram import NgramDrafter
 from openalice_runner.engine.drafters.suffix import SuffixDrafter, TenantResponses
-from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence, round_rows, run_sequence
+from openalice_runner.engine.generator import run_sequence
 from openalice_runner.engine.grammar import Grammar, GrammarCompiler
 from openalice_runner.engine.hf_model import HFCausalModel
 from openalice_runner.engine.llama import KVCache, LlamaModel
@@ -27,6 +27,8 @@ from openalice_runner.engine.model_loading import (
 )
 from openalice_runner.engine.prefill_choice import PrefillChoice, choose_prefill, resolve_mode
 from openalice_runner.engine.prefixes import HeldPrefixes
+from openalice_runner.engine.round import round_rows
+from openalice_runner.engine.sequence import SequenceRequest, Target, new_sequence
 from openalice_runner.engine.types import GenerationResult, SamplingParams, SpecConfig, StreamEvent
 
 DTYPES = ("bf16", "fp32")
