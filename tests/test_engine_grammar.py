@@ -247,7 +247,7 @@ def test_a_draft_reaching_a_forced_span_carries_the_span(engines):
     it: here the rest of the tag after '<' and, once the tag is written, the call's opening and
     the only tool's name, verified in the same pass. Accepted, they count as forced tokens, not
     as the drafter's."""
-    from openalice_runner.engine.llama import KVCache
+    from openalice_runner.engine.kv_cache import KVCache
     from openalice_runner.engine.round import plan_round
     from openalice_runner.engine.sequence import SequenceRequest, Target, begin, new_sequence
     from openalice_runner.engine.settle import settle_round

@@ -7,7 +7,7 @@ import torch
 
 from openalice_runner.engine import closing
 from openalice_runner.engine.cpu_kernels import cpu_kernels
-from openalice_runner.engine.grammar import masked_logits
+from openalice_runner.engine.grammar_constraint import masked_logits
 from openalice_runner.engine.sampling import TokenDraws, processed_probs, sample, stream
 from openalice_runner.engine.sequence import Sequence, tokens_left
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from openalice_runner.engine.grammar import GrammarConstraint
+    from openalice_runner.engine.grammar_constraint import GrammarConstraint
 
 WINDOW = 24  # tokens of slack, above the closing length, from which the filter applies
 SEARCH_NODES = 256  # tokens one closing search may try (consumed, backtracked included)

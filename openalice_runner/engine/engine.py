@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from openalice_runner.engine.batching import CACHE_GRANULE, BatchScheduler
+from openalice_runner.engine.batching import BatchScheduler
 from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
@@ -18,7 +18,8 @@ from openalice_runner.engine.drafters.suffix import SuffixDrafter, TenantRespons
 from openalice_runner.engine.generator import run_sequence
 from openalice_runner.engine.grammar import Grammar, GrammarCompiler
 from openalice_runner.engine.hf_model import HFCausalModel
-from openalice_runner.engine.llama import KVCache, LlamaModel
+from openalice_runner.engine.kv_cache import KVCache
+from openalice_runner.engine.llama import LlamaModel
 from openalice_runner.engine.model_loading import (
     DEFAULT_MODEL_NAME,
     converted_folder,
@@ -29,6 +30,7 @@ from openalice_runner.engine.prefill_choice import PrefillChoice, choose_prefill
 from openalice_runner.engine.prefixes import HeldPrefixes
 from openalice_runner.engine.round import round_rows
 from openalice_runner.engine.sequence import SequenceRequest, Target, new_sequence
+from openalice_runner.engine.slots import CACHE_GRANULE
 from openalice_runner.engine.types import GenerationResult, SamplingParams, SpecConfig, StreamEvent
 
 DTYPES = ("bf16", "fp32")

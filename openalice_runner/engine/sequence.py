@@ -16,8 +16,8 @@ from openalice_runner.engine import closing
 from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.errors import ContextLengthError, InvalidRequest
-from openalice_runner.engine.grammar import GrammarConstraint
-from openalice_runner.engine.llama import KVCache
+from openalice_runner.engine.grammar_constraint import GrammarConstraint
+from openalice_runner.engine.kv_cache import KVCache
 from openalice_runner.engine.round import Round
 from openalice_runner.engine.sampling import TokenDraws
 from openalice_runner.engine.stopping import TextStream

@@ -10,7 +10,7 @@ import torch
 
 from openalice_runner.engine import closing
 from openalice_runner.engine.choice import budget_choice, greedy_choices
-from openalice_runner.engine.grammar import masked_logits, masked_probs
+from openalice_runner.engine.grammar_constraint import masked_logits, masked_probs
 from openalice_runner.engine.rejection import Verdict, verify_greedy, verify_sampled
 from openalice_runner.engine.round import Round
 from openalice_runner.engine.sampling import TokenDraws, processed_probs
