@@ -112,7 +112,8 @@ class BatchScheduler:
         self.costs = costs
         self.prefill_chunk = prefill_chunk
         self.max_waiting = max_waiting
-        self.slots = CacheSlots(model, max_batch, kv_cache_bytes, prefix_reuse)
+        self.slots = CacheSlots(model, max_batch, kv_cache_bytes)
+        self.prefix_reuse = prefix_reuse  # (bench/follow_up.py switches it between runs)
         self._waiting: deque[BatchRequest] = deque()
         self._running: list[BatchRequest] = []
         self._cond = threading.Condition()
@@ -185,10 +186,6 @@ class BatchScheduler:
     @property
     def cache(self) -> KVCache:
         return self.slots.cache
-
-    @property
-    def prefix_reuse(self) -> bool:
-        return self.slots.prefix_reuse
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -286,7 +283,7 @@ class BatchScheduler:
 
     def _take_slot(self, seq: Sequence) -> tuple[int, int]:
         """A free slot for `seq`, and how many of its prompt tokens it already holds (CacheSlots.take)."""
-        return self.slots.take(seq)
+        return self.slots.take(seq, self.prefix_reuse)
 
     def _step(self) -> None:
         """One step: plan every running sequence's rows, run them in one pass, settle each."""
@@ -412,7 +409,7 @@ class BatchScheduler:
     def _retire(self, request: BatchRequest) -> None:
         seq = request.seq
         self._running.remove(request)
-        self.slots.release(seq, hold=True)
+        self.slots.release(seq, hold=self.prefix_reuse)
         request.events.put(final_event(seq))
 
     def _fail_one(self, request: BatchRequest, exc: BaseException, logged: bool = False) -> None:

@@ -37,11 +37,10 @@ class Running(Protocol):
 
 
 class CacheSlots:
-    def __init__(self, model: LlamaModel, max_batch: int, kv_cache_bytes: int | None, prefix_reuse: bool):
+    def __init__(self, model: LlamaModel, max_batch: int, kv_cache_bytes: int | None):
         self.model = model
         self.max_batch = max_batch
         self.kv_cache_bytes = kv_cache_bytes
-        self.prefix_reuse = prefix_reuse
         self.cache: KVCache = model.new_cache(0, CACHE_GRANULE)
         self.free: list[int] = []  # least recently freed first
         self.prefixes = HeldPrefixes()  # the free slots' histories (prefix reuse)
@@ -58,15 +57,15 @@ class CacheSlots:
         self.cache.grow(slots, positions)
         self.free += range(batch, self.cache.batch)
 
-    def take(self, seq: Sequence) -> tuple[int, int]:
-        """A free slot for `seq`, and how many of its prompt tokens the slot already holds; raises
-        leaving the free slots and histories as they were.
+    def take(self, seq: Sequence, reuse: bool) -> tuple[int, int]:
+        """A free slot for `seq`, and how many of its prompt tokens the slot already holds (`reuse`:
+        prefix reuse is on); raises leaving the free slots and histories as they were.
 
         The slot with the longest usable prefix wins; without one, a slot that holds nothing,
         else the one freed longest ago, so recent histories stay for the calls that follow them."""
         free, held = list(self.free), dict(self.prefixes.slots)
         try:
-            best, reused = self.prefixes.best(self.free, seq) if self.prefix_reuse else (None, 0)
+            best, reused = self.prefixes.best(self.free, seq) if reuse else (None, 0)
             if best is None:
                 empty = [slot for slot in self.free if slot not in self.prefixes.slots]
                 best = empty[0] if empty else self.free[0]
@@ -77,10 +76,10 @@ class CacheSlots:
             raise
 
     def release(self, seq: Sequence, hold: bool) -> None:
-        """`seq` leaves its slot; `hold`: the slot keeps its history for prefix reuse (a sequence
-        that failed may have had part of its rows written: it holds nothing)."""
+        """`seq` leaves its slot; `hold`: the slot keeps its history for prefix reuse (where it is on;
+        a sequence that failed may have had part of its rows written: it holds nothing)."""
         self.free.append(seq.slot)
-        if hold and self.prefix_reuse:
+        if hold:
             self.prefixes.hold(seq, self.cache.lengths[seq.slot])
 
     def fit(self, reserved: int, running: Seq[Running]) -> int | None:
