@@ -30,7 +30,7 @@ class Round:
     """One decode round as planned (`plan_round`) and settled (`settle_round`); k: the draft's
     length, V: the vocabulary. What lives across rounds stays on `Sequence`."""
 
-    proposal: Proposal  # the drafter's, as drafted: tokens (k,), q (k, V) or None, parents (k,) for a tree
+    proposal: Proposal  # what is verified: tokens (k,) (the draft), q (k, V) or None, parents (k,) for a tree
     draft: list[int]  # (k,) fed after the last token: forced, the drafter's, forced after (a tree's nodes in order)
     start: int  # the cache position where the last token is fed; the draft follows from start + 1
     masks: torch.Tensor | None = None  # (k+1, V) bool: the grammar's allowed tokens at each row (None: no grammar)
