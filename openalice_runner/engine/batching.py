@@ -12,24 +12,15 @@ Prefill is chunked: while others decode, a step feeds at most `prefill_chunk` pr
 so a long new prompt delays the running sequences by one chunk's cost per step, not by its
 whole prefill.
 
-Prefix reuse (`prefix_reuse`): an agent loop sends its whole history again with every call, and
-on a CPU prefill is compute-bound. A finished sequence's slot keeps its keys and values until
-the slot is needed; a new request takes the free slot that holds the longest prefix of its
-prompt and prefills only the rest (the cache rows of a position depend only on the tokens up to
-it, so reusing them is exact). Only a request of the finished one's tenant reuses its prefix: a
-prefill cut short tells the caller that someone sent that prefix before (a time-to-first-token
-channel), so nothing is reused across tenants. Drafters that read the target's hidden states
-(EAGLE heads) take over the finished sequence's drafter state for the shared positions
-(`Drafter.reuse`); where they cannot, the prompt is prefilled in full.
+Prefix reuse (`prefix_reuse`, prefixes.py): a finished sequence's slot keeps its keys and values
+until the slot is needed; a new request of its tenant takes the free slot that holds the longest
+prefix of its prompt and prefills only the rest.
 
-KV-cache budget (`kv_cache_bytes`): the cache is one rectangle, slots x positions, and grows as
-requests write. Each admitted request reserves the positions it may ever need (its prompt, its
-whole `max_tokens` reply and a round of drafts, within its context); a waiting request is admitted
-only if the cache, with the slot it takes and positions for the longest reservation, stays within
-the budget, so the lazy growth while replies are written never passes it. Otherwise it waits, and
-the requests behind it wait too (first come, first served), until running requests finish. When
-nothing runs, the cache first drops what the held histories keep beyond the budget; a request
-whose reservation alone is over the budget then runs on its own.
+KV-cache budget (`kv_cache_bytes`, slots.py): each admitted request reserves the positions it may
+ever need; a waiting request is admitted only where the cache stays within the budget with it.
+
+A step reads as schedule (`_plan`: every running sequence's rows, batch_pass.PassRows), run (one
+pass, batch_pass.run_pass) and postprocess (`_settle`: each sequence on its own rows).
 """
 
 from __future__ import annotations
@@ -44,121 +35,30 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
+from openalice_runner.engine.batch_pass import PassOut, PassRows, SeqRows, run_pass
+from openalice_runner.engine.batch_request import BatchRequest
+from openalice_runner.engine.chaos import ADMISSION_FAULTS_ENV, InjectedFault, fault_rate
+from openalice_runner.engine.choice import choose_token
 from openalice_runner.engine.cost_model import PassCostModel
-from openalice_runner.engine.drafters.base import observed_rows, taps_for
-from openalice_runner.engine.generator import (
-    PREFILL_CHUNK,
-    Round,
-    Sequence,
-    accept_tokens,
-    begin,
-    choose_token,
-    emit,
-    final_event,
-    plan_round,
-    preview_forced,
-    round_rows,
-    settle_round,
-)
+from openalice_runner.engine.drafters.base import observed_rows
+from openalice_runner.engine.generator import PREFILL_CHUNK
+from openalice_runner.engine.kv_cache import KVCache
 from openalice_runner.engine.llama import LlamaModel
-from openalice_runner.engine.tree import TreeMask, plain_rows, tree_rows
+from openalice_runner.engine.round import plan_round
+from openalice_runner.engine.sequence import Sequence, accept_tokens, begin, emit, final_event, preview_forced
+from openalice_runner.engine.settle import settle_round
+from openalice_runner.engine.slots import CacheSlots, granules, positions_for, reservation
 from openalice_runner.engine.types import EngineOverloaded, SchedulerStopped, StreamEvent
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per step while other sequences decode
-CACHE_GRANULE = 512  # KV caches grow in steps of this many positions
 IDLE_SHRINK_S = 30.0  # idle this long, the KV cache gives back what the held histories do not need
 ADMIT_TRIES = 3  # a request whose admission fails this many times is answered with the fault
-# Chaos testing (docs/testing.md): this share of admissions fails as a passing fault would (a float, 0..1)
-ADMISSION_FAULTS_ENV = "OPENALICE_INJECT_ADMISSION_FAULTS"
 WATCH_S = 1.0  # a caller waiting on its events checks this often that the scheduler thread still runs
-
-
-@dataclass
-class BatchRequest:
-    seq: Sequence
-    cancel: threading.Event
-    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    thread: threading.Thread | None = None  # the scheduler thread that owes the answer
-    admit_faults: int = 0  # admissions of it that failed
-    prefilled: int = 0  # prompt tokens whose keys and values are in the cache
-    reserved: int = 0  # cache positions it may ever need (`_reservation`), set at admission
-    prefill_started: float = 0.0
-    first_token_at: float = 0.0  # when the prefill chose the first token (FirstTokenTimes.first_decode_s)
-    first_text: bool = False  # that token's text went out at once (no first decode in its time to first text)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled < len(self.seq.prompt)
-
-    def gamma_now(self, batch: int, waiting: int) -> int:
-        if self.seq.drafter is None:
-            return 0
-        table = self.seq.spec.per_batch
-        if table is None or self.seq.fixed_draft_length:
-            return self.seq.spec.gamma
-        # waiting requests join the batch within a step or two: γ for the batch they make
-        return table.at(batch + waiting)
-
-
-@dataclass
-class _Rows:
-    """What one sequence feeds in a step, and where its rows sit in the pass."""
-
-    request: BatchRequest
-    first: int
-    count: int
-    start: int  # the cache position of its first row
-    logits_at: int  # its first row of the pass's logits (where it has any)
-    choosing: int  # its last rows that choose a token (all of a round's; one or none of a prompt chunk's)
-    round: Round | None = None  # None: a prefill chunk
-
-
-@dataclass
-class _StepRows:
-    """The rows of a step's one pass, in order, and the plans they belong to."""
-
-    vocab: int  # token ids a row may hold: below this
-    plans: list[_Rows] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    logit_rows: list[int] = field(default_factory=list)  # rows that choose a token: only theirs are computed
-
-    def add(self, request: BatchRequest, fed: list[int], start: int, choosing: int,
-            planned: Round | None = None) -> None:
-        """`fed` tokens of `request` at cache positions from `start`; the last `choosing` rows choose."""
-        _check_rows(request.seq, fed, start, self.vocab)
-        first, n = len(self.tokens), len(fed)
-        self.plans.append(_Rows(request, first, n, start, len(self.logit_rows), choosing, planned))
-        self.logit_rows += range(first + n - choosing, first + n)
-        self.tokens += fed
-        self.positions += range(start, start + n)
-        self.slots += [request.seq.slot] * n
-
-    def subset(self, plans: list[_Rows]) -> _StepRows:
-        """The rows of `plans` alone, as a pass of their own."""
-        rows = _StepRows(self.vocab)
-        for plan in plans:
-            rows.add(plan.request, self.tokens[plan.first : plan.first + plan.count], plan.start, plan.choosing,
-                     plan.round)
-        return rows
-
-
-@dataclass
-class _PassOut:
-    """What the step's pass gives the sequences settling on it."""
-
-    hidden: torch.Tensor
-    tapped: torch.Tensor | None
-    taps: tuple[int, ...]
-    logits: torch.Tensor | None
-    pass_s: float
 
 
 class BatchScheduler:
@@ -187,23 +87,16 @@ class BatchScheduler:
         self.costs = costs
         self.prefill_chunk = prefill_chunk
         self.max_waiting = max_waiting
-        self.cache = model.new_cache(0, CACHE_GRANULE)
+        self.slots = CacheSlots(model, max_batch, kv_cache_bytes)
+        self.prefix_reuse = prefix_reuse  # (bench/follow_up.py switches it between runs)
         self._waiting: deque[BatchRequest] = deque()
         self._running: list[BatchRequest] = []
-        self._free_slots: list[int] = []  # least recently freed first
-        self.prefix_reuse = prefix_reuse
-        # free slot -> the tokens whose keys and values it still holds, at positions 0..n-1,
-        # and the drafter that read their hidden states (None for the others)
-        self._held: dict[int, list[int]] = {}
-        self._held_drafters: dict[int, object] = {}
-        self._held_tenants: dict[int, str | None] = {}  # whose sequence left a held slot's tokens
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
         self.idle_shrink_s = idle_shrink_s
-        self.kv_cache_bytes = kv_cache_bytes
         self.steps = 0
-        self.admission_faults = _fault_rate(os.environ.get(ADMISSION_FAULTS_ENV))
+        self.admission_faults = fault_rate(os.environ.get(ADMISSION_FAULTS_ENV))
         self._faults = random.Random(0)
 
     # ---- the callers' side ----------------------------------------------------------------
@@ -265,6 +158,14 @@ class BatchScheduler:
             self._closed = True
             self._cond.notify()
 
+    @property
+    def cache(self) -> KVCache:
+        return self.slots.cache
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        return self.slots.kv_cache_bytes
+
     # ---- the scheduler thread -------------------------------------------------------------
     def _serve(self) -> None:
         """The thread's life: the loop, and should it ever end by an error that escaped it, every
@@ -279,16 +180,16 @@ class BatchScheduler:
 
     def _reset(self) -> None:
         """A fresh, empty cache: nothing it held can be trusted after a fault outside the loop's care."""
-        self.cache = self.model.new_cache(0, CACHE_GRANULE)
-        self._free_slots, self._held, self._held_drafters, self._held_tenants = [], {}, {}, {}
+        self.slots.reset()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._closed and not self._waiting and not self._running:
-                    timeout = self.idle_shrink_s if self._shrinkable() else None
+                    shrinkable = self.idle_shrink_s is not None and self.slots.shrinkable()
+                    timeout = self.idle_shrink_s if shrinkable else None
                     if not self._cond.wait(timeout) and not (self._closed or self._waiting):
-                        self._shrink()
+                        self.slots.shrink()
                 if self._closed:
                     self._fail_all(RuntimeError("the engine's scheduler closed"))
                     return
@@ -308,15 +209,15 @@ class BatchScheduler:
         self._drop_cancelled()
         while self._waiting and len(self._running) < self.max_batch:
             request = self._waiting[0]
-            reserved = _reservation(request.seq)
-            slots = self._slots_for(reserved)
-            if slots is None and self._make_room(reserved):
-                slots = self._slots_for(reserved)
+            reserved = reservation(request.seq)
+            slots = self.slots.fit(reserved, self._running)
+            if slots is None and self.slots.make_room(reserved, self._running):
+                slots = self.slots.fit(reserved, self._running)
             if slots is None:
                 if self._running:
                     break  # over the budget: it waits for running requests, and later ones wait behind it
                 # alone and over the budget on its own: it runs (its context bounds it), in a slot of its own
-                slots = self.cache.batch if self._free_slots else self.cache.batch + 1
+                slots = self.cache.batch if self.slots.free else self.cache.batch + 1
             self._waiting.popleft()
             try:
                 self._place(request, reserved, slots)
@@ -339,18 +240,10 @@ class BatchScheduler:
             raise InjectedFault("an admission fault injected for a test (OPENALICE_INJECT_ADMISSION_FAULTS)")
         # positions for the prompt and a round; the reply's grow as it is written (`_reserve`): sizing
         # every slot for max_tokens up front held GBs for replies that stop after a few tokens
-        need = _granules(_positions_for(seq, len(seq.prompt)))
-        batch = self.cache.batch
-        self.cache.grow(slots, need)
-        self._free_slots += range(batch, self.cache.batch)
+        self.slots.grow(slots, granules(positions_for(seq, len(seq.prompt))))
         seq.cache = self.cache
-        free, held, held_drafters = list(self._free_slots), dict(self._held), dict(self._held_drafters)
         t0 = time.perf_counter()
-        try:
-            seq.slot, reused = self._take_slot(seq)
-        except BaseException:
-            self._free_slots, self._held, self._held_drafters = free, held, held_drafters
-            raise
+        seq.slot, reused = self._take_slot(seq)
         times = seq.stats.first_token
         times.queue_s, times.prefix_match_s = admitted - seq.started, time.perf_counter() - t0
         self.cache.lengths[seq.slot] = reused
@@ -367,113 +260,25 @@ class BatchScheduler:
             request.seq.finish_reason = "cancelled"
             request.events.put(final_event(request.seq))
 
-    def _slots_for(self, reserved: int) -> int | None:
-        """The cache's slots once a request that may need `reserved` positions is admitted, or None
-        where the budget cannot take it now. Without a free slot the cache grows by doubling (few
-        reallocations, and no memory for slots never used), as far as the budget allows."""
-        grows = not self._free_slots
-        least = self.cache.batch + grows
-        most = min(self.max_batch, max(1, 2 * self.cache.batch)) if grows else self.cache.batch
-        if self.kv_cache_bytes is None:
-            return most
-        # every slot may come to hold the longest reservation: the cache is a rectangle
-        positions = max(self.cache.max_len, reserved, *(r.reserved for r in self._running))
-        fitting = self.kv_cache_bytes // (positions * self.cache.position_bytes)
-        return min(most, fitting) if fitting >= least else None
-
-    def _make_room(self, reserved: int) -> bool:
-        """Shrink the cache towards what the running requests and one that may need `reserved`
-        positions need, dropping (or shortening) held histories, where that lets the request in
-        or where nothing runs; whether the cache changed."""
-        if self.kv_cache_bytes is None:
-            return False
-        positions = max([reserved, *(r.reserved for r in self._running)])  # each running slot writes below its own
-        in_use = 1 + max((r.seq.slot for r in self._running), default=-1)
-        fitting = self.kv_cache_bytes // (positions * self.cache.position_bytes)
-        # alone, one slot stays whatever the budget: the request needs it, and it may hold its prefix
-        slots = min(self.cache.batch, max(in_use, fitting, 0 if self._running else 1))
-        if self._running:
-            free_below = any(slot < slots for slot in self._free_slots)
-            if slots + (not free_below) > fitting:
-                return False  # shrinking would drop histories and still not let it in
-        if slots >= self.cache.batch and positions >= self.cache.max_len:
-            return False
-        before = self.cache.nbytes()
-        self.cache.shrink(slots, positions)
-        self._free_slots = [slot for slot in self._free_slots if slot < slots]
-        self._held = {slot: tokens[: self.cache.max_len] for slot, tokens in self._held.items() if slot < slots}
-        self._held_drafters = {slot: d for slot, d in self._held_drafters.items() if slot < slots}
-        logger.debug("KV cache budget: %d -> %d bytes", before, self.cache.nbytes())
-        return True
-
-    def _kept_shape(self) -> tuple[int, int]:
-        """(slots, positions) the held histories need."""
-        slots = 1 + max(self._held, default=-1)
-        longest = max((len(tokens) for tokens in self._held.values()), default=0)
-        return slots, max(CACHE_GRANULE, -(-longest // CACHE_GRANULE) * CACHE_GRANULE)
-
-    def _shrinkable(self) -> bool:
-        if self.idle_shrink_s is None:
-            return False
-        slots, positions = self._kept_shape()
-        return self.cache.batch > slots or self.cache.max_len > positions
-
-    def _shrink(self) -> None:
-        """Give back the cache memory of an idle engine, keeping the held histories (called by
-        the scheduler thread, with nothing running)."""
-        slots, positions = self._kept_shape()
-        before = self.cache.nbytes()
-        self.cache.shrink(slots, positions)
-        self._free_slots = [slot for slot in self._free_slots if slot < slots]
-        logger.debug("idle: KV cache %d -> %d bytes", before, self.cache.nbytes())
-
     def _take_slot(self, seq: Sequence) -> tuple[int, int]:
-        """A free slot for `seq`, and how many of its prompt tokens the slot already holds.
-
-        The slot with the longest usable prefix wins; without one, a slot that holds nothing,
-        else the one freed longest ago, so recent histories stay for the calls that follow them."""
-        best, reused = None, 0
-        if self.prefix_reuse:
-            limit = len(seq.prompt) - 1  # the last prompt token is always fed: its logits start the reply
-            for slot in self._free_slots:
-                if self._held_tenants.get(slot) != seq.tenant:
-                    continue  # another tenant's prefix: never reused
-                n = common_prefix(self._held.get(slot, ()), seq.prompt, limit)
-                if n > reused:
-                    best, reused = slot, n
-        if best is None:
-            empty = [slot for slot in self._free_slots if slot not in self._held]
-            best = empty[0] if empty else self._free_slots[0]
-        self._free_slots.remove(best)
-        self._held.pop(best, None)
-        previous = self._held_drafters.pop(best, None)
-        if reused and seq.drafter is not None and seq.drafter.wants_hidden:
-            # it must know the hidden states of the positions it will not observe
-            adopted = previous is not None and seq.drafter.reuse(previous, reused)
-            reused = reused if adopted else 0
-        return best, reused
-
-    def _reserve(self) -> None:
-        """Grow the cache's positions, a granule at a time, to what this step may write: every decoding
-        sequence's tokens and a round of drafts (prefills fit since admission)."""
-        need = max((_positions_for(r.seq, len(r.seq.tokens)) for r in self._running if not r.prefilling), default=0)
-        if need > self.cache.max_len:
-            self.cache.grow(self.cache.batch, _granules(need))
+        """A free slot for `seq`, and how many of its prompt tokens it already holds (CacheSlots.take)."""
+        return self.slots.take(seq, self.prefix_reuse)
 
     def _step(self) -> None:
         """One step: plan every running sequence's rows, run them in one pass, settle each."""
-        self._reserve()
+        self.slots.reserve(self._running)
         rows = self._plan()
         if rows.plans:
             self._run(rows)
 
-    def _run(self, rows: _StepRows) -> None:
+    def _run(self, rows: PassRows) -> None:
         """Run and settle a pass. Where the shared pass fails, it is split in halves and each run again
         until the fault is pinned to one sequence, which fails alone: the others settle on rows that
         are the same tokens at the same positions (a pass only writes its rows' cache entries, so a
         rerun writes the same ones), to the same replies as without the fault."""
         try:
-            out = self._pass(rows)
+            out = run_pass(self.model, self.cache, rows, self.costs)
+            self.steps += 1
         except Exception as exc:
             if len(rows.plans) == 1:
                 logger.error("engine pass failed; its sequence fails, the others run on", exc_info=exc)
@@ -486,10 +291,10 @@ class BatchScheduler:
             return
         self._settle(rows.plans, out)
 
-    def _plan(self) -> _StepRows:
+    def _plan(self) -> PassRows:
         """Every running sequence's rows for this step: a prompt chunk within the step's prefill budget,
         or the last token and its drafts; cancelled sequences leave, a fault in one's planning fails it."""
-        rows = _StepRows(self.model.vocab_size)
+        rows = PassRows(self.model.vocab_size)
         batch, waiting = len(self._running), len(self._waiting)
         decoders = sum(not r.prefilling for r in self._running)
         budget = self.prefill_chunk if decoders else PREFILL_CHUNK
@@ -512,7 +317,7 @@ class BatchScheduler:
         return rows
 
     @staticmethod
-    def _plan_prefill(rows: _StepRows, request: BatchRequest, budget: int) -> int:
+    def _plan_prefill(rows: PassRows, request: BatchRequest, budget: int) -> int:
         """A chunk of the prompt, at most `budget` tokens; how many it takes."""
         seq = request.seq
         n = min(budget, len(seq.prompt) - request.prefilled)
@@ -524,58 +329,31 @@ class BatchScheduler:
         return n
 
     @staticmethod
-    def _plan_decode(rows: _StepRows, request: BatchRequest, gamma: int, decoders: int, unplanned: int) -> None:
+    def _plan_decode(rows: PassRows, request: BatchRequest, gamma: int, decoders: int, unplanned: int) -> None:
         """The round's last token and drafts; forced tokens' text goes out before the pass."""
         seq = request.seq
         if seq.drafter is not None:
             # rows so far, plus one for this and each decoding sequence still to come
             seq.drafter.step_load(decoders, len(rows.tokens) + 1 + unplanned)
-        proposal, draft = plan_round(seq, gamma)
-        preview = preview_forced(seq, draft)  # certain tokens go out before the pass
+        planned = plan_round(seq, gamma)
+        preview = preview_forced(seq, planned)  # certain tokens go out before the pass
         if preview is not None:
             request.events.put(preview)
-        start = seq.cache.lengths[seq.slot]
-        fed = [seq.tokens[-1], *draft]
-        rows.add(request, fed, start, len(fed), Round(proposal, draft, start))  # every row verifies
+        fed = [seq.tokens[-1], *planned.draft]
+        rows.add(request, fed, planned.start, len(fed), planned)  # every row verifies
 
-    def _pass(self, rows: _StepRows) -> _PassOut:
-        """The step's one forward pass over every planned row, and the logits of the rows that choose."""
-        plans = rows.plans
-        tree = _tree_mask(plans)
-        t0 = time.perf_counter()
-        taps = taps_for(plan.request.seq.drafter for plan in plans)
-        # only eagle-3 drafters ask for taps, and tree drafters for a mask: other models need not know
-        extra = {} if tree is None else {"tree": tree}
-        spans = [(plan.first, plan.first + plan.count) for plan in plans if plan.round is None]
-        if spans and getattr(self.model, "prefill_bf16", False):  # prompt rows in bf16; decode rows keep their bits
-            extra["prompt_spans"] = spans
-        feed = torch.tensor(rows.tokens)
-        if taps:
-            hidden, tapped = self.model.forward_rows(feed, self.cache, rows.slots, rows.positions, taps, **extra)
-        else:
-            hidden, tapped = self.model.forward_rows(feed, self.cache, rows.slots, rows.positions, **extra), None
-        # logits only where a token is chosen: every decode row, the last row of a finished prefill
-        logits = self.model.logits(hidden[rows.logit_rows]) if rows.logit_rows else None
-        pass_s = time.perf_counter() - t0
-        self.steps += 1
+    def _settle(self, plans: list[SeqRows], out: PassOut) -> None:
+        """Each sequence settles on its own rows; a fault in one fails that sequence only."""
         for plan in plans:
             if plan.round is None:  # a prompt chunk: its pass, whole, in the request's time to first token
-                plan.request.seq.stats.first_token.chunks.append([plan.count, pass_s])
-        if self.costs is not None and all(plan.round is not None for plan in plans):
-            # decode-only steps: what drafters weigh a longer draft against (prefill rows would
-            # make a step of few decode rows look dear)
-            self.costs.record(len(rows.tokens), pass_s, context=max(rows.positions) + 1)
-        return _PassOut(hidden, tapped, taps, logits, pass_s)
-
-    def _settle(self, plans: list[_Rows], out: _PassOut) -> None:
-        """Each sequence settles on its own rows; a fault in one fails that sequence only."""
+                plan.request.seq.stats.first_token.chunks.append([plan.count, out.pass_s])
         for plan in plans:
             try:
                 self._settle_one(plan, out)
             except Exception as exc:
                 self._fail_one(plan.request, exc)
 
-    def _settle_one(self, plan: _Rows, out: _PassOut) -> None:
+    def _settle_one(self, plan: SeqRows, out: PassOut) -> None:
         request, seq = plan.request, plan.request.seq
         rows = out.hidden[plan.first : plan.first + plan.count]
         if seq.drafter is not None and seq.drafter.feature_layers:
@@ -587,15 +365,15 @@ class BatchScheduler:
         else:
             own = out.logits[plan.logits_at : plan.logits_at + plan.count]
             emitted = settle_round(seq, plan.round, own, rows, out.pass_s)
-        event = emit(seq, emitted)
-        _time_first_text(request, plan.round is None, event)
+        event = emit(seq, emitted, plan.round)
+        request.note_first_text(plan.round is None, event)
         if event is not None:
             request.events.put(event)
         if seq.finished:
             self._retire(request)
 
     @staticmethod
-    def _settle_prefill(plan: _Rows, rows: torch.Tensor, logits: torch.Tensor | None) -> list[int] | None:
+    def _settle_prefill(plan: SeqRows, rows: torch.Tensor, logits: torch.Tensor | None) -> list[int] | None:
         """A prompt chunk is in the cache; once the prompt is, its last row chooses the first token
         (the tokens emitted; None while the prompt is not all in)."""
         request, seq = plan.request, plan.request.seq
@@ -617,14 +395,7 @@ class BatchScheduler:
     def _retire(self, request: BatchRequest) -> None:
         seq = request.seq
         self._running.remove(request)
-        self._free_slots.append(seq.slot)
-        if self.prefix_reuse:
-            # Positions below both the cache length and the token count hold these tokens'
-            # entries (the cache may also hold accepted drafts cut off by max_tokens or EOS).
-            self._held[seq.slot] = seq.tokens[: min(self.cache.lengths[seq.slot], len(seq.tokens))]
-            self._held_tenants[seq.slot] = seq.tenant
-            if seq.drafter is not None and seq.drafter.wants_hidden:
-                self._held_drafters[seq.slot] = seq.drafter
+        self.slots.release(seq, hold=self.prefix_reuse)
         request.events.put(final_event(seq))
 
     def _fail_one(self, request: BatchRequest, exc: BaseException, logged: bool = False) -> None:
@@ -634,95 +405,19 @@ class BatchScheduler:
             logger.error("engine: a sequence failed; the others run on", exc_info=exc)
         if request in self._running:
             self._running.remove(request)
-            self._free_slots.append(request.seq.slot)
+            self.slots.release(request.seq, hold=False)
         request.events.put(exc)
 
     def _fail_running(self, exc: BaseException) -> None:
         for request in list(self._running):
             self._running.remove(request)
-            self._free_slots.append(request.seq.slot)  # a pass failed mid-write: hold nothing
+            self.slots.release(request.seq, hold=False)  # a pass failed mid-write: hold nothing
             request.events.put(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         self._fail_running(exc)
         while self._waiting:
             self._waiting.popleft().events.put(exc)
-
-
-class InjectedFault(RuntimeError):
-    """A fault injected on purpose (ADMISSION_FAULTS_ENV), to test that nothing is lost."""
-
-
-def _time_first_text(request: BatchRequest, prefill: bool, event: StreamEvent | None) -> None:
-    """Note whether the first token's text went out with it; where it did not, the first decode
-    round (the wait for its step and its pass) is part of the time to the first text."""
-    if prefill:
-        request.first_text = event is not None and bool(event.text)
-    elif not request.first_text and request.seq.stats.target_passes == 1:
-        request.seq.stats.first_token.first_decode_s = time.perf_counter() - request.first_token_at
-
-
-def _fault_rate(raw: str | None) -> float:
-    if not raw:
-        return 0.0
-    try:
-        rate = float(raw)
-    except ValueError:
-        raise ValueError(f"{ADMISSION_FAULTS_ENV} must be a number in 0..1, got {raw!r}") from None
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"{ADMISSION_FAULTS_ENV} must be in 0..1, got {rate}")
-    return rate
-
-
-def _check_rows(seq: Sequence, fed: list[int], start: int, vocab: int) -> None:
-    """A sequence's rows, checked before they join a shared pass: a row the pass cannot take would
-    fail every sequence in it. Raises (failing this sequence alone) where one is out of range."""
-    cache = seq.cache
-    if not 0 <= seq.slot < cache.batch:
-        raise ValueError(f"slot {seq.slot} is not one of the cache's {cache.batch}")
-    if start < 0 or start + len(fed) > cache.max_len:
-        raise ValueError(f"rows at positions {start}..{start + len(fed) - 1} are beyond the cache of {cache.max_len}")
-    bad = [t for t in fed if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"token ids {bad[:4]} are outside the vocabulary of {vocab}")
-
-
-def _positions_for(seq: Sequence, tokens: int) -> int:
-    """Cache positions a sequence of `tokens` tokens needs for its next round (its drafts and the token
-    before them), within its context."""
-    rows = round_rows(seq.spec, seq.constraint is not None) + 2
-    return min(tokens, seq.context_length) + rows
-
-
-def _reservation(seq: Sequence) -> int:
-    """Cache positions a sequence may ever need, in granules: its prompt and whole reply, and a round."""
-    return _granules(_positions_for(seq, len(seq.prompt) + seq.sampling.max_tokens))
-
-
-def _granules(positions: int) -> int:
-    return -(-positions // CACHE_GRANULE) * CACHE_GRANULE
-
-
-def _tree_mask(plans: list[_Rows]) -> TreeMask | None:
-    """The pass's mask where a draft tree is in it (every row gets an entry), else None."""
-    if all(plan.round is None or plan.round.proposal.parents is None for plan in plans):
-        return None
-    rows: list[tuple[int, int, int]] = []
-    for plan in plans:
-        if plan.round is None or plan.round.proposal.parents is None:  # a chain, or a prompt chunk
-            rows += plain_rows(plan.start, plan.count)
-        else:
-            rows += tree_rows(plan.start, plan.round.proposal.parents)
-    return TreeMask.from_rows(rows)
-
-
-def common_prefix(held, prompt: list[int], limit: int) -> int:
-    """How many leading tokens `held` and `prompt` share, at most `limit`."""
-    n = min(len(held), limit)
-    for i in range(n):
-        if held[i] != prompt[i]:
-            return i
-    return max(n, 0)
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:

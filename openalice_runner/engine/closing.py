@@ -32,8 +32,12 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from openalice_runner.engine.grammar_constraint import GrammarConstraint
 
 WINDOW = 24  # tokens of slack, above the closing length, from which the filter applies
 SEARCH_NODES = 256  # tokens one closing search may try (consumed, backtracked included)
@@ -130,9 +134,12 @@ FREE, WINDOWED, CLOSING = "free", "window", "closing"
 
 @dataclass
 class Budget:
-    """One sequence's closing figures: the last closing path, where it was found, and when to
-    look again (positions are len(seq.tokens))."""
+    """One sequence's closing state, across its rounds: the grammar it closes, the tokens that end
+    it, the last closing path, where it was found, and when to look again (positions are
+    len(seq.tokens)). A round reads it (`mode`) and the window checks tokens against it (`fits`)."""
 
+    constraint: GrammarConstraint | None = None
+    eos_ids: frozenset[int] = frozenset()
     path: list[int] | None = None
     at: int = -1
     refresh_at: int = 0
@@ -166,17 +173,16 @@ class Budget:
         self.checked.clear()
 
 
-def mode(seq, left: int, round_rows: int) -> tuple[str, list[int] | None, int]:
-    """(mode, closing path, tokens this round may emit) for a constrained sequence with `left`
-    tokens still allowed (see the module's rules)."""
-    budget: Budget = seq.budget
-    position = len(seq.tokens)
-    path = budget.known(seq.tokens)
+def mode(budget: Budget, tokens: list[int], left: int, round_rows: int) -> tuple[str, list[int] | None, int]:
+    """(mode, closing path, tokens this round may emit) for a constrained reply of `tokens` with
+    `left` tokens still allowed (see the module's rules)."""
+    position = len(tokens)
+    path = budget.known(tokens)
     if path is None:
         last = len(budget.path) if budget.path is not None else 0
         if left - last > WINDOW + round_rows + 1 and position < budget.refresh_at:
             return FREE, None, left
-        path = closing_path(seq.constraint, limit=left + WINDOW + round_rows + 1)
+        path = closing_path(budget.constraint, limit=left + WINDOW + round_rows + 1)
         if path is None:  # none within reach: nothing to close towards (the grammar may loop)
             budget.path, budget.at = None, -1
             budget.refresh_at = position + max(1, left // 4)
@@ -192,21 +198,21 @@ def mode(seq, left: int, round_rows: int) -> tuple[str, list[int] | None, int]:
     return FREE, path, slack - WINDOW
 
 
-def fits(seq, position: int, token: int, left: int) -> bool:
+def fits(budget: Budget, position: int, token: int, left: int) -> bool:
     """Whether the closing still fits `left - 1` tokens after `token` at `position` (the matcher's
     state; EOS: the reply ends)."""
-    if token in seq.eos_ids:
+    if token in budget.eos_ids:
         return True
     key = (position, token)
-    if key not in seq.budget.checked:
-        seq.budget.checked[key] = closing_path(seq.constraint, limit=left - 1, first=token)
-    return seq.budget.checked[key] is not None
+    if key not in budget.checked:
+        budget.checked[key] = closing_path(budget.constraint, limit=left - 1, first=token)
+    return budget.checked[key] is not None
 
 
 MAX_REDRAWS = 32  # window tokens tried before the closing path's own is taken
 
 
-def windowed_choice(seq, position: int, allowed: torch.Tensor, left: int, path: list[int] | None,
+def windowed_choice(budget: Budget, position: int, allowed: torch.Tensor, left: int, path: list[int] | None,
                     choose, redraw) -> int:
     """The target's token among `allowed` after which the closing fits: `choose(allowed)` picks
     one; a token that does not fit is left out and `redraw` picks again (greedy: the next best;
@@ -217,14 +223,14 @@ def windowed_choice(seq, position: int, allowed: torch.Tensor, left: int, path: 
     for _ in range(MAX_REDRAWS):
         if token is None:
             break
-        if fits(seq, position, token, left):
+        if fits(budget, position, token, left):
             return token
         allowed[token] = False
         if not bool(allowed.any()):
             break
         token = redraw(allowed, token)
     if path is None:
-        path = closing_path(seq.constraint, limit=left)
+        path = closing_path(budget.constraint, limit=left)
     return path[0] if path else int(given.nonzero()[0, 0])  # none fits (no end token): the reply is cut
 
 

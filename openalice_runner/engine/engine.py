@@ -9,16 +9,17 @@ from collections.abc import Iterator
 
 import torch
 
-from openalice_runner.engine.batching import CACHE_GRANULE, BatchScheduler, common_prefix
+from openalice_runner.engine.batching import BatchScheduler
 from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter
 from openalice_runner.engine.drafters.draft_model import DraftModelDrafter
 from openalice_runner.engine.drafters.ngram import NgramDrafter
 from openalice_runner.engine.drafters.suffix import SuffixDrafter, TenantResponses
-from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence, round_rows, run_sequence
+from openalice_runner.engine.generator import run_sequence
 from openalice_runner.engine.grammar import Grammar, GrammarCompiler
 from openalice_runner.engine.hf_model import HFCausalModel
-from openalice_runner.engine.llama import KVCache, LlamaModel
+from openalice_runner.engine.kv_cache import KVCache
+from openalice_runner.engine.llama import LlamaModel
 from openalice_runner.engine.model_loading import (
     DEFAULT_MODEL_NAME,
     converted_folder,
@@ -26,6 +27,10 @@ from openalice_runner.engine.model_loading import (
     resolve_model_source,
 )
 from openalice_runner.engine.prefill_choice import PrefillChoice, choose_prefill, resolve_mode
+from openalice_runner.engine.prefixes import HeldPrefixes
+from openalice_runner.engine.round import round_rows
+from openalice_runner.engine.sequence import SequenceRequest, Target, new_sequence
+from openalice_runner.engine.slots import CACHE_GRANULE
 from openalice_runner.engine.types import GenerationResult, SamplingParams, SpecConfig, StreamEvent
 
 DTYPES = ("bf16", "fp32")
@@ -99,10 +104,9 @@ class Engine:
                                             kv_cache_bytes=kv_cache_bytes)
         self.max_batch = max_batch if self.scheduler is not None else 1
         self._cache: KVCache | None = None
-        # serial loop with prefix reuse: the tokens whose keys and values `_cache` holds
+        # serial loop with prefix reuse: the history `_cache` holds in its one slot (prefixes.py)
         self.prefix_reuse = prefix_reuse and isinstance(self.model, LlamaModel)
-        self._held: list[int] = []
-        self._held_tenant: str | None = None  # whose request left `_held`: reused by that tenant only
+        self._prefixes = HeldPrefixes()
         self._draft_models: dict[int, LlamaModel] = {}
         self._draft_caches: dict[int, KVCache] = {}
         self._eagle_heads: dict[str, object] = {}  # head folder -> EagleRuntime
@@ -243,19 +247,15 @@ class Engine:
             constraint = None if grammar is None else grammar.constraint()
             seq = new_sequence(SequenceRequest(prompt_ids, sampling, spec, drafter, constraint, tenant),
                                self._target(cache))
-            reused = 0
-            same_tenant = self._held_tenant == tenant  # another tenant's prefix is never reused
-            if self.prefix_reuse and same_tenant and not (seq.drafter is not None and seq.drafter.wants_hidden):
-                # a drafter that reads hidden states would miss the reused positions': prefill in full
-                reused = common_prefix(self._held, seq.prompt, len(seq.prompt) - 1)
-            self._held, self._held_tenant = [], tenant  # the cache is rewritten from `reused` on
+            _, reused = self._prefixes.best([seq.slot], seq) if self.prefix_reuse else (None, 0)
+            reused = self._prefixes.take(seq.slot, seq, reused)  # the cache is rewritten from `reused` on
             try:
                 yield from run_sequence(self.model, seq, cancel, reused)
             except GeneratorExit:  # the caller left between rounds: the cache is whole
-                self._held = self._kept(seq, cache)
+                self._hold(seq, cache)
                 raise
             # an error (a pass may have failed mid-write) leaves nothing held
-            self._held = self._kept(seq, cache)
+            self._hold(seq, cache)
 
     def generate(
         self,
@@ -274,17 +274,15 @@ class Engine:
         return result
 
     # ---- caches and drafters --------------------------------------------------------------
-    def _kept(self, seq, cache: KVCache) -> list[int]:
-        """The tokens whose keys and values the serial cache holds after `seq` (prefix reuse)."""
-        if not self.prefix_reuse:
-            return []
-        # positions below both the cache length and the token count (accepted drafts cut off by
-        # max_tokens or EOS may sit past the tokens)
-        return seq.tokens[: min(cache.lengths[seq.slot], len(seq.tokens))]
+    def _hold(self, seq, cache: KVCache) -> None:
+        """The serial cache holds `seq`'s history for the next request (prefix reuse), not its
+        drafter: a drafter that reads hidden states prefills in full here."""
+        if self.prefix_reuse:
+            self._prefixes.hold(seq, cache.lengths[seq.slot], drafter=False)
 
     def _target_cache(self, need: int) -> KVCache:
         if self._cache is None or self._cache.max_len < need:
-            self._held = []
+            self._prefixes.clear()
             size = -(-need // CACHE_GRANULE) * CACHE_GRANULE
             self._cache = None  # free the old one before allocating
             self._cache = self.model.new_cache(1, size)

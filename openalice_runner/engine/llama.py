@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from openalice_runner.engine.attention import attention_by_runs, attention_visible, runs_of
 from openalice_runner.engine.cpu_kernels import CpuKernels, cpu_kernels, unavailable_reason
+from openalice_runner.engine.kv_cache import KVCache
 from openalice_runner.engine.tree import TreeMask
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -188,78 +190,6 @@ class RotaryTable:
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
-
-
-def kv_position_bytes(cfg: LlamaConfig, dtype: torch.dtype) -> int:
-    """Bytes one cache position takes in one slot: a key and a value per layer and KV head."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize
-
-
-class KVCache:
-    """Preallocated keys and values for `batch` sequence slots; `lengths[b]` tokens are valid.
-
-    Rolling back a rejected draft is `lengths[b] = n`: the stale entries beyond it are
-    overwritten by the next write and never read (attention reads positions up to the query's
-    own), so the tensors need no zeroing.
-    """
-
-    def __init__(self, cfg: LlamaConfig, batch: int, max_len: int, dtype: torch.dtype):
-        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.values = [torch.empty(shape, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.lengths = [0] * batch
-        self.max_len = max_len
-        # keys and values of every layer at one position of one slot: nbytes() = batch * max_len * this
-        self.position_bytes = kv_position_bytes(cfg, dtype)
-
-    @property
-    def batch(self) -> int:
-        return len(self.lengths)
-
-    def grow(self, batch: int, max_len: int) -> None:
-        """At least `batch` slots of `max_len` positions, keeping what the slots hold."""
-        batch, max_len = max(batch, self.batch), max(max_len, self.max_len)
-        if (batch, max_len) == (self.batch, self.max_len):
-            return
-        # All or nothing: every new tensor is allocated before any is swapped in, so a grow that fails
-        # (no memory) leaves the cache exactly as it was, for the scheduler to answer and carry on.
-        grown = [
-            [torch.empty((batch, old.shape[1], max_len, old.shape[3]), dtype=old.dtype) for old in tensors]
-            for tensors in (self.keys, self.values)
-        ]
-        for tensors, news in zip((self.keys, self.values), grown, strict=True):
-            for i, (old, new) in enumerate(zip(tensors, news, strict=True)):
-                new[: old.shape[0], :, : old.shape[2]] = old
-                tensors[i] = new
-        self.lengths += [0] * (batch - self.batch)
-        self.max_len = max_len
-
-    def shrink(self, batch: int, max_len: int) -> None:
-        """At most `batch` slots of `max_len` positions, keeping what the first slots hold up to
-        `max_len` (a server's cache after a load peak: the memory goes back)."""
-        batch, max_len = min(batch, self.batch), min(max_len, self.max_len)
-        if (batch, max_len) == (self.batch, self.max_len):
-            return
-        for tensors in (self.keys, self.values):
-            for i, old in enumerate(tensors):
-                tensors[i] = old[:batch, :, :max_len].clone()
-        self.lengths = [min(n, max_len) for n in self.lengths[:batch]]
-        self.max_len = max_len
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
-    def keep(self, slot: int, sources: list[int], start: int) -> None:
-        """Move the entries at positions `sources` (increasing, each >= its destination) of
-        `slot` to `start`, `start` + 1, ...: a draft tree's accepted path, to where a chain
-        would have written it."""
-        if all(src == start + d for d, src in enumerate(sources)):
-            return
-        src = torch.tensor(sources)
-        dst = slice(start, start + len(sources))
-        for tensors in (self.keys, self.values):
-            for t in tensors:
-                t[slot, :, dst] = t[slot, :, src]
 
 
 class LlamaModel:
@@ -432,7 +362,7 @@ class LlamaModel:
         rope_t = pos_t if tree is None else tree.rope_pos
         cos = self.rotary.cos[rope_t].unsqueeze(1)  # (R, 1, D), shared by every layer and head
         sin = self.rotary.sin[rope_t].unsqueeze(1)
-        runs = None if self.attention_kernels is not None or tree is not None else _runs(row_slot, row_pos)
+        runs = None if self.attention_kernels is not None or tree is not None else runs_of(row_slot, row_pos)
         n_qk = cfg.n_heads + cfg.n_kv_heads
         x = self.embed[tokens].float()
         for i, layer in enumerate(self.layers):
@@ -448,7 +378,7 @@ class LlamaModel:
             elif runs is None:
                 attn = attention_visible(q, keys, values, row_slot, row_pos, tree)
             else:
-                attn = _attention_by_runs(q, keys, values, runs)
+                attn = attention_by_runs(q, keys, values, runs)
             x = x + layer.o(attn.reshape(rows, -1), prompt)
             h = self._rms_norm(x, layer.mlp_norm)
             gate, up = layer.gate_up(h, prompt).chunk(2, dim=-1)
@@ -509,48 +439,3 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits (sampling and acceptance tests want full precision probabilities)."""
         return self.lm_head(hidden)
-
-
-def _runs(row_slot: list[int], row_pos: list[int]) -> list[tuple[int, int, int, int]]:
-    """(first row, end row, slot, first position) of each slot's consecutive rows."""
-    runs = []
-    first = 0
-    for r in range(1, len(row_slot) + 1):
-        if r == len(row_slot) or row_slot[r] != row_slot[first] or row_pos[r] != row_pos[r - 1] + 1:
-            runs.append((first, r, row_slot[first], row_pos[first]))
-            first = r
-    return runs
-
-
-def _attention_by_runs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs) -> torch.Tensor:
-    """torch's SDPA, one call per run of a slot's rows (where the engine's kernel is unavailable)."""
-    out = torch.empty_like(q)
-    for first, end, slot, start in runs:
-        steps = end - first
-        span = start + steps
-        mask = None
-        if steps > 1:  # query t (position start + t) sees keys 0..start + t
-            mask = torch.arange(span).view(1, -1) <= (start + torch.arange(steps)).view(-1, 1)
-        attn = F.scaled_dot_product_attention(
-            q[first:end].transpose(0, 1).unsqueeze(0),
-            keys[slot : slot + 1, :, :span],
-            values[slot : slot + 1, :, :span],
-            attn_mask=mask,
-            enable_gqa=True,
-        )
-        out[first:end] = attn[0].transpose(0, 1)
-    return out
-
-
-def attention_visible(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slot: list[int],
-                      row_pos: list[int], tree: TreeMask) -> torch.Tensor:
-    """torch's SDPA one row at a time over the keys `tree` leaves visible (draft trees where the
-    engine's kernel is unavailable)."""
-    out = torch.empty_like(q)
-    for r, (slot, pos) in enumerate(zip(row_slot, row_pos, strict=True)):
-        seen = torch.tensor(tree.visible(r, pos))
-        out[r] = F.scaled_dot_product_attention(
-            q[r].unsqueeze(1).unsqueeze(0), keys[slot : slot + 1, :, seen], values[slot : slot + 1, :, seen],
-            enable_gqa=True,
-        )[0, :, 0]
-    return out

@@ -28,7 +28,7 @@ from stand_ins.pair_chain import (
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig, rejection
 from openalice_runner.engine.batching import BatchScheduler
 from openalice_runner.engine.cpu_kernels import cpu_kernels
-from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence
+from openalice_runner.engine.sequence import SequenceRequest, Target, new_sequence
 from openalice_runner.engine.types import EngineOverloaded
 from openalice_runner.speculation import GammaTable
 

@@ -17,9 +17,10 @@ import pytest
 from pydantic import ValidationError
 
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
-from openalice_runner.engine.batching import CACHE_GRANULE, BatchScheduler
+from openalice_runner.engine.batching import BatchScheduler
 from openalice_runner.engine.engine import DEFAULT_KV_CACHE_BYTES
-from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence
+from openalice_runner.engine.sequence import SequenceRequest, Target, new_sequence
+from openalice_runner.engine.slots import CACHE_GRANULE
 from openalice_runner.engine.types import EngineOverloaded
 from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider
 
@@ -120,10 +121,10 @@ def test_a_lone_request_over_the_budget_runs_after_the_held_histories_make_room(
         small = _submit_together(tiny_engine, scheduler, [(tiny_engine.encode(t), 8) for t in ("hi", "yo")])
         for request in small:
             _drain(scheduler, request)
-        assert scheduler.cache.batch == 2 and len(scheduler._held) == 2  # two histories kept for reuse
+        assert scheduler.cache.batch == 2 and len(scheduler.slots.prefixes.slots) == 2  # two histories kept for reuse
         result = _drain(scheduler, scheduler.submit(_sequence(tiny_engine, scheduler, big, 64)))
         assert scheduler.cache.batch == 1  # the other slot's history went to make room
-        assert set(scheduler._held) | set(scheduler._held_drafters) | set(scheduler._free_slots) <= {0}
+        assert set(scheduler.slots.prefixes.slots) | set(scheduler.slots.free) <= {0}  # drafters: held with them
         after = _drain(scheduler, scheduler.submit(_sequence(tiny_engine, scheduler, tiny_engine.encode("ok"), 8)))
     finally:
         scheduler.close()

@@ -41,7 +41,7 @@ from stand_ins.pair_chain import (
     sequential_chi_square,
 )
 
-from openalice_runner.engine import generator, rejection
+from openalice_runner.engine import rejection, settle
 from openalice_runner.engine.sampling import processed_probs
 from openalice_runner.engine.types import SamplingParams, SpecConfig
 
@@ -125,14 +125,14 @@ def test_chain_drafts_of_every_length_keep_the_target(gamma, top_k, top_p, deter
 # ---- negative controls: faults only at draft positions 2 and later --------------------------------
 def _shift_q_rows(monkeypatch):
     # verify draft position i against the draft row of position i - 1
-    real = generator.verify_sampled
+    real = settle.verify_sampled
 
     def shifted(p, q, draft, draws, position=0):
         if q is not None and len(q) > 1:
             q = torch.cat([q[:1], q[:-1]])
         return real(p, q, draft, draws, position)
 
-    monkeypatch.setattr(generator, "verify_sampled", shifted)
+    monkeypatch.setattr(settle, "verify_sampled", shifted)
 
 
 def _residual_from_the_row_before(monkeypatch):
@@ -151,7 +151,7 @@ def _residual_from_the_row_before(monkeypatch):
             return real_residual(p[i - 1], None if q_row is None else current["q"][i - 1], token)
         return real_residual(p_row, q_row, token)
 
-    monkeypatch.setattr(generator, "verify_sampled", verify)
+    monkeypatch.setattr(settle, "verify_sampled", verify)
     monkeypatch.setattr(rejection, "residual_distribution", residual)
 
 
@@ -401,14 +401,14 @@ def test_accepting_everything_is_caught_at_full_length(monkeypatch):
     # accept every draft token (the output would follow q, not p)
     from openalice_runner.engine.sampling import TokenDraws, stream
 
-    real = generator.verify_sampled
+    real = settle.verify_sampled
 
     def accept_all(p, q, draft, draws, position=0):
         real(p, q, draft, draws, position)  # keep the random streams' use alike
         bonus = stream(draws, position + len(draft), TokenDraws.TARGET)
         return rejection.Verdict(len(draft), int(torch.multinomial(p[len(draft)], 1, generator=bonus)))
 
-    monkeypatch.setattr(generator, "verify_sampled", accept_all)
+    monkeypatch.setattr(settle, "verify_sampled", accept_all)
     target, draft = random_pair_chain(1), random_pair_chain(2)
     sampling = SamplingParams(temperature=0.9, max_tokens=6)
     run = sample_serial(PairModel(target), lambda: PairDrafter(draft), sampling, SpecConfig(method="draft", gamma=3),
@@ -460,7 +460,8 @@ def _sample_unseeded(model, make_drafter, sampling: SamplingParams, spec, n: int
     """sample_serial's loop with seed None (the seeds come from the patched source)."""
     from stand_ins.pair_chain import PairCache, SilentTokenizer
 
-    from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence, run_sequence
+    from openalice_runner.engine.generator import run_sequence
+    from openalice_runner.engine.sequence import SequenceRequest, Target, new_sequence
 
     run = Run([], Rounds.empty())
     for _ in range(n):
@@ -555,7 +556,7 @@ def test_broken_tree_sampler_is_caught_at_full_length(monkeypatch):
             path.append(accepted)
             row = accepted + 1
 
-    monkeypatch.setattr(generator, "verify_tree_sampled", broken)
+    monkeypatch.setattr(settle, "verify_tree_sampled", broken)
     target, runtime = random_pair_chain(1), random_eagle_runtime(4)
     sampling = SamplingParams(temperature=0.9, max_tokens=6)
     run = sample_serial(PairModel(target), lambda: EagleDrafter(runtime, 128, VOCAB, tree_nodes=6), sampling,

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
-from openalice_runner.engine.batching import common_prefix
 from openalice_runner.engine.cpu_kernels import cpu_kernels
 from openalice_runner.engine.drafters.ngram import NgramDrafter
+from openalice_runner.engine.prefixes import common_prefix
 
 HISTORY = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 

@@ -84,9 +84,9 @@ def _answered(fn):
 def _consistent(scheduler) -> None:
     """No phantom slots: every free slot exists, none is both free and running."""
     running = {r.seq.slot for r in scheduler._running}
-    assert all(0 <= slot < scheduler.cache.batch for slot in scheduler._free_slots)
-    assert not running & set(scheduler._free_slots)
-    assert len(set(scheduler._free_slots)) == len(scheduler._free_slots)
+    assert all(0 <= slot < scheduler.cache.batch for slot in scheduler.slots.free)
+    assert not running & set(scheduler.slots.free)
+    assert len(set(scheduler.slots.free)) == len(scheduler.slots.free)
 
 
 # ---------------------------------------------------------------- admission
@@ -117,7 +117,7 @@ def test_a_cache_that_fails_to_grow_leaves_no_phantom_slots_and_the_request_is_a
     _consistent(scheduler)
     if lasting:
         assert isinstance(result, MemoryError) and len(failed) == batching.ADMIT_TRIES
-        assert cache.batch == 0 and scheduler._free_slots == []
+        assert cache.batch == 0 and scheduler.slots.free == []
         monkeypatch.setattr(cache, "grow", real)
     else:
         assert len(failed) == 1 and result.token_ids == expected[0]
@@ -172,12 +172,13 @@ def test_a_draft_token_outside_the_vocabulary_fails_its_sequence_not_the_pass(en
     planned = {"bad": 0, "others": 0}
 
     def plan_round(seq, gamma):
-        proposal, draft = real(seq, gamma)
+        planned_round = real(seq, gamma)
         if seq.sampling.max_tokens == MARK:
             planned["bad"] += 1
-            return proposal, [*draft, vocab + 5]
+            planned_round.draft = [*planned_round.draft, vocab + 5]
+            return planned_round
         planned["others"] += 1
-        return proposal, draft
+        return planned_round
 
     monkeypatch.setattr(batching, "plan_round", plan_round)
     out = _together(engine, [24, MARK, 24])

@@ -305,7 +305,8 @@ def test_a_tree_is_cut_to_the_room_in_the_cache():
 
     from openalice_runner.engine import SamplingParams, SpecConfig
     from openalice_runner.engine.drafters.base import Drafter, Proposal
-    from openalice_runner.engine.generator import SequenceRequest, Target, begin, new_sequence, plan_round
+    from openalice_runner.engine.round import plan_round
+    from openalice_runner.engine.sequence import SequenceRequest, Target, begin, new_sequence
 
     class Wide(Drafter):
         def propose(self, history, gamma, sampling, generator):
@@ -320,6 +321,6 @@ def test_a_tree_is_cut_to_the_room_in_the_cache():
                                        SpecConfig(method="eagle", gamma=4), Wide()),
                        Target(cache, Quiet(), frozenset(), context_length=64))
     begin(seq)
-    proposal, draft = plan_round(seq, 4)
-    assert len(draft) == 12 - 5  # positions 5..11: the root's successors that the cache holds
-    assert proposal.parents == [-1] * 7
+    planned = plan_round(seq, 4)
+    assert len(planned.draft) == 12 - 5  # positions 5..11: the root's successors that the cache holds
+    assert planned.proposal.parents == [-1] * 7

@@ -28,8 +28,9 @@ import torch
 from scipy.stats import chi2
 
 from openalice_runner.engine.drafters.base import Drafter, Proposal
-from openalice_runner.engine.generator import SequenceRequest, Target, new_sequence, run_sequence
+from openalice_runner.engine.generator import run_sequence
 from openalice_runner.engine.sampling import processed_probs
+from openalice_runner.engine.sequence import SequenceRequest, Target, new_sequence
 from openalice_runner.engine.types import SamplingParams
 
 VOCAB = 4

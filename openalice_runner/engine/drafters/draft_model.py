@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from openalice_runner.engine.drafters.base import Drafter, Proposal
-from openalice_runner.engine.llama import KVCache, LlamaModel
+from openalice_runner.engine.kv_cache import KVCache
+from openalice_runner.engine.llama import LlamaModel
 from openalice_runner.engine.sampling import processed_probs
 from openalice_runner.engine.types import SamplingParams
 

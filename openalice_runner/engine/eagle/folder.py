@@ -17,7 +17,7 @@ from openalice_runner.engine.llama import LlamaModel
 def layout_of(folder: str | Path) -> str:
     """'eagle3' where config.json names an EAGLE-3 Llama architecture, else 'eagle' (whose
     loader says what a folder that is neither lacks)."""
-    from openalice_runner.engine.eagle.eagle3 import is_eagle3_config
+    from openalice_runner.engine.eagle.eagle3_config import is_eagle3_config
 
     path = Path(folder).expanduser() / CONFIG_FILE
     try:

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openalice_runner.engine.attention import attention_visible
 from openalice_runner.engine.cpu_kernels import cpu_kernels
-from openalice_runner.engine.llama import Linear, LlamaModel, RotaryTable, attention_visible
+from openalice_runner.engine.llama import Linear, LlamaModel, RotaryTable
 from openalice_runner.engine.tree import TreeMask
 
 HEAD_FILE = "head.safetensors"

@@ -153,7 +153,7 @@ def test_speculative_sampling_with_a_cutting_budget_matches_the_budget_masked_ta
 
 def test_closing_drawn_without_the_budget_mask_is_caught(monkeypatch):
     # broken: the budget ignored, every position drawn from the grammar's mask alone
-    monkeypatch.setattr(closing, "mode", lambda seq, left, rows: (closing.FREE, None, left))
+    monkeypatch.setattr(closing, "mode", lambda budget, tokens, left, rows: (closing.FREE, None, left))
     target, draft = random_pair_chain(1), grammar_drafts(2, ROWS)
     sampling = SamplingParams(temperature=0.9, max_tokens=LENGTH)
     run = sample_budgeted(target, lambda: PairDrafter(draft), sampling, SpecConfig(method="draft", gamma=3), 31)
@@ -166,10 +166,10 @@ def test_closing_drawn_without_the_budget_mask_is_caught(monkeypatch):
 def test_a_window_that_takes_the_closing_token_instead_of_redrawing_is_caught(monkeypatch):
     # broken: a token that does not fit is replaced by the closing path's instead of drawn again
     # (replies still end valid, but the misfit's mass goes to one token instead of all that fit)
-    from openalice_runner.engine import generator
+    from openalice_runner.engine import settle
     from openalice_runner.engine.sampling import TokenDraws
 
-    real = generator.budget_choice
+    real = settle.budget_choice
 
     def closing_token(logits, seq, allowed, left, path, position, use=TokenDraws.TARGET):
         if use == TokenDraws.CLOSING:
@@ -178,7 +178,7 @@ def test_a_window_that_takes_the_closing_token_instead_of_redrawing_is_caught(mo
                 return path[0]
         return real(logits, seq, allowed, left, path, position, use)
 
-    monkeypatch.setattr(generator, "budget_choice", closing_token)
+    monkeypatch.setattr(settle, "budget_choice", closing_token)
     # the fault shows only after token 1 with two left (a drawn 2 goes to 0 instead of to 0 or 3):
     # a chain whose rows after 1 weigh 2 and 3 (seed 4; on seed 1's, 1500 replies see p ~ 0.2)
     target, draft = random_pair_chain(4), grammar_drafts(2, ROWS)

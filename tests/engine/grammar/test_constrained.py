@@ -247,16 +247,10 @@ def test_a_draft_reaching_a_forced_span_carries_the_span(engines):
     it: here the rest of the tag after '<' and, once the tag is written, the call's opening and
     the only tool's name, verified in the same pass. Accepted, they count as forced tokens, not
     as the drafter's."""
-    from openalice_runner.engine.generator import (
-        Round,
-        SequenceRequest,
-        Target,
-        begin,
-        new_sequence,
-        plan_round,
-        settle_round,
-    )
-    from openalice_runner.engine.llama import KVCache
+    from openalice_runner.engine.kv_cache import KVCache
+    from openalice_runner.engine.round import plan_round
+    from openalice_runner.engine.sequence import SequenceRequest, Target, begin, new_sequence
+    from openalice_runner.engine.settle import settle_round
 
     engine = engines[0]
     grammar = engine.grammars.compile(tool_call_grammar([WEATHER], "auto", parallel=False))
@@ -270,16 +264,18 @@ def test_a_draft_reaching_a_forced_span_carries_the_span(engines):
     begin(seq)
     seq.tokens.append(opening[0])  # the reply so far: '<' (free text could go on from it)
     seq.constraint.advance(opening[:1])
-    proposal, draft = plan_round(seq, 8)
-    assert draft[: len(rest_of_tag)] == rest_of_tag and seq.round_forced == 0
+    planned = plan_round(seq, 8)
+    draft = planned.draft
+    assert draft[: len(rest_of_tag)] == rest_of_tag and planned.forced == 0
     after = draft[len(rest_of_tag):]
     assert engine.tokenizer.decode(after).startswith('\n{"name": "get_weather", "arguments": {')
-    assert seq.round_forced_after == len(after) and seq.round_masks.shape[0] == len(draft) + 1
+    assert planned.forced_after == len(after) and planned.masks.shape[0] == len(draft) + 1
     # the target agrees with every drafted token: all are accepted, then a bonus token
     logits = torch.full((len(draft) + 1, engine.model.cfg.vocab_size), -1.0)
     logits[torch.arange(len(draft)), torch.tensor(draft)] = 1.0
-    logits[-1] = seq.round_masks[-1].float()[: logits.shape[1]]  # any allowed token
-    emitted = settle_round(seq, Round(proposal, draft, 0), logits, torch.zeros(len(draft) + 1, 1), 0.0)
+    logits[-1] = planned.masks[-1].float()[: logits.shape[1]]  # any allowed token
+    assert planned.start == 0
+    emitted = settle_round(seq, planned, logits, torch.zeros(len(draft) + 1, 1), 0.0)
     assert emitted[: len(draft)] == draft and len(emitted) == len(draft) + 1
     assert seq.stats.proposed == seq.stats.accepted == len(rest_of_tag)
     assert seq.stats.forced == len(after) and seq.stats.target_passes == 1

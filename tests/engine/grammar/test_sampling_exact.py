@@ -88,7 +88,7 @@ def test_constrained_speculative_sampling_matches_masked_joint(gamma, top_p, dra
 def test_unmasked_draft_distribution_is_caught(monkeypatch):
     # A broken constrained sampler: verify against the drafter's raw q (mass on forbidden tokens
     # included) instead of q masked and renormalised: accept and residual are both off.
-    monkeypatch.setattr("openalice_runner.engine.generator.masked_probs", lambda q, allowed: q)
+    monkeypatch.setattr("openalice_runner.engine.settle.masked_probs", lambda q, allowed: q)
     target, draft = random_pair_chain(1), random_pair_chain(2)
     sampling = SamplingParams(temperature=0.9, max_tokens=MASKED_LENGTH)
     run = sample_serial(PairModel(target), lambda: PairDrafter(draft), sampling, SpecConfig(method="draft", gamma=3),
