@@ -208,38 +208,7 @@ def _expansion_problem(root: yaml.Node, loader: _Loader, source: str) -> Problem
 
 def _build(node: yaml.Node, path: Path, loader: _Loader, loc: Located, problems: list[Problem]) -> Any:
     if isinstance(node, yaml.MappingNode):
-        out: dict[Any, Any] = {}
-        # `<<: *anchor` (or a list of them): the anchored mappings' keys first, the mapping's own
-        # keys over them, as YAML's merge key says (a pool's launch sharing another's settings)
-        for key_node, value_node in node.value:
-            if key_node.tag == MERGE_TAG:
-                for source in value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]:
-                    if not isinstance(source, yaml.MappingNode):
-                        line, col = _pos(key_node)  # an alias's node sits at its anchor
-                        problems.append(Problem(loc.source, line, col, "<< (merge key) takes a mapping or a list of them"))
-                        continue
-                    for key, value in _build(source, path, loader, loc, problems).items():
-                        out.setdefault(key, value)  # the first mapping listed wins
-        loc.values[path] = _pos(node)
-        own: set[str] = set()
-        for key_node, value_node in node.value:
-            if key_node.tag == MERGE_TAG:
-                continue
-            if not isinstance(key_node, yaml.ScalarNode):
-                line, col = _pos(key_node)
-                problems.append(Problem(loc.source, line, col, "mapping keys must be plain scalars"))
-                continue
-            key = loader.construct_object(key_node)
-            if not isinstance(key, str):
-                key = str(key)  # `1: x` keys; the schema decides whether they are allowed
-            if key in own:
-                line, col = _pos(key_node)
-                problems.append(Problem(loc.source, line, col, f"duplicate key {key!r}"))
-                continue
-            own.add(key)
-            loc.keys[(*path, key)] = _pos(key_node)
-            out[key] = _build(value_node, (*path, key), loader, loc, problems)
-        return out
+        return _build_mapping(node, path, loader, loc, problems)
     loc.values[path] = _pos(node)
     if isinstance(node, yaml.SequenceNode):
         return [_build(item, (*path, i), loader, loc, problems) for i, item in enumerate(node.value)]
@@ -249,3 +218,48 @@ def _build(node: yaml.Node, path: Path, loader: _Loader, loc: Located, problems:
         line, col = _pos(node)
         problems.append(Problem(loc.source, line, col, f"bad scalar: {exc}"))
         return None
+
+
+def _build_mapping(
+    node: yaml.MappingNode, path: Path, loader: _Loader, loc: Located, problems: list[Problem]
+) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    # merged keys first, so the mapping's own keys below overwrite them
+    for key_node, value_node in node.value:
+        if key_node.tag == MERGE_TAG:
+            _merge_into(out, key_node, value_node, path, loader, loc, problems)
+    loc.values[path] = _pos(node)  # after the merges, which record the merged mappings at `path`
+    own: set[str] = set()
+    for key_node, value_node in node.value:
+        if key_node.tag == MERGE_TAG:
+            continue
+        if not isinstance(key_node, yaml.ScalarNode):
+            line, col = _pos(key_node)
+            problems.append(Problem(loc.source, line, col, "mapping keys must be plain scalars"))
+            continue
+        key = loader.construct_object(key_node)
+        if not isinstance(key, str):
+            key = str(key)  # `1: x` keys; the schema decides whether they are allowed
+        if key in own:
+            line, col = _pos(key_node)
+            problems.append(Problem(loc.source, line, col, f"duplicate key {key!r}"))
+            continue
+        own.add(key)
+        loc.keys[(*path, key)] = _pos(key_node)
+        out[key] = _build(value_node, (*path, key), loader, loc, problems)
+    return out
+
+
+def _merge_into(
+    out: dict[Any, Any], key_node: yaml.Node, value_node: yaml.Node,
+    path: Path, loader: _Loader, loc: Located, problems: list[Problem],
+) -> None:  # fmt: skip
+    """`<<: *anchor` (or a list of them): the anchored mappings' keys go in first, as YAML's merge
+    key says (a pool's launch sharing another's settings); the first mapping listed wins."""
+    for source in value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]:
+        if not isinstance(source, yaml.MappingNode):
+            line, col = _pos(key_node)  # an alias's node sits at its anchor
+            problems.append(Problem(loc.source, line, col, "<< (merge key) takes a mapping or a list of them"))
+            continue
+        for key, value in _build(source, path, loader, loc, problems).items():
+            out.setdefault(key, value)

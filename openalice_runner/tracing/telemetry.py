@@ -295,21 +295,10 @@ class RunnerTelemetry:
         # (with the no-op global API it does not, and the call then costs next to nothing).
         span = self.tracer.start_span(name, context=parent, kind=SpanKind.CLIENT, attributes=attrs)
         if span.is_recording():
-            more: dict[str, Any] = {}
-            if conversation_id:
-                more[A.GEN_AI_CONVERSATION_ID] = conversation_id
-            if turn_type:
-                more[A.TURN_TYPE] = turn_type
-            if step is not None:
-                more[A.STEP] = step
-            if agent:
-                more[A.GEN_AI_AGENT_NAME] = agent
-            if plan is not None:
-                # The plan as made; the figures the provider reports on finish() override it.
-                more.update(plan_attributes(plan))
-            if request is not None:
-                more.update(request_attributes(request, self.record_content))
-            span.set_attributes(more)
+            span.set_attributes(_chat_details(
+                conversation_id=conversation_id, turn_type=turn_type, step=step, agent=agent,
+                plan=plan, request=request, record_content=self.record_content,
+            ))  # fmt: skip
         return ChatCall(self, span, metric_attrs)
 
     def record_chat_metrics(
@@ -341,6 +330,29 @@ class RunnerTelemetry:
             # a long generation would otherwise pay for hundreds of records).
             rounds = speculation.proposed / speculation.gamma
             self._accepted_drafts_per_round.record(speculation.accepted / rounds, labels)
+
+
+def _chat_details(
+    *, conversation_id: str | None, turn_type: str | None, step: int | None, agent: str | None,
+    plan: SpeculationPlan | None, request: ChatRequest | None, record_content: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """A chat span's attributes that sampling does not look at: built only for a span that records
+    (apart from start_chat, which stays under C901's bound)."""
+    more: dict[str, Any] = {}
+    if conversation_id:
+        more[A.GEN_AI_CONVERSATION_ID] = conversation_id
+    if turn_type:
+        more[A.TURN_TYPE] = turn_type
+    if step is not None:
+        more[A.STEP] = step
+    if agent:
+        more[A.GEN_AI_AGENT_NAME] = agent
+    if plan is not None:
+        # The plan as made; the figures the provider reports on finish() override it.
+        more.update(plan_attributes(plan))
+    if request is not None:
+        more.update(request_attributes(request, record_content))
+    return more
 
 
 def _span_attr(span: Span, key: str) -> Any:
