@@ -10,7 +10,8 @@ import json
 import time
 from typing import Any
 
-from openalice_runner.bench.loops import Call, CallRecord, LoopError, Target, sse_events
+from openalice_runner.bench.loop_call import CallRecord, LoopError, Target, sse_events
+from openalice_runner.bench.loop_workload import Call
 from openalice_runner.bench.wire_bodies import messages_body
 
 # Anthropic's stop reasons as Chat's finish reasons, so the twins' records compare field for field
