@@ -26,11 +26,16 @@ COUNT_TOKENS_BODY_DOC = _body_doc(CountTokensRequest)
 
 def with_chat_schemas(app: FastAPI) -> None:
     """Add the schemas the bodies refer to ($defs) to the app's OpenAPI components."""
+    with_schemas(app, _DEFS)
+
+
+def with_schemas(app: FastAPI, defs: dict[str, Any]) -> None:
+    """Add `defs` to the schemas of the app's OpenAPI components, each time the document is made."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         doc = generate()
-        doc.setdefault("components", {}).setdefault("schemas", {}).update(_DEFS)
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(defs)
         return doc
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema

@@ -4,10 +4,10 @@ definitions named `Responses*` so they never take the place of the chat body's."
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from fastapi import FastAPI
 
+from openalice_runner.server.chat_schema import with_schemas
 from openalice_runner.server.wires.responses.schema import ResponsesRequest
 
 _PREFIX = "Responses"
@@ -18,11 +18,4 @@ assert "#/$defs/" not in json.dumps(_SCHEMA) + json.dumps(_DEFS)  # every refere
 
 
 def with_responses_schemas(app: FastAPI) -> None:
-    generate = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        doc = generate()
-        doc.setdefault("components", {}).setdefault("schemas", {}).update(_DEFS)
-        return doc
-
-    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
+    with_schemas(app, _DEFS)
