@@ -35,8 +35,8 @@ from openalice_runner.bench.runner import geomean
 from openalice_runner.bench.workload import Case
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 from openalice_runner.providers.embedded.config import EmbeddedConfig
-from openalice_runner.providers.embedded.provider import EmbeddedProvider
 from openalice_runner.providers.embedded.tool_format import TOOL_CALL_CLOSE, parse_tool_calls
+from openalice_runner.providers.local import EmbeddedProvider
 from openalice_runner.types import ChatRequest
 
 MODES = ("unconstrained-off", "constrained-off", "constrained-forced", "constrained-forced-ngram")

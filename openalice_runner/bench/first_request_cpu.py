@@ -10,7 +10,7 @@ from pathlib import Path
 from openalice_runner.bench.workload import load_workload
 from openalice_runner.providers.base import CallContext
 from openalice_runner.providers.embedded.config import EmbeddedConfig
-from openalice_runner.providers.embedded.provider import EmbeddedProvider
+from openalice_runner.providers.local import EmbeddedProvider
 from openalice_runner.types import ChatRequest
 
 # ../shared/workloads beside the checkout

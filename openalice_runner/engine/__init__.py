@@ -1,7 +1,7 @@
 """The embedded engine: torch + transformers, exact speculative decoding on a CPU.
 
 The names below load on first use (PEP 562), so that importing the torch-free submodule
-`openalice_runner.engine.types` (which providers/embedded/provider.py needs for its config) does not pull torch
+`openalice_runner.engine.types` (which providers/local.py needs for its config) does not pull torch
 into an install without the engine extra.
 """
 

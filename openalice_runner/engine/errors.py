@@ -2,9 +2,9 @@
 
 The engine raises `InvalidRequest` where it checks what a request asks for: a prompt past the
 context, a sampling value out of range, a schema or grammar that cannot be compiled. Anything else
-the engine raises (a ValueError included) is a fault of ours: providers/embedded/provider.py reports it as an
+the engine raises (a ValueError included) is a fault of ours: providers/local.py reports it as an
 internal error (500, eligible for fallback), never as the client's mistake. Torch-free, so that
-providers/embedded/provider.py can import it before the engine loads.
+providers/local.py can import it before the engine loads.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ EngineArg: TypeAlias = object | None
 
 
 def _embedded(name: str, config: Any, engine: EngineArg) -> Provider:
-    from openalice_runner.providers.embedded.provider import EmbeddedProvider
+    from openalice_runner.providers.local import EmbeddedProvider
 
     return EmbeddedProvider(name, config, engine=engine)
 

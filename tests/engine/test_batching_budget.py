@@ -22,7 +22,7 @@ from openalice_runner.engine.engine import DEFAULT_KV_CACHE_BYTES
 from openalice_runner.engine.sequence import SequenceRequest, Target, new_sequence
 from openalice_runner.engine.slots import CACHE_GRANULE
 from openalice_runner.engine.types import EngineOverloaded
-from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider
+from openalice_runner.providers.local import EmbeddedConfig, EmbeddedProvider
 
 OFF = SpecConfig(method="off")
 WAIT_S = 120  # a shared CPU can be slow; a hang still fails

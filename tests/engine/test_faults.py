@@ -27,7 +27,7 @@ from openalice_runner.providers.base import (
     StreamBroken,
 )
 from openalice_runner.providers.embedded.config import EmbeddedConfig
-from openalice_runner.providers.embedded.provider import EmbeddedProvider
+from openalice_runner.providers.local import EmbeddedProvider
 from openalice_runner.types import ChatRequest
 
 MARK = 13  # max_tokens that marks the sequence a test faults
@@ -121,7 +121,7 @@ async def test_an_input_error_from_the_engine_is_a_bad_request_naming_its_field(
 async def test_any_other_engine_error_is_internal_and_may_fall_back(monkeypatch, caplog, serial, streamed, fault):
     _fail_engine_with(monkeypatch, serial, fault)
     provider = local(serial)
-    with caplog.at_level(logging.ERROR, logger="openalice_runner.providers.embedded.provider"), \
+    with caplog.at_level(logging.ERROR, logger="openalice_runner.providers.local"), \
             pytest.raises(ProviderInternalError) as caught:  # fmt: skip
         if streamed:
             async with provider.stream(request(), CallContext()) as chunks:

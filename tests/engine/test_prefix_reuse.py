@@ -197,7 +197,7 @@ def test_reuse_across_a_retokenised_history(max_batch):
     import asyncio
 
     from openalice_runner.providers.base import CallContext
-    from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider
+    from openalice_runner.providers.local import EmbeddedConfig, EmbeddedProvider
     from openalice_runner.types import ChatRequest
 
     engine = Engine.tiny_random(seed=3, max_batch=max_batch, prefix_reuse=True)
@@ -269,7 +269,7 @@ def test_reuse_across_calls_with_different_tool_choices(max_batch):
     import asyncio
 
     from openalice_runner.providers.base import CallContext
-    from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider
+    from openalice_runner.providers.local import EmbeddedConfig, EmbeddedProvider
     from openalice_runner.types import ChatRequest
 
     engine = Engine.tiny_random(seed=3, max_batch=max_batch, prefix_reuse=True)

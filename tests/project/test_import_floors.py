@@ -33,7 +33,7 @@ HEAVY = ("torch", "transformers", f"{PACKAGE}.engine", f"{PACKAGE}.training")
 # The engine side: the only modules that may import HEAVY. Listed one by one outside the three packages.
 ENGINE_SIDE_PACKAGES = (f"{PACKAGE}.engine", f"{PACKAGE}.training", f"{PACKAGE}.bench")
 ENGINE_SIDE_MODULES = frozenset({
-    f"{PACKAGE}.providers.embedded.provider",  # the embedded engine as a provider (loaded only for `type: local`)
+    f"{PACKAGE}.providers.local",  # the embedded engine as a provider (loaded only for `type: local`)
     f"{PACKAGE}.cli.generate",
     f"{PACKAGE}.cli.bench",
     f"{PACKAGE}.cli.bench_concurrency",
@@ -263,7 +263,7 @@ def test_checker_flags_torch_imported_inside_a_function():
     assert [(c.floor, c.imported, c.line) for c in crossings] == [("torch floor", "torch", 2)]
     # the same source is fine on the engine side
     assert direct_crossings(f"{PACKAGE}.engine.fake", source) == []
-    assert direct_crossings(f"{PACKAGE}.providers.embedded.provider", source) == []
+    assert direct_crossings(f"{PACKAGE}.providers.local", source) == []
 
 
 def test_checker_flags_every_import_form():

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from openalice_runner.first_token import PARTS, FirstTokenBreakdown
 from openalice_runner.providers.base import CallContext
-from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider
+from openalice_runner.providers.local import EmbeddedConfig, EmbeddedProvider
 from openalice_runner.providers.wrappers.instrumented import InstrumentedProvider
 from openalice_runner.tracing import RunnerTelemetry
 from openalice_runner.tracing import attributes as A

@@ -14,7 +14,7 @@ from stand_ins.streams import joined_tool_calls, read_all
 
 from openalice_runner.providers.base import CallContext, ProviderBadRequest, ProviderRateLimited
 from openalice_runner.providers.embedded import tool_format
-from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider, sampling_params
+from openalice_runner.providers.local import EmbeddedConfig, EmbeddedProvider, sampling_params
 from openalice_runner.speculation import SpeculationPlan
 from openalice_runner.types import ChatRequest
 
@@ -73,7 +73,7 @@ async def test_stream_with_the_tiny_model_matches_chat():
 
 async def test_eagle_without_a_usable_head_runs_without_speculation(caplog):
     p = local(tiny_engine())
-    with caplog.at_level("WARNING", logger="openalice_runner.providers.embedded.provider"):
+    with caplog.at_level("WARNING", logger="openalice_runner.providers.local"):
         for _ in range(3):
             r = await p.chat(
                 ChatRequest(messages=[{"role": "user", "content": "x"}], max_tokens=2),

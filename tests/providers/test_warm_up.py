@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from openalice_runner.providers.embedded.config import EmbeddedConfig
-from openalice_runner.providers.embedded.provider import EmbeddedProvider
+from openalice_runner.providers.local import EmbeddedProvider
 
 
 def test_warm_up_runs_a_constrained_call_once_at_load():

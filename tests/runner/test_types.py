@@ -169,7 +169,7 @@ def test_result_and_chunk_dump_to_openai_shapes():
 
 
 def test_engine_sampling_conversion():
-    from openalice_runner.providers.embedded.provider import sampling_params
+    from openalice_runner.providers.local import sampling_params
 
     s = sampling_params(ChatRequest(
         messages=[USER], temperature=0.7, top_k=20, seed=3, stop="x", max_tokens=9

@@ -181,7 +181,7 @@ def test_a_conversations_open_turn_is_its_tenants_alone():
 
 
 def _local_provider(runner):
-    from openalice_runner.providers.embedded.provider import EmbeddedProvider
+    from openalice_runner.providers.local import EmbeddedProvider
 
     for provider in runner.providers.values():
         while not isinstance(provider, EmbeddedProvider) and hasattr(provider, "wrapped"):

@@ -13,7 +13,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from stand_ins.streams import read_all
 
 from openalice_runner.providers.base import CallContext, ProviderBadRequest
-from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider
+from openalice_runner.providers.local import EmbeddedConfig, EmbeddedProvider
 from openalice_runner.providers.wrappers.instrumented import InstrumentedProvider
 from openalice_runner.speculation import SpeculationPlan
 from openalice_runner.tracing import RunnerTelemetry

@@ -1,5 +1,5 @@
 """The `type: local` entry of a routing file, apart from the provider so that reading a routing file
-never loads torch (providers/embedded/provider.py imports the engine)."""
+never loads torch (providers/local.py imports the engine)."""
 
 from __future__ import annotations
 

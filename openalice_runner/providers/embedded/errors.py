@@ -1,6 +1,6 @@
 """The one mapping of an engine exception to the provider's errors, for plain and streamed calls alike.
 
-The engine's exception classes are the engine's (only providers/embedded/provider.py imports it): provider.py hands
+The engine's exception classes are the engine's (only providers/local.py imports it): local.py hands
 them in as an `EngineErrors`."""
 
 from __future__ import annotations

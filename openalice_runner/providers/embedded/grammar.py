@@ -2,7 +2,7 @@
 
 Tool calls take the fallback format (<tool_call> blocks, also what tool-rendering Hermes templates use).
 The grammar text and its compiling are the engine's (engine/grammar.py), reached through a
-`GrammarBackend` that providers/embedded/provider.py hands in: only provider.py imports the engine."""
+`GrammarBackend` that providers/local.py hands in: only local.py imports the engine."""
 
 from __future__ import annotations
 

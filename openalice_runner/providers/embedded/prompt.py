@@ -1,8 +1,8 @@
 """A local request's prompt: its token ids, the assistant text it ends with, the tools it may call and
 the grammar its reply follows; and the bounds that refuse what the model's context cannot serve.
 
-The rendering and tokenizing are the engine's, reached through a `ChatRenderer` that providers/embedded/provider.py
-hands in (the engine itself): only provider.py imports the engine."""
+The rendering and tokenizing are the engine's, reached through a `ChatRenderer` that providers/local.py
+hands in (the engine itself): only local.py imports the engine."""
 
 from __future__ import annotations
 

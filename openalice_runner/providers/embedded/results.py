@@ -2,7 +2,7 @@
 chunks (its calls as they are written, then its last chunk), both reporting the same usage,
 speculation and finish reason.
 
-The engine's results and stats (engine/types.py) are read by attribute (only providers/embedded/provider.py
+The engine's results and stats (engine/types.py) are read by attribute (only providers/local.py
 imports the engine): `result` has text, finish_reason and stats; `event` text and result."""
 
 from __future__ import annotations

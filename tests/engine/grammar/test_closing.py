@@ -144,7 +144,7 @@ def test_sampled_replies_close_within_the_budget(engines):
 
 
 def _provider(engine):
-    from openalice_runner.providers.embedded.provider import EmbeddedConfig, EmbeddedProvider
+    from openalice_runner.providers.local import EmbeddedConfig, EmbeddedProvider
 
     return EmbeddedProvider("local", EmbeddedConfig.model_validate({"type": "local"}), engine=engine)
 
