@@ -384,6 +384,10 @@ class RenderSpy:
         self.rendered.append(len(messages))
         return self.real.render_chat(messages, tools)
 
+    def chat_text(self, messages, tools=None):  # the prompt builder's path where the engine renders text
+        self.rendered.append(len(messages))
+        return self.real.chat_text(messages, tools)
+
 
 def test_many_empty_messages_are_refused_before_rendering():
     spy = RenderSpy(tiny_engine())

@@ -13,7 +13,7 @@ import textwrap
 
 import httpx
 import pytest
-from locations import REPO
+from locations import REPO, TESTS
 from stand_ins.processes import free_port, wait_http
 
 from engine.grammar.test_refs import alias_chain, def_chain
@@ -108,7 +108,8 @@ CRASHER = textwrap.dedent("""
 
 
 def test_a_schema_that_crashes_the_grammar_compiler_crashes_only_its_checker():
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    # The child imports the chain builder from the tests' own tree (tests/ is not a package).
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])}
     done = subprocess.run([sys.executable, "-c", CRASHER], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-2000:]}"
