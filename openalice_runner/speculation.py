@@ -124,10 +124,6 @@ class SpeculationOutcome:
     policy_version: str | None = None
     pool: str | None = None
     first_token: FirstTokenBreakdown | None = None  # where the time before the first token went
-    # rows -> cost(rows) / cost(1 row) of a target pass on this machine, at the request's context where
-    # that was measured (rows 1 up to the plan's largest γ + 1): what a verify pass of γ + 1 rows costs
-    # against a plain step (policies/speedup.py); None where the provider cannot know (pools)
-    pass_cost_ratios: Mapping[int, float] | None = None
 
     @property
     def acceptance_rate(self) -> float:

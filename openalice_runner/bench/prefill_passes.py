@@ -7,10 +7,6 @@ OS had not scheduled). To compare two builds side by side, run it round-robin wi
 PYTHONPATH (docs/benchmarks/2026-12-05-prefill-breakdown.md):
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m openalice_runner.bench.prefill_passes --rows 1,40,300 --cached 800
-
-With --verify the rows are timed as a verify pass of γ+1 rows is run: decode rows (no bf16 prompt
-path) and the logits of every row, as the engine's pass-cost model times them; what a verify pass
-costs against a one-row step at each γ (docs/policy.md, "Verify passes by their rows").
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ def main() -> None:
     p.add_argument("--cached", type=positive_int, default=800, help="positions already in the cache")
     p.add_argument("--repeats", type=positive_int, default=3, help="passes of each size (odd: the median is one)")
     p.add_argument("--threads", type=positive_int, default=None)
-    p.add_argument("--verify", action="store_true", help="time decode rows with every row's logits (a verify pass)")
     args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     engine = Engine.load(max_batch=1, threads=args.threads)
@@ -42,11 +37,10 @@ def main() -> None:
         model.forward(torch.arange(100, 100 + args.cached).reshape(1, -1), cache, [0], prompt=True)
 
     def one(n: int) -> float:
-        extra = {} if args.verify else {"prompt_spans": [(0, n)]}  # a verify pass's rows keep their bits
         t0 = time.perf_counter()
         hidden = model.forward_rows(torch.arange(5, 5 + n), cache, [0] * n, list(range(args.cached, args.cached + n)),
-                                    **extra)
-        model.logits(hidden if args.verify else hidden[-1:])
+                                    prompt_spans=[(0, n)])
+        model.logits(hidden[-1:])
         return 1000 * (time.perf_counter() - t0)
 
     times: dict[int, list[float]] = {n: [] for n in rows}

@@ -62,22 +62,6 @@ class PassCostModel:
                 return bucket[min(above)] / single
         return _ratio(self._seconds, rows)
 
-    def ratios(self, most_rows: int, context: int | None = None) -> dict[int, float] | None:
-        """cost(rows) / cost(1) of each row count measured up to `most_rows`, and of the first
-        measured above it (what `ratio` answers for `most_rows`): what a provider reports with an
-        outcome, so that the policy prices a verify pass by its rows. From `context`'s bucket where
-        it timed a one-row pass and a longer one, else over all contexts; None until a one-row pass
-        and a longer one were timed (a table of 1 alone tells the policy nothing)."""
-        with self._lock:
-            bucket = self._by_bucket.get(context_bucket(context), {}) if context is not None else {}
-            table = dict(bucket if 1 in bucket and len(bucket) > 1 else self._seconds)
-        single = table.get(1)
-        if not single or len(table) < 2:
-            return None
-        rows = sorted(table)
-        keep = [r for r in rows if r <= most_rows] + [r for r in rows if r > most_rows][:1]
-        return {r: table[r] / single for r in keep}
-
 
 def _ratio(seconds: dict[int, float], rows: int) -> float:
     single = seconds.get(1)

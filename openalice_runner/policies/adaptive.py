@@ -6,13 +6,9 @@ Estimates
   the accept-length histogram, α̂ = accepted / (accepted + rounds that stopped early); it is unbiased
   for the model the speedup formula assumes, where plain accepted/proposed underestimates α.
   Until `warmup` requests have been seen the method's prior α is used instead.
-* c per (method, provider): EMA of the time of one draft step over the time of a ONE-row target pass.
-  Draft cost belongs to the drafter and the hardware, not to the turn type, so it is pooled over turn
-  types; the prior c is used until the first measurement.
-* the verify pass's cost by rows per (method, provider): the newest `pass_cost_ratios` a provider
-  reported (rows -> cost(rows) / cost(1 row), this machine's figures; the engine's own model is an
-  EMA already). A pass of γ+1 rows costs more than one row on a CPU, so a longer γ pays less than the
-  flat model says; without figures (pools, or nothing measured yet) every pass costs one step.
+* c per (method, provider): EMA of draft_s / (γ · verify_s), the time of one draft step over the time
+  of one verify pass. Draft cost belongs to the drafter and the hardware, not to the turn type, so it is
+  pooled over turn types; the prior c is used until the first measurement.
 
 Choice: the γ in the rule's [min_gamma, max_gamma] (which the rule's batch range bounds: operators give
 big-batch rules smaller ranges) that maximises expected speedup; `off` if even that is below
@@ -32,7 +28,7 @@ import threading
 from dataclasses import dataclass
 
 from openalice_runner.policies.schema import AdaptiveSettings
-from openalice_runner.policies.speedup import PassCosts, best_gamma, pass_cost
+from openalice_runner.policies.speedup import best_gamma
 from openalice_runner.speculation import SpeculationOutcome
 
 AlphaKey = tuple[str, str, str | None]  # (turn_type, method, provider)
@@ -56,15 +52,12 @@ class Choice:
     speedup: float
     measured: bool  # False while the prior is used
     probe: bool = False
-    verify_cost: float | None = None  # r(γ+1): the chosen verify pass in one-row passes; None: no figures
 
     def describe(self) -> str:
         src = "measured" if self.measured else "prior"
         what = f"gamma {self.gamma}" if self.gamma else "off"
         tag = "probe with " if self.probe else ""
-        verify = "" if self.verify_cost is None else f", verify {self.verify_cost:.2f} steps"
-        return (f"auto: {tag}{what} (alpha {self.alpha:.2f} {src}, c {self.draft_cost:.3f}{verify}, "
-                f"expected {self.speedup:.2f}x)")
+        return f"auto: {tag}{what} (alpha {self.alpha:.2f} {src}, c {self.draft_cost:.3f}, expected {self.speedup:.2f}x)"
 
 
 def request_alpha(outcome: SpeculationOutcome) -> float | None:
@@ -121,26 +114,13 @@ def _varying_gamma_alpha(outcome: SpeculationOutcome) -> float | None:
 
 
 def request_draft_cost(outcome: SpeculationOutcome) -> float | None:
-    """One draft step over one ONE-row target pass. The request's times give draft_s / (γ · verify_s),
-    a step over its verify pass of γ+1 rows; that pass costs r(γ+1) one-row passes on the machine that
-    ran it, so the step is c · r(γ+1) of them (c itself where the provider reports no pass costs).
-    In one-row passes the figure holds at any γ, where one relative to the γ used would not."""
     gamma = outcome.gamma
     draft_s = outcome.draft_s or 0.0
     verify_s = outcome.verify_s or 0.0
     if gamma <= 0 or verify_s <= 0.0 or draft_s < 0.0:
         return None
-    c = draft_s / (gamma * verify_s) * pass_cost(request_pass_costs(outcome), gamma + 1)
+    c = draft_s / (gamma * verify_s)
     return c if math.isfinite(c) else None
-
-
-def request_pass_costs(outcome: SpeculationOutcome) -> dict[int, float] | None:
-    """The provider's pass costs by rows, as a table of finite positive ratios (None: none reported)."""
-    ratios = getattr(outcome, "pass_cost_ratios", None)
-    if not ratios:
-        return None
-    table = {int(rows): float(r) for rows, r in ratios.items() if rows >= 1 and math.isfinite(r) and r > 0.0}
-    return table or None
 
 
 class AdaptiveGamma:
@@ -150,7 +130,6 @@ class AdaptiveGamma:
         self._lock = threading.Lock()
         self._alpha: dict[AlphaKey, Estimate] = {}  # replaced, never mutated
         self._cost: dict[CostKey, Estimate] = {}
-        self._pass_costs: dict[CostKey, PassCosts] = {}  # the newest figures per (method, provider)
         self._off_counters: dict[AlphaKey, itertools.count] = {}
 
     def configure(self, settings: AdaptiveSettings) -> None:
@@ -164,30 +143,26 @@ class AdaptiveGamma:
             return
         alpha = request_alpha(outcome)
         cost = request_draft_cost(outcome)
-        pass_costs = request_pass_costs(outcome)
         w = self.settings.ema_weight
-        ckey = (method, provider)
         with self._lock:
             if alpha is not None:
                 key = (turn_type, method, provider)
                 self._alpha = _bounded_put(self._alpha, key, _ema(self._alpha.get(key), alpha, w))
             if cost is not None:
+                ckey = (method, provider)
                 self._cost = {**self._cost, ckey: _ema(self._cost.get(ckey), cost, w)}
-            if pass_costs is not None:
-                self._pass_costs = {**self._pass_costs, ckey: pass_costs}
             self.version += 1
 
     def reset(self) -> None:
         with self._lock:
-            self._alpha, self._cost, self._pass_costs, self._off_counters = {}, {}, {}, {}
+            self._alpha, self._cost, self._off_counters = {}, {}, {}
             self.version += 1
 
     # ---- reads (no lock) ----
     def estimate(
         self, turn_type: str, method: str, provider: str | None, prior_alpha: float | None = None
     ) -> tuple[float, float, bool]:
-        """(α, c, measured) as `choose` would use them now; c is a draft step over a one-row pass
-        (the verify pass's rows are priced by `pass_costs`)."""
+        """(α, c, measured) as `choose` would use them now."""
         s = self.settings
         est = self._alpha.get((turn_type, method, provider))
         measured = est is not None and est.count >= s.warmup
@@ -199,10 +174,6 @@ class AdaptiveGamma:
         cost = cost_est.value if cost_est is not None else getattr(s.prior_draft_cost, method)
         return alpha, cost, measured
 
-    def pass_costs(self, method: str, provider: str | None) -> PassCosts | None:
-        """The verify pass's cost by rows `choose` prices γ with (None: flat, one step whatever its rows)."""
-        return self._pass_costs.get((method, provider))
-
     def choose(
         self,
         turn_type: str,
@@ -213,10 +184,9 @@ class AdaptiveGamma:
         prior_alpha: float | None = None,
     ) -> Choice:
         alpha, cost, measured = self.estimate(turn_type, method, provider, prior_alpha)
-        rows = self.pass_costs(method, provider)
-        gamma, speedup = self._paying_gamma(alpha, cost, lo, hi, rows)
+        gamma, speedup = self._paying_gamma(alpha, cost, lo, hi)
         if gamma:
-            return Choice(gamma, alpha, cost, speedup, measured, verify_cost=_verify_cost(rows, gamma))
+            return Choice(gamma, alpha, cost, speedup, measured)
         key = (turn_type, method, provider)
         counter = self._off_counters.get(key)
         if counter is None:
@@ -226,8 +196,7 @@ class AdaptiveGamma:
                         self._off_counters.pop(old, None)
             counter = self._off_counters.setdefault(key, itertools.count(1))  # setdefault: atomic
         if next(counter) % self.settings.probe_every == 0:
-            return Choice(lo, alpha, cost, best_gamma(alpha, cost, lo, lo, rows)[1], measured, probe=True,
-                          verify_cost=_verify_cost(rows, lo))
+            return Choice(lo, alpha, cost, best_gamma(alpha, cost, lo, lo)[1], measured, probe=True)
         return Choice(0, alpha, cost, 1.0, measured)
 
     def peek(
@@ -241,13 +210,11 @@ class AdaptiveGamma:
     ) -> int:
         """γ `choose` would pick now, without probing or counting (0: off)."""
         alpha, cost, _ = self.estimate(turn_type, method, provider, prior_alpha)
-        return self._paying_gamma(alpha, cost, lo, hi, self.pass_costs(method, provider))[0]
+        return self._paying_gamma(alpha, cost, lo, hi)[0]
 
-    def _paying_gamma(
-        self, alpha: float, cost: float, lo: int, hi: int, pass_costs: PassCosts | None
-    ) -> tuple[int, float]:
+    def _paying_gamma(self, alpha: float, cost: float, lo: int, hi: int) -> tuple[int, float]:
         """(best γ in [lo, hi], its expected speedup); γ 0 when that speedup is under the margin."""
-        gamma, speedup = best_gamma(alpha, cost, lo, hi, pass_costs)
+        gamma, speedup = best_gamma(alpha, cost, lo, hi)
         return (gamma, speedup) if speedup >= 1.0 + self.settings.margin else (0, speedup)
 
     def snapshot(self) -> dict:
@@ -255,12 +222,7 @@ class AdaptiveGamma:
         return {
             "alpha": {"/".join(str(p) for p in k): vars(v) for k, v in self._alpha.items()},
             "draft_cost": {"/".join(str(p) for p in k): vars(v) for k, v in self._cost.items()},
-            "pass_cost_ratios": {"/".join(str(p) for p in k): dict(v) for k, v in self._pass_costs.items()},
         }
-
-
-def _verify_cost(pass_costs: PassCosts | None, gamma: int) -> float | None:
-    return None if pass_costs is None else pass_cost(pass_costs, gamma + 1)
 
 
 def _bounded_put(table: dict[AlphaKey, Estimate], key: AlphaKey, value: Estimate) -> dict[AlphaKey, Estimate]:

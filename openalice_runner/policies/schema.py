@@ -110,7 +110,7 @@ class AlphaPriors(_Strict):
 
 
 class DraftCostPriors(_Strict):
-    """Draft-step cost relative to a one-row target pass (c), assumed until measured."""
+    """Draft-step cost relative to a target pass (c), assumed until measured."""
 
     ngram: float = Field(0.02, ge=0.0, le=10.0)
     draft: float = Field(0.3, ge=0.0, le=10.0)

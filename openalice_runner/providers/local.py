@@ -105,12 +105,6 @@ class EmbeddedProvider(Provider):
         return ProviderLoad(batch_size=in_flight, queue_depth=max(0, in_flight - 1))
 
     @property
-    def pass_costs(self) -> Any:
-        """The engine's measured pass costs by rows (engine/cost_model.py), reported with each outcome
-        so that the policy prices a verify pass on this machine; None for an engine without them."""
-        return getattr(self.engine, "pass_costs", None)
-
-    @property
     def kv_tokens_in_use(self) -> int:
         return self._runs.kv_tokens
 
@@ -159,8 +153,7 @@ class _EngineCalls:
             raise ENGINE_ERRORS.provider_error(exc, provider.name, started=False) from exc
         finally:
             self.in_flight -= 1
-        return results.reply(result, prompt, ctx, model=provider.engine.model_name, provider=provider.name,
-                             costs=provider.pass_costs)
+        return results.reply(result, prompt, ctx, model=provider.engine.model_name, provider=provider.name)
 
     async def stream(self, request: ChatRequest, ctx: CallContext) -> AsyncGenerator[ChatChunk, None]:
         provider = self._provider
@@ -170,8 +163,7 @@ class _EngineCalls:
             events, reply = _threaded(self._runs.events, request, ctx), None
             try:
                 prompt = await anext(events)  # the worker renders the prompt first, then streams
-                reply = results.StreamedReply(prompt, model=provider.engine.model_name, provider=provider.name,
-                                              costs=provider.pass_costs)
+                reply = results.StreamedReply(prompt, model=provider.engine.model_name, provider=provider.name)
                 async for event in events:
                     for chunk in reply.feed(event):
                         yield chunk

@@ -3,8 +3,7 @@ chunks (its calls as they are written, then its last chunk), both reporting the 
 speculation and finish reason.
 
 The engine's results and stats (engine/types.py) are read by attribute (only providers/local.py
-imports the engine): `result` has text, finish_reason and stats; `event` text and result; `costs`
-is the engine's PassCostModel (`ratios`), None for an engine that keeps none."""
+imports the engine): `result` has text, finish_reason and stats; `event` text and result."""
 
 from __future__ import annotations
 
@@ -41,13 +40,11 @@ class Finished:
     speculation: SpeculationInfo
 
     @classmethod
-    def of(cls, result: Any, prompt: Prompt, ctx: CallContext, held_s: float | None = None,
-           costs: Any = None) -> Finished:
+    def of(cls, result: Any, prompt: Prompt, ctx: CallContext, held_s: float | None = None) -> Finished:
         """`held_s`: a stream's time from the first token's arrival to its first chunk with content."""
         stats = result.stats
         stamp(stats, ctx)
-        outcome = replace(stats.outcome(), first_token=first_token(stats, prompt, ctx, held_s),
-                          pass_cost_ratios=pass_cost_ratios(costs, stats, prompt, ctx))
+        outcome = replace(stats.outcome(), first_token=first_token(stats, prompt, ctx, held_s))
         usage = Usage.of(stats.prompt_tokens or len(prompt.ids), stats.completion_tokens, stats.cached_prompt_tokens)
         return cls(outcome=outcome, usage=usage, speculation=speculation(outcome, stats))
 
@@ -68,26 +65,9 @@ def first_token(stats: Any, prompt: Prompt, ctx: CallContext, held_s: float | No
     return FirstTokenBreakdown.of(parts, engine.chunks)
 
 
-def pass_cost_ratios(costs: Any, stats: Any, prompt: Prompt, ctx: CallContext) -> dict[int, float] | None:
-    """The machine's pass costs by rows for the outcome: rows up to the largest γ the request's rule may
-    pick, plus one (the verify pass), at the context the request ended at (the next call of a
-    conversation starts there). None without a cost model or a γ above 0 to price."""
-    if costs is None:
-        return None
-    plan = ctx.plan
-    gamma = stats.gamma
-    if plan is not None:
-        gamma = max(gamma, plan.gamma, plan.gamma_range[1] if plan.gamma_range else 0)
-    if gamma <= 0:
-        return None
-    context = (stats.prompt_tokens or len(prompt.ids)) + stats.completion_tokens
-    return costs.ratios(gamma + 1, context)
-
-
-def reply(result: Any, prompt: Prompt, ctx: CallContext, *, model: str, provider: str,
-          costs: Any = None) -> ChatResult:
+def reply(result: Any, prompt: Prompt, ctx: CallContext, *, model: str, provider: str) -> ChatResult:
     """The plain call's reply to `prompt` from the engine's `result`."""
-    done = Finished.of(result, prompt, ctx, costs=costs)
+    done = Finished.of(result, prompt, ctx)
     content, tool_calls = split(prompt, result.text, cut=budget_ended(result))
     out = ChatResult.single(
         model=model,
@@ -105,9 +85,8 @@ class StreamedReply:
     """A stream's chunks from the engine's events (`feed`), then, once it ended, its held pieces and
     last chunk (`end`). Calls stream as they are written where the grammar guarantees their form."""
 
-    def __init__(self, prompt: Prompt, *, model: str, provider: str, costs: Any = None) -> None:
+    def __init__(self, prompt: Prompt, *, model: str, provider: str) -> None:
         self.prompt = prompt
-        self.costs = costs
         self.chunk_id, self.model, self.provider = new_id("chatcmpl"), model, provider
         self.calls = ToolCallStream(prompt.prefill, prompt.tool_names, incremental=prompt.grammar is not None)
         self.started = False  # a chunk went out (an engine failure now breaks the stream)
@@ -137,7 +116,7 @@ class StreamedReply:
         end = self.calls.finish(budget_ended=budget_ended(result))
         if end.pieces:  # the first chunk may be one held to the end
             self._mark_first_chunk()
-        done = Finished.of(result, self.prompt, ctx, self._held_s, self.costs)
+        done = Finished.of(result, self.prompt, ctx, self._held_s)
         for piece in end.pieces:
             chunk = ChatChunk.piece(self.chunk_id, self.model, piece.content, piece.tool_calls, first=not self.started)
             yield chunk.with_budget(self.prompt.budget)
