@@ -462,6 +462,54 @@ def test_clock_rates_lie_on_a_grid_below_the_recent_rate():
     assert clock_rate(0.0) == 1.0
 
 
+def test_the_clock_holds_its_grid_point_until_the_rate_leaves_it():
+    """An EMA near a grid point flips between two points stream by stream; the clock holds the point it
+    ran at unless the rate falls below it (at once) or rises HOLD_STEPS points above it."""
+    step = 2 ** (1 / clocked_module.RATE_STEPS)
+    held = clock_rate(100.0)
+    just_above = held * step * 1.01 / clocked_module.RATE_MARGIN  # one grid point up
+    assert clock_rate(just_above) == pytest.approx(held * step)  # unheld, it would move
+    assert clock_rate(just_above, held) == held
+    assert clock_rate(100.0 / step, held) == pytest.approx(held / step)  # slower: down at once
+    two_up = held * step**clocked_module.HOLD_STEPS * 1.01 / clocked_module.RATE_MARGIN
+    assert clock_rate(two_up, held) == pytest.approx(held * step**clocked_module.HOLD_STEPS)
+
+
+def test_released_clocks_a_tenant_at_the_rate_it_holds(monkeypatch):
+    """A tenant's streams run at the held point while its recent rate flickers one point above it,
+    and the point each ran at is what the next is held to."""
+    from openalice_runner.server.release import stream as stream_module
+
+    used: list[float] = []
+    real = stream_module.clocked
+
+    def spy(groups, n, rate, clock, **kwargs):
+        used.append(rate)
+        return real(groups, n, rate, clock, **kwargs)
+
+    monkeypatch.setattr(stream_module, "clocked", spy)
+    rates = PaceRates()
+    key = "t\0m"
+    step = 2 ** (1 / clocked_module.RATE_STEPS)
+    low = clock_rate(1000.0)
+    flicker = [1000.0, low * step * 1.01 / clocked_module.RATE_MARGIN, 1000.0, low * step * 1.01 / clocked_module.RATE_MARGIN]
+
+    async def run():
+        for recent in flicker:
+            rates.rates[key] = recent  # what the streams before this one measured
+
+            async def upstream():
+                for _t, chunk in word_passes([2] * 3, 0.0):
+                    yield chunk
+
+            async for _group in stream_module.released(ReleaseMode("fixed", 2), upstream(), rates=rates,
+                                                       rate_key=key):  # fmt: skip
+                pass
+
+    asyncio.run(run())
+    assert used == [low] * 4 and rates.clocks[key] == low
+
+
 def test_released_clocks_a_tenant_from_its_second_stream():
     """The first stream of a tenant and model leaves as produced and records its rate; the next is
     clocked at that rate's clock, every write on its grid."""

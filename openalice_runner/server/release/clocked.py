@@ -41,15 +41,26 @@ from openalice_runner.types import ChatChunk
 
 RATE_MARGIN = 0.75  # the clock runs at this share of the tenant's recent decode rate
 RATE_STEPS = 4  # rates the clock runs at: 2 ** (k / RATE_STEPS) tokens a second
+HOLD_STEPS = 2  # the clock moves up only to a grid point this many steps above the one it ran at
 LEAD_SLOTS = 2  # the first write is due this many periods after the first chunk
 MAX_LAG_S = 1.0  # a complete group waits at most this long
 MIN_PAD = 16  # tokens a `+pad` reply is padded to at least when the request's budget is not known
 
 
-def clock_rate(recent: float) -> float:
-    """The clock's rate for a tenant whose recent streams decoded at `recent` tokens a second."""
+def clock_rate(recent: float, held: float | None = None) -> float:
+    """The clock's rate for a tenant whose recent streams decoded at `recent` tokens a second; `held`:
+    the rate the tenant's last clocked stream ran at. The clock moves down to the grid point at once (a
+    clock ahead of the engine shows its stalls) but up only when that point is HOLD_STEPS or more above
+    the held one: an EMA near a grid point would otherwise flip the clock stream by stream, each
+    stream's period then telling which way the last streams' texts went (measured:
+    docs/benchmarks/2026-12-05-side-channel-3.md)."""
     rate = min(MAX_RATE, max(MIN_RATE, RATE_MARGIN * recent))
-    return 2 ** (math.floor(math.log2(rate) * RATE_STEPS) / RATE_STEPS)
+    step = math.floor(math.log2(rate) * RATE_STEPS)
+    if held is not None:
+        held_step = round(math.log2(held) * RATE_STEPS)
+        if held_step <= step < held_step + HOLD_STEPS:
+            step = held_step
+    return 2 ** (step / RATE_STEPS)
 
 
 def _has_tokens(chunk: ChatChunk) -> bool:

@@ -109,6 +109,7 @@ class PaceRates:
     stream starts: keyed by tenant, so one tenant's texts never set where another's streams start."""
 
     rates: dict[str, float] = field(default_factory=dict)
+    clocks: dict[str, float] = field(default_factory=dict)  # the rate a key's last clocked stream ran at
 
     def pacer(self, key: str) -> Pacer:
         return Pacer(prior=self.rates.get(key))
@@ -118,8 +119,19 @@ class PaceRates:
             return
         old = self.rates.pop(key, None)
         self.rates[key] = rate if old is None else (1 - EMA_ALPHA) * old + EMA_ALPHA * rate
-        while len(self.rates) > MAX_RATE_KEYS:  # bounded whatever names requests bring
-            del self.rates[next(iter(self.rates))]
+        _bound(self.rates)
+
+    def hold(self, key: str, clock: float) -> float:
+        """`clock`, kept as the rate `key`'s streams run at until the next is clocked."""
+        self.clocks.pop(key, None)
+        self.clocks[key] = clock
+        _bound(self.clocks)
+        return clock
+
+
+def _bound(table: dict[str, float]) -> None:
+    while len(table) > MAX_RATE_KEYS:  # bounded whatever names requests bring: the oldest go
+        del table[next(iter(table))]
 
 
 _END = object()

@@ -33,7 +33,8 @@ def released(
 
     pad_to = (budget or 0) if mode.pad_length else None
     if recent is not None:
-        return clocked(fixed(chunks, n), n, clock_rate(recent), LoopClock(), pad_to=pad_to, on_end=record)
+        clock = rates.hold(rate_key, clock_rate(recent, rates.clocks.get(rate_key)))
+        return clocked(fixed(chunks, n), n, clock, LoopClock(), pad_to=pad_to, on_end=record)
     if mode.kind == "fixed":  # a clock that never holds a group: it leaves as it completes
         return clocked(fixed(chunks, n), n, UNHELD_RATE, LoopClock(), pad_to=pad_to, on_end=record)
     return paced(chunks, rates.pacer(rate_key), LoopClock(), on_end=record)
