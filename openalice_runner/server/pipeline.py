@@ -214,7 +214,8 @@ class RequestPipeline:
             deadline=deadline,
             release=served.stream_release,
             rates=self.pace_rates,
-            rate_key=f"{served.tenant or ''}\x00{body.model or ''}",  # per tenant (paced.py, PaceRates)
+            # per tenant and turn type (paced.py, PaceRates)
+            rate_key=f"{served.tenant or ''}\x00{body.model or ''}\x00{tc.turn_type}",
         )
         headers = {"Cache-Control": "no-cache", **call.headers, **budget_header(first)}
         return GuardedStreamingResponse(stream, headers=headers)

@@ -347,6 +347,38 @@ def test_the_openai_and_anthropic_sdks_read_padded_streams_as_pass_mode(scripted
     assert final().usage.completion_tokens == control[2][2]
 
 
+def test_a_tenants_turn_types_each_have_their_own_clock(scripted, monkeypatch):
+    """A clocked stream starts from its tenant's recent streams of its own turn type: a chat turn after
+    fast copy-heavy ones is not held to their clock, which it could not keep (its stalls then told its
+    text: docs/benchmarks/2026-12-05-side-channel-4.md). The first stream of each turn type leaves as
+    produced; the second of each is clocked."""
+    from openalice_runner.server.release import stream as stream_module
+
+    used: list[float] = []
+    real = stream_module.clocked
+
+    def spy(groups, n, rate, clock, **kwargs):
+        used.append(rate)
+        return real(groups, n, rate, clock, **kwargs)
+
+    monkeypatch.setattr(stream_module, "clocked", spy)
+    scripted.settings.stream_release = parse_release("fixed:3")
+    unheld = stream_module.UNHELD_RATE
+
+    def stream(turn_type: str) -> float:
+        """The rate the stream of this turn type was clocked at."""
+        body = {"model": scripted.model, "messages": [{"role": "user", "content": PROMPT}], "stream": True}
+        reply = httpx.post(scripted.url + "/v1/chat/completions", json=body, timeout=60,
+                           headers={"X-OpenAlice-Turn-Type": turn_type})
+        assert reply.status_code == 200 and b"[DONE]" in reply.content
+        return used[-1]
+
+    # until the copy turns have a clock (a stream too quick to time records no rate)
+    assert any(stream("clock-copy") < unheld for _ in range(5)), used
+    assert stream("clock-chat") == unheld, used
+    assert any(stream("clock-chat") < unheld for _ in range(5)), used
+
+
 # ---------------------------------------------------------------- deadlines and clients that leave
 
 

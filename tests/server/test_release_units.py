@@ -21,7 +21,7 @@ from openalice_runner.server.release import clocked as clocked_module
 from openalice_runner.server.release.clocked import clock_rate, clocked
 from openalice_runner.server.release.fixed import fixed
 from openalice_runner.server.release.modes import ReleaseMode, parse_release
-from openalice_runner.server.release.paced import MAX_RATE_KEYS, Pacer, PaceRates, paced
+from openalice_runner.server.release.paced import MAX_RATE_KEYS, RECENT_STREAMS, Pacer, PaceRates, paced
 from openalice_runner.server.release.padding import bucket, padded
 from openalice_runner.server.release.units import Cutter, cut
 from openalice_runner.server.settings import ServerSettings
@@ -247,10 +247,26 @@ def test_paced_learns_the_rate_without_recent_streams_and_records_it():
     assert pacer.prior is None
     rates.record("m", 20.0)
     rates.record("m", 30.0)
-    assert rates.pacer("m").prior == pytest.approx(22.0)
+    assert rates.pacer("m").prior == pytest.approx(20.0)  # the slowest of the key's recent streams
     for i in range(MAX_RATE_KEYS + 10):  # bounded, the oldest dropped, the latest kept
         rates.record(f"model-{i}", 5.0)
     assert len(rates.rates) == MAX_RATE_KEYS and "m" not in rates.rates and f"model-{MAX_RATE_KEYS + 9}" in rates.rates
+
+
+def test_a_keys_clock_starts_from_the_slowest_of_its_recent_streams():
+    """Not their mean: a stream slower than its clock stalls, and its gaps then show its text (a
+    chat turn's after fast ones, measured: docs/benchmarks/2026-12-05-side-channel-4.md). A stream leaves the
+    window RECENT_STREAMS streams later."""
+    rates = PaceRates()
+    rates.record("k", 30.0)
+    for rate in (90.0, 80.0, 100.0):
+        rates.record("k", rate)
+    assert rates.rates["k"] == 30.0
+    for _ in range(RECENT_STREAMS - 3):  # 30 is now the ninth stream back
+        rates.record("k", 100.0)
+    assert rates.rates["k"] == 80.0
+    rates.record("other", 500.0)
+    assert rates.rates["k"] == 80.0 and rates.rates["other"] == 500.0
 
 
 def test_paced_is_never_more_than_one_pass_behind():
@@ -422,20 +438,27 @@ def test_clocked_lag_is_bounded_in_time():
     assert "".join(c.delta_text for c in out) == "".join(c.delta_text for _, c in passes)
 
 
-@pytest.mark.parametrize("n, tokens", [(1, 5), (4, 5), (4, 20), (3, 30)])
+@pytest.mark.parametrize("n, tokens", [(1, 5), (4, 5), (4, 20), (3, 30), (4, 27)])
 def test_padded_length_gives_every_reply_the_same_writes_and_end(n, tokens):
-    """+pad to 20: a reply of 5 tokens and one of 20 leave in as many writes, at the same times, the
-    end last; the tokens first, then fillers (empty writes). A reply past the pad is not cut."""
+    """+pad to 20: a reply of 5 units and one of 20 leave in as many writes, at the same times, the
+    end last; the units first, then fillers (empty writes). A reply of more units than its budget of
+    tokens (a text that cuts finer than its tokens, "'s") is not cut: its last write holds the rest,
+    and the count of writes is the budget's all the same."""
     events, _ = run_clocked(word_passes([1] * tokens, 0.01), n, rate=40.0, pad_to=20)
     full, _ = run_clocked(word_passes([1] * 20, 0.01), n, rate=40.0, pad_to=20)
-    if tokens <= 20:
-        assert [t for t, *_ in events] == [t for t, *_ in full]
-    writes = -(-max(tokens, 20) // n)
+    assert [t for t, *_ in events] == [t for t, *_ in full]
+    writes = -(-20 // n)
     assert len(events) == writes + 1 and events[-1][2][-1].usage == Usage.of(3, tokens)
     assert sum(u for _, u, _ in events) == tokens
     counts = [u for _, u, _ in events[:-1]]
-    assert counts == sorted(counts, reverse=True) and events[-1][1] == 0  # tokens, fillers, the end
-    assert [g for _, u, g in events[:-1] if u == 0] == [[]] * (writes - -(-tokens // n))
+    assert events[-1][1] == 0  # the end
+    if tokens <= 20:  # units, then fillers
+        assert counts == sorted(counts, reverse=True)
+        assert [g for _, u, g in events[:-1] if u == 0] == [[]] * (writes - -(-tokens // n))
+    else:
+        assert counts == [n] * (writes - 1) + [tokens - n * (writes - 1)]
+    out = [c for *_, g in events for c in g]
+    assert "".join(c.delta_text for c in out) == "".join(c.delta_text for _, c in word_passes([1] * tokens, 0.01))
     _on_grid([t for t, *_ in events], n / 40.0)
 
 

@@ -4,9 +4,9 @@ the tenant has a measured rate (stream.py).
 fixed:N's groups (fixed.py; paced: groups of 1) leave on a grid: the k-th write is due at
 A + (k + LEAD_SLOTS) * P, where A is when the stream's release began (its first chunk) and the
 period P = N / rate. The rate is the recent streams' decode rate of the request's tenant and model
-(PaceRates: an EMA over finished streams, never this one), taken at RATE_MARGIN of it so that the
+(PaceRates: the slowest of its last finished streams, never this one), taken at RATE_MARGIN of it so that the
 engine is usually ahead of the clock, and rounded down to a grid of rates (RATE_STEPS a doubling) so
-the small drift of the EMA does not move the grid stream by stream. Measured before this (the bench,
+small changes of that rate do not move the grid stream by stream. Measured before this (the bench,
 docs/benchmarks/2026-12-05-side-channel.md): a group released when its pass completes, or a clock set
 from the stream's own rate, times the writes by this request's acceptance.
 
@@ -18,7 +18,8 @@ from the stream's own rate, times the writes by this request's acceptance.
   tokens produced at the usual rate.
 - `pad_to` (the `+pad` modes): after the reply's last token, filler writes (empty groups: the
   server writes them as padding alone, padding.py) on the same grid until the stream has had
-  ceil(pad_to / N) writes of tokens, then the end (finish reason, usage) on the next point: the count
+  ceil(pad_to / N) writes of tokens (a reply whose text cuts into more units has the rest in its
+  last: `_last_holds_rest`), then the end (finish reason, usage) on the next point: the count
   of writes and the end time say only that the reply was at most `pad_to` tokens (the request's
   max_tokens; where no budget is known, the reply's length rounded up to a power of two, which they
   then say). Costs the client the wait for the fillers; its tokens are all out before them.
@@ -51,7 +52,7 @@ def clock_rate(recent: float, held: float | None = None) -> float:
     """The clock's rate for a tenant whose recent streams decoded at `recent` tokens a second; `held`:
     the rate the tenant's last clocked stream ran at. The clock moves down to the grid point at once (a
     clock ahead of the engine shows its stalls) but up only when that point is HOLD_STEPS or more above
-    the held one: an EMA near a grid point would otherwise flip the clock stream by stream, each
+    the held one: a rate near a grid point would otherwise flip the clock stream by stream, each
     stream's period then telling which way the last streams' texts went (measured:
     docs/benchmarks/2026-12-05-side-channel-3.md)."""
     rate = min(MAX_RATE, max(MIN_RATE, RATE_MARGIN * recent))
@@ -125,6 +126,7 @@ async def clocked(
     pad_to: int | None = None, on_end: Callable[[float | None], None] | None = None,
 ) -> AsyncGenerator[list[ChatChunk], None]:
     grid, ready = _Grid(clock.now(), n / rate), _Ready()
+    groups = _capped(groups, pad_to, n)
     ended = False
     pending: asyncio.Future[Any] | None = None
     try:
@@ -217,6 +219,29 @@ def _pad_writes(pad_to: int, n: int, groups: int) -> int:
     if pad_to > 0:
         return -(-pad_to // n)
     return -(-max(MIN_PAD, 1 << (groups * n - 1).bit_length()) // n)
+
+
+def _capped(groups: AsyncIterator[list[ChatChunk]], pad_to: int | None, n: int) -> AsyncIterator[list[ChatChunk]]:
+    """With a budget to pad to, at most its ceil(pad_to / n) writes of tokens (`_last_holds_rest`)."""
+    return _last_holds_rest(groups, _pad_writes(pad_to, n, 0)) if pad_to else groups
+
+
+async def _last_holds_rest(groups: AsyncIterator[list[ChatChunk]], writes: int) -> AsyncGenerator[list[ChatChunk], None]:
+    """At most `writes` groups, the last holding the rest of the reply: a budget counts model tokens
+    and a group units of text (units.py), of which a reply has more where a token is two ("'s": a
+    mark and a letter), so the count of writes would otherwise tell that of the text (measured at
+    temperature 0.7: docs/benchmarks/2026-12-05-side-channel-4.md). The writes' sizes are bucketed
+    (padding.py): a few more units in the last say nothing."""
+    taken = 0
+    rest: list[ChatChunk] = []
+    async for group in groups:
+        if taken < writes - 1:
+            taken += 1
+            yield group
+        else:
+            rest += group
+    if rest:
+        yield rest
 
 
 async def _padded_end(group: list[ChatChunk], grid: _Grid, ready: _Ready, clock: Clock,

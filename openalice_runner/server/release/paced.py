@@ -2,7 +2,7 @@
 more than one pass behind what was produced.
 
 The rate is the stream's own tokens a second since its first pass, (tokens after the first pass) /
-(time since it), which steadies as the stream goes on, started from an EMA of recent streams' rates
+(time since it), which steadies as the stream goes on, started from the slowest of recent streams' rates
 (`PaceRates`, weighted as `PRIOR_WEIGHT_S` seconds of this stream). Ticks are 1/rate apart; a tick
 that finds nothing to send (the engine slower than the clock) waits for the next pass, and the clock
 resumes on its grid, not at the pass's arrival. The bound: when pass k+1 arrives, every token of the
@@ -30,7 +30,10 @@ from openalice_runner.server.release.units import Atom, Builder, Cutter
 from openalice_runner.types import ChatChunk
 
 PRIOR_WEIGHT_S = 1.0  # recent streams' rate counts as this many seconds of this stream's own
-EMA_ALPHA = 0.2  # a finished stream's weight in the rate of recent streams
+# a key's clock starts from the slowest of its last RECENT_STREAMS streams, not their mean: a stream
+# slower than the clock stalls and its gaps then show its own text (tokens per unit, acceptance);
+# measured with a mean (an EMA): docs/benchmarks/2026-12-05-side-channel-4.md
+RECENT_STREAMS = 8
 MIN_RATE, MAX_RATE = 1.0, 10_000.0  # tokens a second the clock may run at
 MAX_RATE_KEYS = 256  # PaceRates keeps this many keys (model names), the oldest dropped
 
@@ -105,11 +108,15 @@ class Pacer:
 
 @dataclass
 class PaceRates:
-    """Recent streams' decode rates (an EMA a key: the request's tenant and model), where a paced
-    stream starts: keyed by tenant, so one tenant's texts never set where another's streams start."""
+    """Recent streams' decode rates a key (the request's tenant, model and turn type), where a
+    clocked stream starts: `rates[key]`, the slowest of the key's last RECENT_STREAMS. Keyed by
+    tenant, so one tenant's texts never set where another's streams start; by turn type, so a
+    tenant's fast copy-heavy turns (speculation accepting most drafts) do not set the clock of its
+    chat turns, which could not keep it."""
 
     rates: dict[str, float] = field(default_factory=dict)
     clocks: dict[str, float] = field(default_factory=dict)  # the rate a key's last clocked stream ran at
+    recent: dict[str, deque[float]] = field(default_factory=dict)  # the key's last streams' rates
 
     def pacer(self, key: str) -> Pacer:
         return Pacer(prior=self.rates.get(key))
@@ -117,9 +124,13 @@ class PaceRates:
     def record(self, key: str, rate: float | None) -> None:
         if rate is None:
             return
-        old = self.rates.pop(key, None)
-        self.rates[key] = rate if old is None else (1 - EMA_ALPHA) * old + EMA_ALPHA * rate
+        last = self.recent.pop(key, None) or deque(maxlen=RECENT_STREAMS)
+        last.append(rate)
+        self.recent[key] = last
+        self.rates.pop(key, None)
+        self.rates[key] = min(last)
         _bound(self.rates)
+        _bound(self.recent)
 
     def hold(self, key: str, clock: float) -> float:
         """`clock`, kept as the rate `key`'s streams run at until the next is clocked."""
@@ -129,7 +140,7 @@ class PaceRates:
         return clock
 
 
-def _bound(table: dict[str, float]) -> None:
+def _bound(table: dict) -> None:
     while len(table) > MAX_RATE_KEYS:  # bounded whatever names requests bring: the oldest go
         del table[next(iter(table))]
 
