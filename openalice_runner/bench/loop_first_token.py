@@ -9,19 +9,31 @@ from typing import Any
 from openalice_runner.first_token import PARTS
 
 
-def first_token_summary(rows: list[dict], targets: list[str]) -> dict[str, Any]:
+def first_token_summary(rows: list[dict], targets: list[str], long: dict[str, list[dict]] | None = None
+                        ) -> dict[str, Any]:
     """Per target, the first calls of conversations and the later ones apart: their time to the first
     token, its parts' sums (where the server reports `speculation.first_token`), the rest (what no part
     covers: HTTP, the policy, thread hops, the scheduler's own work), the prompt tokens not served from
     the cache, and those tokens' rate over the whole time to the first token and over the prefill's
-    passes alone (tokens per second)."""
+    passes alone (tokens per second). `long`: each target's long-prompt calls of the same run
+    (loop_long_prompt.py), summed as a group of their own, and the later calls' rates over theirs."""
     out: dict[str, Any] = {}
     for name in targets:
         mine = [r for r in rows if r["target"] == name]
         groups = {"first": [r["calls"][0] for r in mine if r["calls"]],
                   "later": [c for r in mine for c in r["calls"][1:]]}
+        if long is not None:
+            groups["long"] = long.get(name, [])
         out[name] = {group: _first_token_sums(calls) for group, calls in groups.items()}
+        if long is not None:
+            out[name]["later_over_long"] = {
+                rate: _ratio(out[name]["later"][rate], out[name]["long"][rate])
+                for rate in ("new_tokens_per_s", "prefill_tokens_per_s")}
     return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
 
 
 def _first_token_sums(calls: list[dict]) -> dict[str, Any]:
@@ -53,12 +65,16 @@ def _first_token_sums(calls: list[dict]) -> dict[str, Any]:
 
 def _first_token_table(summary: dict[str, Any]) -> list[str]:
     """The time before the first token by part, ms summed over calls, per target and group."""
-    if not any(g["reported"] for t in summary.values() for g in t.values()):
+    if not any(g.get("reported") for t in summary.values() for g in t.values()):
         return []
     lines = ["", "| time to first token, ms summed (calls) | ttft | " + " | ".join(PARTS)
              + " | rest | new tokens | tok/s | prefill tok/s |", "|---|" + "---|" * (len(PARTS) + 5)]
     for target, groups in summary.items():
         for group, g in groups.items():
+            if group == "later_over_long":
+                lines.append(f"| {target} later / long | | " + " | ".join("" for _ in PARTS)
+                             + f" | | | {g['new_tokens_per_s']} | {g['prefill_tokens_per_s']} |")
+                continue
             cells = [str(g["parts_ms"].get(p, "-")) for p in PARTS]
             lines.append(f"| {target} {group} ({g['calls']}) | {g['ttft_ms']} | " + " | ".join(cells)
                          + f" | {g['rest_ms']} | {g['new_prompt_tokens']} | {g['new_tokens_per_s']} | "

@@ -57,6 +57,7 @@ from openalice_runner.bench.loop_conversation import (
     run_conversation,
 )
 from openalice_runner.bench.loop_first_token import first_token_summary
+from openalice_runner.bench.loop_long_prompt import probe
 from openalice_runner.bench.loop_report import _run_line, format_table, plot
 from openalice_runner.bench.loop_summary import (
     compare_outputs,
@@ -94,10 +95,11 @@ def schedule(conversations: list[Conversation], targets: list[Target], repeat: i
 
 def bench_loops(conversations: list[Conversation], targets: list[Target], repeat: int = 1,
                 client=None, progress: Callable[[str], None] | None = None, warmup: int = 1,
-                before_run: Callable[[], None] | None = None) -> dict[str, Any]:
+                before_run: Callable[[], None] | None = None, long_prompt: bool = False) -> dict[str, Any]:
     """`before_run`, when given, is called before every timed conversation: targets that share
     servers (a runner in front of a pool beside the pool itself) reset the servers' prefix caches
-    there, so no target finds the prompts another one left behind."""
+    there, so no target finds the prompts another one left behind. `long_prompt`: each repeat
+    starts with one long prompt through every target (loop_long_prompt.py)."""
     _check_arguments(targets, warmup)
     own_client = client is None
     if own_client:
@@ -105,9 +107,12 @@ def bench_loops(conversations: list[Conversation], targets: list[Target], repeat
 
         client = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0))
     runs: dict[tuple[str, str], list[dict]] = {}
+    probes: dict[str, list[dict]] = {t.name: [] for t in targets}
     try:
         warmups = _warm_up_all(client, targets, conversations, warmup, progress)
         for run, conversation, target in schedule(conversations, targets, repeat):
+            if long_prompt and conversation is conversations[0] and not probes[target.name][run:]:
+                probes[target.name].append(probe(client, target, run))
             if before_run:
                 before_run()
             done = run_conversation(client, target, conversation, run)
@@ -123,7 +128,7 @@ def bench_loops(conversations: list[Conversation], targets: list[Target], repeat
               "summary": summarize(rows, names)}
     report["summary"]["outputs"] = compare_outputs(runs, names)
     report["summary"]["paired_calls"] = paired_calls(runs, names)
-    report["summary"]["first_token"] = first_token_summary(rows, names)
+    report["summary"]["first_token"] = first_token_summary(rows, names, probes if long_prompt else None)
     return report
 
 

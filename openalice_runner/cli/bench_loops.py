@@ -67,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="vLLM servers that several targets share (a runner in front of a pool beside the pool "
                    "addressed directly): POST URL/reset_prefix_cache before every timed conversation, so no "
                    "target reuses another's prompts (the servers need VLLM_SERVER_DEV_MODE=1)")
+    p.add_argument("--long-prompt", action="store_true",
+                   help="each repeat, one call of about 1,200 prompt tokens through every target first: the "
+                   "rate the later calls' new prompt tokens are held against, in the same run")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write a PNG of per-call latency here")
     p.set_defaults(func=run)
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             before_run = prefix_cache_reset(args.reset_prefix_cache) if args.reset_prefix_cache else None
             report = bench_loops(conversations, targets, args.repeat, progress=say, warmup=args.warmup,
-                                 before_run=before_run)
+                                 before_run=before_run, long_prompt=args.long_prompt)
         except LoopError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

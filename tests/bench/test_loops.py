@@ -399,3 +399,27 @@ def test_every_call_reports_its_time_to_first_token_by_part(loops_file, sidecars
         assert later["calls"] == later["reported"] == 2
         assert later["rest_ms"] >= 0 and later["new_prompt_tokens"] > 0 and later["prefill_tokens_per_s"] > 0
     assert "time to first token, ms summed" in format_table(report)
+
+
+def test_the_long_prompt_is_timed_in_the_same_run_and_held_against_the_later_calls(loops_file, sidecars):
+    """Issue 49: `long_prompt` sends one long prompt per repeat through every target before its
+    conversations (a new one each repeat: nothing cached of it); its rate is summed as the loops'
+    calls are and the later calls' rates are given over it."""
+    from openalice_runner.bench.loop_long_prompt import LONG_PROMPT_TOKENS, long_prompt
+
+    assert long_prompt(0) != long_prompt(1)
+    conversations = load_loops(loops_file, ["loop-tools"])
+    report = bench_loops(conversations, sidecars, repeat=2, warmup=0, long_prompt=True)
+    summary = report["summary"]["first_token"]
+    for target in ("policy", "off"):
+        long = summary[target]["long"]
+        assert long["calls"] == long["reported"] == 2
+        # two calls (the tiny engine's tokenizer is not SmolLM2's: each long, not exactly 1,200)
+        assert long["new_prompt_tokens"] >= LONG_PROMPT_TOKENS
+        ratio = summary[target]["later_over_long"]
+        later = summary[target]["later"]
+        assert ratio["prefill_tokens_per_s"] == round(later["prefill_tokens_per_s"] / long["prefill_tokens_per_s"], 3)
+        assert ratio["new_tokens_per_s"] == round(later["new_tokens_per_s"] / long["new_tokens_per_s"], 3)
+    assert "later / long" in format_table(report)
+    plain = bench_loops(conversations, sidecars[:1], repeat=1, warmup=0)
+    assert "long" not in plain["summary"]["first_token"]["policy"]  # off unless asked
