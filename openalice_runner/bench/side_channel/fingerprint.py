@@ -76,7 +76,7 @@ def run(prompts: tuple[str, ...] = PROMPTS, repeats: int = 6, modes: tuple[str, 
             if equal_prompts:
                 prompts = equalised(client, urls[modes[0]], prompts, lengths)
                 lengths = prompt_tokens(client, urls[modes[0]], prompts)
-            warm_up(client, urls, prompts, max_tokens)
+            warm_up(client, urls, prompts, max_tokens, methods)
             def partial(observations: list[Observation], done: int) -> None:
                 if checkpoint is not None:
                     checkpoint(report(observations, len(prompts), done, max_tokens))
@@ -108,14 +108,18 @@ def equalised(client, url: str, prompts: tuple[str, ...], counts: list[int]) -> 
     return tuple(p + " x" * max(0, target - n) for p, n in zip(padded, again, strict=True))
 
 
-def warm_up(client, urls: dict[str, str], prompts: tuple[str, ...], max_tokens: int) -> None:
-    """A streamed call of every prompt through every server, not observed: the engine's first calls
-    and a paced clock's first rate (recent streams of the tenant and model) are set before the run."""
+def warm_up(client, urls: dict[str, str], prompts: tuple[str, ...], max_tokens: int,
+            methods: tuple[str, ...] = METHODS) -> None:
+    """A streamed call of every prompt through every server under each method's turn type, not
+    observed: the engine's first calls and each clock's first rate (recent streams of the tenant,
+    model and turn type) are set before the run."""
     for url in urls.values():
-        for prompt in prompts:
-            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                    "temperature": 0, "stream": True}
-            observe(client, url, body, {"X-OpenAlice-Turn-Type": "fp-off"}, Observation(-1, "", "off", 0.0))
+        for method in methods:
+            for prompt in prompts:
+                body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                        "temperature": 0, "stream": True}
+                observe(client, url, body, {"X-OpenAlice-Turn-Type": f"fp-{method}"},
+                        Observation(-1, "", method, 0.0))
 
 
 def _observe_all(urls: dict[str, str], prompts, repeats, methods, temperatures, max_tokens, seed, log,

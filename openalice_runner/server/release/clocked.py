@@ -3,7 +3,7 @@ the tenant has a measured rate (stream.py).
 
 fixed:N's groups (fixed.py; paced: groups of 1) leave on a grid: the k-th write is due at
 A + (k + LEAD_SLOTS) * P, where A is when the stream's release began (its first chunk) and the
-period P = N / rate. The rate is the recent streams' decode rate of the request's tenant and model
+period P = N / rate. The rate is the recent streams' decode rate of the request's tenant, model and turn type
 (PaceRates: the slowest of its last finished streams, never this one), taken at RATE_MARGIN of it so that the
 engine is usually ahead of the clock, and rounded down to a grid of rates (RATE_STEPS a doubling) so
 small changes of that rate do not move the grid stream by stream. Measured before this (the bench,

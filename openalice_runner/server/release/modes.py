@@ -5,7 +5,7 @@
     fixed:N   N tokens an event (the last shorter only at the end), every write padded to a size bucket
     paced     one token an event; padded as fixed:N
               both leave on the clock of the tenant's recent decode rate (clocked.py); the first stream
-              of a tenant and model, with no recent rate, as produced (fixed:N) or on its own measured
+              of a tenant, model and turn type, with no recent rate, as produced (fixed:N) or on its own measured
               rate, never more than one pass behind (paced.py)
     +pad      (fixed:N+pad, paced+pad) filler writes after the reply up to the request's max_tokens,
               so the count of writes and the end time do not tell the reply's length

@@ -21,7 +21,7 @@ def released(
     `budget`: the request's max_tokens, what a `+pad` mode pads the reply to (None: not known).
 
     fixed:N and paced leave on the clock of the tenant's recent streams (clocked.py); the first
-    stream of a tenant and model has none yet, and leaves as it is produced (fixed:N) or on its own
+    stream of a tenant, model and turn type has none yet, and leaves as it is produced (fixed:N) or on its own
     rate (paced.py), which it records for the next."""
     if mode.kind == "pass":
         return _one_by_one(chunks)
