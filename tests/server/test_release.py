@@ -27,7 +27,7 @@ from openalice_runner.server.release.modes import parse_release
 from openalice_runner.server.release.padding import bucket
 from openalice_runner.server.release.units import cut
 from openalice_runner.types import ChatChunk
-from server.test_release_units import final, script
+from server.test_release_units import clock_rates_used, final, script
 
 MODES = ["pass", "fixed:1", "fixed:3", "fixed:8", "paced"]
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
@@ -354,14 +354,7 @@ def test_a_tenants_turn_types_each_have_their_own_clock(scripted, monkeypatch):
     produced; the second of each is clocked."""
     from openalice_runner.server.release import stream as stream_module
 
-    used: list[float] = []
-    real = stream_module.clocked
-
-    def spy(groups, n, rate, clock, **kwargs):
-        used.append(rate)
-        return real(groups, n, rate, clock, **kwargs)
-
-    monkeypatch.setattr(stream_module, "clocked", spy)
+    used = clock_rates_used(monkeypatch)
     scripted.settings.stream_release = parse_release("fixed:3")
     unheld = stream_module.UNHELD_RATE
 

@@ -498,9 +498,8 @@ def test_the_clock_holds_its_grid_point_until_the_rate_leaves_it():
     assert clock_rate(two_up, held) == pytest.approx(held * step**clocked_module.HOLD_STEPS)
 
 
-def test_released_clocks_a_tenant_at_the_rate_it_holds(monkeypatch):
-    """A tenant's streams run at the held point while its recent rate flickers one point above it,
-    and the point each ran at is what the next is held to."""
+def clock_rates_used(monkeypatch) -> list[float]:
+    """The rate each stream `released` starts from here on is clocked at, in order."""
     from openalice_runner.server.release import stream as stream_module
 
     used: list[float] = []
@@ -511,6 +510,15 @@ def test_released_clocks_a_tenant_at_the_rate_it_holds(monkeypatch):
         return real(groups, n, rate, clock, **kwargs)
 
     monkeypatch.setattr(stream_module, "clocked", spy)
+    return used
+
+
+def test_released_clocks_a_tenant_at_the_rate_it_holds(monkeypatch):
+    """A tenant's streams run at the held point while its recent rate flickers one point above it,
+    and the point each ran at is what the next is held to."""
+    from openalice_runner.server.release import stream as stream_module
+
+    used = clock_rates_used(monkeypatch)
     rates = PaceRates()
     key = "t\0m"
     step = 2 ** (1 / clocked_module.RATE_STEPS)
