@@ -38,6 +38,23 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def restore_logging():
+    """For a test that configures logging (configure_logging, or `serve`'s main in this process): the
+    root logger's handlers put back after it. Left in place, a handler on the test's captured stderr,
+    closed after it, takes every later log line of the worker (a traceback each)."""
+    import logging
+
+    import structlog
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    structlog.reset_defaults()
+
+
 @pytest.fixture(scope="session")
 def tiny_engine():
     """The process's one tiny random engine (the same object `stand_ins.engines.tiny_engine()` gives)."""

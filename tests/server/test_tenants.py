@@ -398,7 +398,7 @@ def test_api_key_is_the_one_tenant_default_and_not_with_a_keys_file(tmp_path):
         create_app(object(), settings=ServerSettings(api_key="k" * 20, keys_file=str(keys)))
 
 
-def test_serve_refuses_keys_with_api_key_and_a_bad_keys_file(tmp_path, capsys):
+def test_serve_refuses_keys_with_api_key_and_a_bad_keys_file(tmp_path, capsys, restore_logging):
     from openalice_runner.cli import main
 
     keys = tmp_path / "keys.yaml"

@@ -188,16 +188,6 @@ def test_unknown_exporter_and_file_without_path_are_errors():
         configure_telemetry("file", set_global=False)
 
 
-@pytest.fixture
-def restore_logging():
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    structlog.reset_defaults()
-
-
 def test_json_logs_carry_the_current_trace_and_span_ids(restore_logging, capsys):
     from opentelemetry.sdk.trace import TracerProvider
 
