@@ -111,7 +111,7 @@ def bench_loops(conversations: list[Conversation], targets: list[Target], repeat
     try:
         warmups = _warm_up_all(client, targets, conversations, warmup, progress)
         for run, conversation, target in schedule(conversations, targets, repeat):
-            if long_prompt and conversation is conversations[0] and not probes[target.name][run:]:
+            if long_prompt and conversation is conversations[0] and len(probes[target.name]) == run:
                 probes[target.name].append(probe(client, target, run))
             if before_run:
                 before_run()

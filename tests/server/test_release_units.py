@@ -9,6 +9,7 @@ import asyncio
 import heapq
 import itertools
 import statistics
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -250,7 +251,7 @@ def test_paced_learns_the_rate_without_recent_streams_and_records_it():
     assert rates.pacer("m").prior == pytest.approx(20.0)  # the slowest of the key's recent streams
     for i in range(MAX_RATE_KEYS + 10):  # bounded, the oldest dropped, the latest kept
         rates.record(f"model-{i}", 5.0)
-    assert len(rates.rates) == MAX_RATE_KEYS and "m" not in rates.rates and f"model-{MAX_RATE_KEYS + 9}" in rates.rates
+    assert len(rates.recent) == MAX_RATE_KEYS and "m" not in rates.recent and f"model-{MAX_RATE_KEYS + 9}" in rates.recent
 
 
 def test_a_keys_clock_starts_from_the_slowest_of_its_recent_streams():
@@ -261,12 +262,12 @@ def test_a_keys_clock_starts_from_the_slowest_of_its_recent_streams():
     rates.record("k", 30.0)
     for rate in (90.0, 80.0, 100.0):
         rates.record("k", rate)
-    assert rates.rates["k"] == 30.0
+    assert rates.rate("k") == 30.0
     for _ in range(RECENT_STREAMS - 3):  # 30 is now the ninth stream back
         rates.record("k", 100.0)
-    assert rates.rates["k"] == 80.0
+    assert rates.rate("k") == 80.0
     rates.record("other", 500.0)
-    assert rates.rates["k"] == 80.0 and rates.rates["other"] == 500.0
+    assert rates.rate("k") == 80.0 and rates.rate("other") == 500.0
 
 
 def test_paced_is_never_more_than_one_pass_behind():
@@ -527,7 +528,7 @@ def test_released_clocks_a_tenant_at_the_rate_it_holds(monkeypatch):
 
     async def run():
         for recent in flicker:
-            rates.rates[key] = recent  # what the streams before this one measured
+            rates.recent[key] = deque([recent])  # what the streams before this one measured
 
             async def upstream():
                 for _t, chunk in word_passes([2] * 3, 0.0):
@@ -557,7 +558,7 @@ def test_released_clocks_a_tenant_from_its_second_stream():
     async def run():
         out, seen = [], []
         for _ in range(2):
-            seen.append(rates.rates.get("t\0m"))  # what the stream about to start is clocked from
+            seen.append(rates.rate("t\0m"))  # what the stream about to start is clocked from
             times: list[float] = [asyncio.get_running_loop().time()]
             stamps = []
             async for _group in released(ReleaseMode("fixed", 2), upstream(times), rates=rates, rate_key="t\0m"):

@@ -109,27 +109,28 @@ class Pacer:
 @dataclass
 class PaceRates:
     """Recent streams' decode rates a key (the request's tenant, model and turn type), where a
-    clocked stream starts: `rates[key]`, the slowest of the key's last RECENT_STREAMS. Keyed by
+    clocked stream starts: `rate(key)`, the slowest of the key's last RECENT_STREAMS. Keyed by
     tenant, so one tenant's texts never set where another's streams start; by turn type, so a
     tenant's fast copy-heavy turns (speculation accepting most drafts) do not set the clock of its
     chat turns, which could not keep it."""
 
-    rates: dict[str, float] = field(default_factory=dict)
-    clocks: dict[str, float] = field(default_factory=dict)  # the rate a key's last clocked stream ran at
     recent: dict[str, deque[float]] = field(default_factory=dict)  # the key's last streams' rates
+    clocks: dict[str, float] = field(default_factory=dict)  # the rate a key's last clocked stream ran at
+
+    def rate(self, key: str) -> float | None:
+        """The slowest of the key's recent streams (None: none yet)."""
+        last = self.recent.get(key)
+        return min(last) if last else None
 
     def pacer(self, key: str) -> Pacer:
-        return Pacer(prior=self.rates.get(key))
+        return Pacer(prior=self.rate(key))
 
     def record(self, key: str, rate: float | None) -> None:
         if rate is None:
             return
         last = self.recent.pop(key, None) or deque(maxlen=RECENT_STREAMS)
         last.append(rate)
-        self.recent[key] = last
-        self.rates.pop(key, None)
-        self.rates[key] = min(last)
-        _bound(self.rates)
+        self.recent[key] = last  # the latest key last: _bound drops the oldest
         _bound(self.recent)
 
     def hold(self, key: str, clock: float) -> float:

@@ -26,7 +26,7 @@ def released(
     if mode.kind == "pass":
         return _one_by_one(chunks)
     n = mode.n if mode.kind == "fixed" else 1
-    recent = rates.rates.get(rate_key)
+    recent = rates.rate(rate_key)
 
     def record(rate: float | None) -> None:
         rates.record(rate_key, rate)
