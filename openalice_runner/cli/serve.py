@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -151,7 +149,6 @@ def run(args: argparse.Namespace) -> int:
     from openalice_runner.tracing.telemetry import RunnerTelemetry
 
     configure_logging(json_logs=True, level=args.log_level)
-    _fix_mmap_threshold()
     try:
         exporter, metrics_exporter = exporters_from_env(args.trace_exporter, args.trace_file)
     except ValueError as exc:
@@ -228,22 +225,6 @@ def run(args: argparse.Namespace) -> int:
         providers.shutdown()  # flush the spans still queued
     _exit_without_teardown()
     return 0
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-def _fix_mmap_threshold() -> None:
-    """A fixed 1 MiB mmap threshold for this process (glibc; elsewhere a no-op).
-
-    glibc raises the threshold each time a large block is freed, up to 32 MiB; after that the
-    engine's big tensors (a KV cache's per-layer keys and values, reallocated as it grows; prefill
-    activations) come from the heap, and what they leave behind stays resident. Mapped, a freed
-    tensor goes back at once. Measured on the deep-tool-schema memory check: idle RSS 1,036 MB ->
-    995 MB, and a lower peak."""
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
-        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
 def uvicorn_config(app, args: argparse.Namespace):
