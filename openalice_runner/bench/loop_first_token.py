@@ -8,14 +8,17 @@ from typing import Any
 
 from openalice_runner.first_token import PARTS
 
+RATES = ("new_tokens_per_s", "unheld_tokens_per_s", "prefill_tokens_per_s")
+
 
 def first_token_summary(rows: list[dict], targets: list[str], long: dict[str, list[dict]] | None = None
                         ) -> dict[str, Any]:
     """Per target, the first calls of conversations and the later ones apart: their time to the first
     token, its parts' sums (where the server reports `speculation.first_token`), the rest (what no part
     covers: HTTP, the policy, thread hops, the scheduler's own work), the prompt tokens not served from
-    the cache, and those tokens' rate over the whole time to the first token and over the prefill's
-    passes alone (tokens per second). `long`: each target's long-prompt calls of the same run
+    the cache, and those tokens' rate over the whole time to the first token, over that time less
+    the part held back (a tool stream's first text waiting on the decode rounds of its call's name:
+    the reply's time, not the prompt's) and over the prefill's passes alone (tokens per second). `long`: each target's long-prompt calls of the same run
     (loop_long_prompt.py), summed as a group of their own, and the later calls' rates over theirs."""
     out: dict[str, Any] = {}
     for name in targets:
@@ -28,7 +31,7 @@ def first_token_summary(rows: list[dict], targets: list[str], long: dict[str, li
         if long is not None:
             out[name]["later_over_long"] = {
                 rate: _ratio(out[name]["later"][rate], out[name]["long"][rate])
-                for rate in ("new_tokens_per_s", "prefill_tokens_per_s")}
+                for rate in RATES}
     return out
 
 
@@ -51,6 +54,7 @@ def _first_token_sums(calls: list[dict]) -> dict[str, Any]:
         prefill_tokens += sum(tokens for tokens, _ in breakdown["prefill_chunks"])
     covered = sum(parts.values())
     prefill_ms = parts.get("prefill", 0.0)
+    unheld_ms = ttft_ms - parts.get("held_back", 0.0)
     return {
         "calls": len(calls),
         "reported": reported,
@@ -59,6 +63,7 @@ def _first_token_sums(calls: list[dict]) -> dict[str, Any]:
         "rest_ms": round(ttft_ms - covered, 1) if reported == len(calls) else None,
         "new_prompt_tokens": new_tokens,
         "new_tokens_per_s": round(1000 * new_tokens / ttft_ms, 1) if ttft_ms else None,
+        "unheld_tokens_per_s": round(1000 * new_tokens / unheld_ms, 1) if unheld_ms > 0 else None,
         "prefill_tokens_per_s": round(1000 * prefill_tokens / prefill_ms, 1) if prefill_ms else None,
     }
 
@@ -68,15 +73,14 @@ def _first_token_table(summary: dict[str, Any]) -> list[str]:
     if not any(g.get("reported") for t in summary.values() for g in t.values()):
         return []
     lines = ["", "| time to first token, ms summed (calls) | ttft | " + " | ".join(PARTS)
-             + " | rest | new tokens | tok/s | prefill tok/s |", "|---|" + "---|" * (len(PARTS) + 5)]
+             + " | rest | new tokens | tok/s | tok/s less held back | prefill tok/s |", "|---|" + "---|" * (len(PARTS) + 6)]
     for target, groups in summary.items():
         for group, g in groups.items():
             if group == "later_over_long":
                 lines.append(f"| {target} later / long | | " + " | ".join("" for _ in PARTS)
-                             + f" | | | {g['new_tokens_per_s']} | {g['prefill_tokens_per_s']} |")
+                             + " | | | " + " | ".join(str(g[rate]) for rate in RATES) + " |")
                 continue
             cells = [str(g["parts_ms"].get(p, "-")) for p in PARTS]
             lines.append(f"| {target} {group} ({g['calls']}) | {g['ttft_ms']} | " + " | ".join(cells)
-                         + f" | {g['rest_ms']} | {g['new_prompt_tokens']} | {g['new_tokens_per_s']} | "
-                         f"{g['prefill_tokens_per_s']} |")
+                         + f" | {g['rest_ms']} | {g['new_prompt_tokens']} | " + " | ".join(str(g[rate]) for rate in RATES) + " |")
     return lines

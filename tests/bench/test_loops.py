@@ -398,7 +398,13 @@ def test_every_call_reports_its_time_to_first_token_by_part(loops_file, sidecars
         later = summary[target]["later"]
         assert later["calls"] == later["reported"] == 2
         assert later["rest_ms"] >= 0 and later["new_prompt_tokens"] > 0 and later["prefill_tokens_per_s"] > 0
+        # less the part held back (the reply's decode rounds), the same tokens over less time (the
+        # summary's ms are rounded to 0.1 ms, a few ms in all on the tiny engine: within 2%)
+        unheld_ms = later["ttft_ms"] - later["parts_ms"]["held_back"]
+        assert later["unheld_tokens_per_s"] == pytest.approx(1000 * later["new_prompt_tokens"] / unheld_ms, rel=0.02)
+        assert later["unheld_tokens_per_s"] >= later["new_tokens_per_s"]
     assert "time to first token, ms summed" in format_table(report)
+    assert "tok/s less held back" in format_table(report)
 
 
 def test_the_long_prompt_is_timed_in_the_same_run_and_held_against_the_later_calls(loops_file, sidecars):
@@ -420,6 +426,7 @@ def test_the_long_prompt_is_timed_in_the_same_run_and_held_against_the_later_cal
         later = summary[target]["later"]
         assert ratio["prefill_tokens_per_s"] == round(later["prefill_tokens_per_s"] / long["prefill_tokens_per_s"], 3)
         assert ratio["new_tokens_per_s"] == round(later["new_tokens_per_s"] / long["new_tokens_per_s"], 3)
+        assert ratio["unheld_tokens_per_s"] == round(later["unheld_tokens_per_s"] / long["unheld_tokens_per_s"], 3)
     assert "later / long" in format_table(report)
     plain = bench_loops(conversations, sidecars[:1], repeat=1, warmup=0)
     assert "long" not in plain["summary"]["first_token"]["policy"]  # off unless asked
