@@ -16,10 +16,11 @@ def first_token_summary(rows: list[dict], targets: list[str], long: dict[str, li
     """Per target, the first calls of conversations and the later ones apart: their time to the first
     token, its parts' sums (where the server reports `speculation.first_token`), the rest (what no part
     covers: HTTP, the policy, thread hops, the scheduler's own work), the prompt tokens not served from
-    the cache, and those tokens' rate over the whole time to the first token, over that time less
-    the part held back (a tool stream's first text waiting on the decode rounds of its call's name:
-    the reply's time, not the prompt's) and over the prefill's passes alone (tokens per second). `long`: each target's long-prompt calls of the same run
-    (loop_long_prompt.py), summed as a group of their own, and the later calls' rates over theirs."""
+    the cache, and those tokens' rate (tokens per second, RATES) over the whole time to the first
+    token, over that time less the part held back (a tool stream's first text waiting on the decode
+    rounds of its call's name: the reply's time, not the prompt's) and over the prefill's passes
+    alone. `long`: each target's long-prompt calls of the same run (loop_long_prompt.py), summed as
+    a group of their own, and the later calls' rates over theirs."""
     out: dict[str, Any] = {}
     for name in targets:
         mine = [r for r in rows if r["target"] == name]

@@ -5,6 +5,7 @@ activations (issue 49: a 1 MiB mmap threshold made every prefill pass fault its 
 from __future__ import annotations
 
 import gc
+import mmap
 
 import torch
 
@@ -20,8 +21,7 @@ def _mappings() -> list[tuple[int, int]]:
 def _own_mapping(t: torch.Tensor) -> bool:
     """The tensor's bytes are exactly one mapping of the process (never a slice of malloc's heap)."""
     start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    page = 4096
-    return any(lo == start and end <= hi < end + page for lo, hi in _mappings())
+    return any(lo == start and end <= hi < end + mmap.PAGESIZE for lo, hi in _mappings())
 
 
 def test_a_mapped_tensor_is_a_mapping_of_its_own_and_unmapped_when_freed():
