@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--tokens-per-step", type=positive_int, default=256,
                    help="training tokens per optimizer step (default 256, about one reply: more steps per CPU second)")
     t.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (default 0.001)")
+    t.add_argument("--train-dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="the training steps' matmuls: bf16 (autocast; weights and optimizer stay fp32), fp32, or "
+                        "auto: bf16 where the CPU has AVX512-BF16 or AMX, fp32 elsewhere (default)")
     t.add_argument("--feature-layers", type=feature_layers, default=argparse.SUPPRESS, metavar="eagle3|none|I,J,K",
                    help="target layers whose residual stream the head fuses with the final hidden state: "
                         "eagle3 (low, middle and high layers; the default), none (final state alone) or indices; "
@@ -93,6 +96,7 @@ def run_train(args: argparse.Namespace) -> int:
     settings = BuildSettings(
         minutes=args.minutes, gen_minutes=args.gen_minutes, max_new_tokens=args.max_new_tokens, batch=args.batch,
         draft_vocab=args.draft_vocab, unroll=args.unroll, tokens_per_step=args.tokens_per_step, lr=args.lr,
+        train_dtype=args.train_dtype,
         max_prompts=args.max_prompts, max_steps=args.max_steps,
         seed=args.seed, feature_layers=layers, layout=args.layout,
     )

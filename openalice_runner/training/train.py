@@ -15,6 +15,7 @@ held-out text: the same figure whatever the head was trained with.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -46,6 +47,9 @@ class TrainSettings:
     feature_weight: float = 0.2
     prompt_weight: float = 1.0  # loss weight of prompt rows (the head only drafts replies, but 0 or 0.2 trained worse)
     eval_every_s: float = 60.0
+    # the steps' matmuls in bf16 (torch autocast; weights, optimizer state and evaluation stay
+    # fp32): 430 against 721 ms a step here (AVX512-BF16), the same losses over 30 steps
+    bf16: bool = False
     seed: int = 0
     max_steps: int | None = None
 
@@ -137,6 +141,9 @@ class Trainer:
             total = total + (0.8 ** (s - 1)) * (w * per_row).sum() / w.sum()
         return total, float(weights.sum())
 
+    def _precision(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.s.bf16 else contextlib.nullcontext()
+
     def lr_at(self, frac_time: float) -> float:
         warm = min(1.0, (self.step + 1) / self.s.warmup_steps)
         return self.s.lr * warm * max(0.05, 1.0 - frac_time)
@@ -153,7 +160,9 @@ class Trainer:
             window = self._window(sample, self.s.window)
             if window[0].shape[0] < 2:
                 continue
-            loss, weight = self.losses(*window)
+            # entered per window: autocast caches its bf16 copies of the weights until it exits
+            with self._precision():
+                loss, weight = self.losses(*window)
             if weight <= 0:
                 continue
             share = weight / self.s.tokens_per_step

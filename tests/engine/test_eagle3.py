@@ -432,3 +432,65 @@ def test_draft_train_layout_option(tiny_engine, capsys):
     assert "--layout" in capsys.readouterr().err
     with pytest.raises(ValueError, match="feature_layers"):
         build_head(tiny_engine, [], settings=BuildSettings(layout="eagle3", feature_layers=[1], progress=False))
+
+
+def test_bf16_training_steps_learn_and_keep_fp32_weights(tiny_engine, eagle3_head):
+    """`train_dtype` bf16: the steps' matmuls under autocast, the weights and the optimizer fp32, and
+    the loss on the window trained falls as far as fp32 steps take it."""
+    from openalice_runner.engine.eagle.eagle3 import Eagle3Config
+    from openalice_runner.training.data import SampleCache
+    from openalice_runner.training.train import Trainer, TrainSettings, draft_vocabulary, new_head
+
+    _, _, root = eagle3_head
+    cache = SampleCache(root / "data")
+    samples = [cache.get(p.stem) for p in sorted((root / "data").glob("*.safetensors"))]
+    model = tiny_engine.model
+    vocab = draft_vocabulary(samples, 2048, always=set(tiny_engine.eos_token_ids))
+    cfg = Eagle3Config.for_target(tiny_engine.model_name, model, vocab,
+                                  feature_layers=default_taps(model.cfg.n_layers))
+
+    def trained(bf16: bool) -> tuple[float, float, Trainer]:
+        torch.manual_seed(0)
+        head = new_head(cfg)
+        head.init_from_target(model)
+        trainer = Trainer(model, head, TrainSettings(bf16=bf16, unroll=2, tokens_per_step=16, warmup_steps=1, lr=3e-3))
+        window = trainer._window(samples[0], 512)  # the window each step trains on
+
+        def loss() -> float:
+            with torch.no_grad():
+                return float(trainer.losses(*window)[0])
+
+        before = loss()
+        steps = [trainer.train_step(samples[:1], 0.0) for _ in range(20)]
+        return before, loss(), steps, trainer
+
+    before, after, steps, trainer = trained(bf16=True)
+    before32, after32, steps32, _ = trained(bf16=False)
+    assert before32 - after32 > 0
+    assert before - after > 0.8 * (before32 - after32)
+    # the steps' own losses fall as fp32's do: each forward reads the weights the last step left
+    assert steps[0] - steps[-1] > 0.8 * (steps32[0] - steps32[-1]) > 0
+    with trainer._precision():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    assert {p.dtype for p in trainer.head.parameters()} == {torch.float32}
+    assert {s["exp_avg"].dtype for s in trainer.opt.state.values()} == {torch.float32}
+
+
+def test_train_dtype_choice(monkeypatch, capsys):
+    from openalice_runner.cli import build_parser
+    from openalice_runner.training import pipeline
+
+    parser = build_parser()
+    assert parser.parse_args(["draft", "train", "--data", "p.jsonl"]).train_dtype == "auto"
+    assert pipeline.BuildSettings().train_dtype == "auto"
+    assert parser.parse_args(["draft", "train", "--data", "p.jsonl", "--train-dtype", "fp32"]).train_dtype == "fp32"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["draft", "train", "--data", "p.jsonl", "--train-dtype", "fp16"])
+    assert "--train-dtype" in capsys.readouterr().err
+    # auto: bf16 only where the CPU has bf16 dot products (emulated bf16 is slower than fp32)
+    monkeypatch.setattr(pipeline, "cpu_bf16_flags", lambda: set())
+    assert (pipeline.train_bf16("auto"), pipeline.train_bf16("bf16"), pipeline.train_bf16("fp32")) == (False, True, False)
+    monkeypatch.setattr(pipeline, "cpu_bf16_flags", lambda: {"avx512_bf16"})
+    assert pipeline.train_bf16("auto") and not pipeline.train_bf16("fp32")
+    with pytest.raises(ValueError, match="train_dtype"):
+        pipeline.train_bf16("fp16")
