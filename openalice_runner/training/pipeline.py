@@ -45,8 +45,8 @@ class BuildSettings:
     unroll: int | None = None
     tokens_per_step: int = TrainSettings.tokens_per_step  # per optimizer step (that field says why)
     lr: float = TrainSettings.lr
-    # "auto": the training steps' matmuls in bf16 where the CPU has AVX512-BF16 or AMX (1.7x the
-    # steps in the same minutes here), fp32 elsewhere (bf16 is emulated and slower there); "bf16", "fp32"
+    # "auto": the training steps' matmuls in bf16 where the CPU has AVX512-BF16 or AMX (Zen 4: 1.7x the
+    # steps in the same minutes), fp32 elsewhere (bf16 is emulated and slower there); "bf16", "fp32"
     train_dtype: str = "auto"
     # target layers fused with f_t: None (f_t alone), "eagle3" (low, middle, high) or indices
     feature_layers: list[int] | str | None = "eagle3"

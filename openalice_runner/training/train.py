@@ -48,7 +48,7 @@ class TrainSettings:
     prompt_weight: float = 1.0  # loss weight of prompt rows (the head only drafts replies, but 0 or 0.2 trained worse)
     eval_every_s: float = 60.0
     # the steps' matmuls in bf16 (torch autocast; weights, optimizer state and evaluation stay
-    # fp32): 430 against 721 ms a step here (AVX512-BF16), the same losses over 30 steps
+    # fp32): 430 against 721 ms a step on Zen 4 (AVX512-BF16), the same losses over 30 steps
     bf16: bool = False
     seed: int = 0
     max_steps: int | None = None
