@@ -449,7 +449,7 @@ def test_bf16_training_steps_learn_and_keep_fp32_weights(tiny_engine, eagle3_hea
     cfg = Eagle3Config.for_target(tiny_engine.model_name, model, vocab,
                                   feature_layers=default_taps(model.cfg.n_layers))
 
-    def trained(bf16: bool) -> tuple[float, float, Trainer]:
+    def trained(bf16: bool) -> tuple[float, float, list[float], Trainer]:
         torch.manual_seed(0)
         head = new_head(cfg)
         head.init_from_target(model)
