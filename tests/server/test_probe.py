@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from stand_ins.engines import tiny_engine
 from stand_ins.scripted import ScriptedProvider, scripted_runner
-from support.live_server import LiveServer
+from support.live_server import LiveServer, wait_for
 
 from openalice_runner.providers.config import load_routing_text
 from openalice_runner.runner import Runner
@@ -282,9 +282,15 @@ def test_stream_deadline_holds_while_a_send_blocks_on_a_client_that_does_not_rea
         # Past the 2 s deadline the provider's stream is closed, though every send is still blocked.
         assert provider.closed.wait(30), "the stream outlived its deadline behind a blocked send"
         assert provider.sent < EndlessProvider.LIMIT  # cut, not run out: the sends did block
-        deadline = stack.metrics.cancelled.labels(reason="deadline")._value.get()
-        outcome = stack.metrics.chat_completions.labels(turn_type="chat", stream="true", outcome="deadline")
-        assert deadline == 1 and outcome._value.get() == 1
+        # The provider's stream is closed before the outcome is counted (server/streaming.py, close):
+        # wait for the count, of whatever outcome, then read which one it was.
+        completions = stack.metrics.chat_completions
+        outcomes = wait_for(
+            lambda: {o: completions.labels(turn_type="chat", stream="true", outcome=o)._value.get()
+                     for o in ("ok", "deadline", "cancelled", "error")},
+            lambda counts: sum(counts.values()) >= 1, timeout=30)  # fmt: skip
+        assert outcomes["deadline"] == 1 and sum(outcomes.values()) == 1, outcomes
+        assert stack.metrics.cancelled.labels(reason="deadline")._value.get() == 1
         client.settimeout(30)  # and the connection is cut: reading what was buffered ends, it does not wait
         try:
             while client.recv(1 << 16):
