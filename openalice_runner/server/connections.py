@@ -15,6 +15,12 @@ connection for as long as they liked); a slow one gets 408 and is closed. Past `
 `reserved_connections` more are let in for /health and /metrics only (a probe or scraper still gets
 an answer when clients hold every ordinary slot); past both, 503 at once.
 
+Every answer sent before cutting a connection (408, 400, 503) closes it lingeringly, as nginx does:
+the answer, then our half of the connection (FIN), then what the client still sends is read and
+dropped until it closes its half or `linger_s` passes. Closed at once, a client still uploading
+got a reset (the kernel's answer to data for a closed socket), which can discard the answer
+unread or fail the client's next write before it reads.
+
 `DrainingServer`: on SIGTERM (and SIGHUP) the listening socket stays open while requests in flight
 finish (up to the shutdown grace) and every new request gets 503 JSON with Retry-After, instead of a
 refused connection; then uvicorn's own shutdown closes it.
@@ -100,6 +106,7 @@ class GuardedH11Protocol(H11Protocol):
     body_timeout_s: float = 30.0
     body_grace_s: float = 5.0
     min_body_rate: float = 1024.0  # bytes per second, after body_grace_s
+    linger_s: float = 2.0  # after an answer we cut with: the bound on reading what the client still sends
 
     # as uvicorn's own: asyncio.Protocol's stub takes a BaseTransport, an HTTP protocol needs a Transport
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -111,23 +118,28 @@ class GuardedH11Protocol(H11Protocol):
         self._body_cycle: Any = None
         self._body_bytes = 0
         self._body_t0 = 0.0
+        self._lingering = False
+        self._linger_timer: asyncio.TimerHandle | None = None
         if self.max_connections is not None:
             open_now = len(self.connections)
             if open_now > self.max_connections + self.reserved_connections:
                 log.warning("connection refused: too many open", limit=self.max_connections)
-                transport.write(_BUSY)
-                transport.close()
+                self._answer_and_close(_BUSY)
                 return
             if open_now > self.max_connections:
                 self.app = _reserved_only(self.app)  # this connection may ask for /health and /metrics only
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # answered and cut: read only to be dropped (see _answer_and_close)
         if self._head_timer is not None:
             self._head_started = True
         if self._body_timer is not None:
             self._body_bytes += len(data)
         super().data_received(data)
+        if self._lingering:
+            return  # h11 could not parse it: answered 400 and cut
         cycle = self.cycle
         if cycle is not None and ABORT_KEY not in cycle.scope:  # a new request: how to cut its connection
             cycle.scope[ABORT_KEY] = self.transport.abort  # type: ignore[literal-required]  # our own key
@@ -140,8 +152,7 @@ class GuardedH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """What h11 cannot parse (e.g. `Content-Length: abc`) gets OpenAI's error shape, not text/plain."""
         log.info("connection closed: invalid HTTP", detail=msg)
-        self.transport.write(_BAD_HTTP)
-        self.transport.close()
+        self._answer_and_close(_BAD_HTTP)
 
     # ---- the body's deadline and rate
 
@@ -164,7 +175,7 @@ class GuardedH11Protocol(H11Protocol):
     def _check_body(self) -> None:
         self._body_timer = None
         cycle = self._body_cycle
-        if self.transport.is_closing() or cycle is not self.cycle or not cycle.more_body or cycle.response_started:
+        if self._cut() or cycle is not self.cycle or not cycle.more_body or cycle.response_started:
             return  # the body is in (or the app answered without it)
         elapsed = self.loop.time() - self._body_t0
         if self.flow.read_paused:  # the app is not reading: not the client's fault
@@ -174,8 +185,7 @@ class GuardedH11Protocol(H11Protocol):
         ):
             log.info("connection closed: request body too slow", received=self._body_bytes,
                      seconds=round(elapsed, 2), timeout_s=self.body_timeout_s, min_rate=self.min_body_rate)  # fmt: skip
-            self.transport.write(_BODY_TIMEOUT)
-            self.transport.close()
+            self._answer_and_close(_BODY_TIMEOUT)
             return
         self._body_timer = self.loop.call_later(self._body_check_every(), self._check_body)
 
@@ -183,13 +193,43 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         # The next request on this connection must bring its head in time too (unless a pipelined
         # one already started, or the connection is closing).
-        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+        if not self._cut() and (self.cycle is None or self.cycle.response_complete):
             self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
         self._disarm_body_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         super().connection_lost(exc)
+
+    # ---- cutting a connection with an answer
+
+    def _cut(self) -> bool:
+        return self._lingering or self.transport.is_closing()
+
+    def _answer_and_close(self, answer: bytes) -> None:
+        """`answer`, our FIN, then a lingering close: what the client still sends (the rest of a body
+        it is uploading) is read and dropped, so the kernel has no unread data to answer with a reset,
+        until the client closes its half (the transport closes at that EOF) or `linger_s` passes."""
+        self._disarm_head_timer()
+        self._disarm_body_timer()
+        self._lingering = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # the app's request is over now: its receive() says so, its sends go nowhere
+            cycle.disconnected = True
+            cycle.message_event.set()
+        transport = self.transport
+        transport.write(answer)
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()  # sent once the answer is out
+        if not transport.is_reading():  # h11 paused it (a pipelined request): the drain must read
+            transport.resume_reading()
+        self._linger_timer = self.loop.call_later(self.linger_s, transport.close)
 
     def _arm_head_timer(self) -> None:
         self._disarm_head_timer()
@@ -205,14 +245,15 @@ class GuardedH11Protocol(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing():
+        if self._cut():
             return
         # A partial head gets a 408 saying why; an idle connection just closes (a 408 nobody asked
         # for could be read as the answer to the client's next request).
         if self._head_started:
             log.info("connection closed: request head too slow", timeout_s=self.header_timeout_s)
-            self.transport.write(_HEAD_TIMEOUT)
-        self.transport.close()
+            self._answer_and_close(_HEAD_TIMEOUT)
+        else:
+            self.transport.close()
 
 
 def guarded_h11(

@@ -57,6 +57,13 @@ def _wait_connections(server: ServerThread, n: int) -> None:
     assert len(server.server.server_state.connections) >= n
 
 
+def _wait_connections_at_most(server: ServerThread, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(server.server.server_state.connections) > n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(server.server.server_state.connections) <= n
+
+
 def test_a_body_that_stops_after_the_head_is_cut_off():
     server = _server(body_timeout=1.0, body_grace=0.5, min_body_rate=0.0)
     try:
@@ -92,6 +99,50 @@ def test_a_body_trickling_below_the_minimum_rate_is_cut_off():
         cut.set()
         assert answer.startswith(b"HTTP/1.1 408 ") and b'"body_timeout"' in answer, answer
     finally:
+        server.stop()
+
+
+def test_a_client_still_uploading_when_cut_off_reads_the_408_not_a_reset():
+    """Cut with a 408 while it still sends its body, a client can go on writing and then read the
+    answer and a clean end: the server half-closes and drops what still comes (a lingering close).
+    Closed at once, the server's kernel answered the next write with a reset, which fails the
+    client's later writes and can discard the 408 unread (seen in CI as ConnectionResetError)."""
+    server = _server(body_timeout=1.0, body_grace=0.5, min_body_rate=0.0)
+    try:
+        slow = socket.create_connection(("127.0.0.1", server.port))
+        slow.sendall(_head(100_000) + b"{")
+        slow.settimeout(30)
+        assert slow.recv(1, socket.MSG_PEEK) == b"H"  # the answer is in: the server has cut the request
+        for _ in range(20):  # the client has not looked yet and goes on uploading
+            slow.sendall(b" " * 1000)  # a reset answering the first raises here (EPIPE / ECONNRESET)
+        answer = _read_until_closed(slow)  # the 408, then the end of the stream, not a reset
+        assert answer.startswith(b"HTTP/1.1 408 ") and b'"body_timeout"' in answer, answer
+        slow.close()
+        r = httpx.post(f"{server.url}/echo", content=b"x" * 5000, timeout=10)  # the server goes on serving
+        assert r.json() == {"bytes": 5000}
+    finally:
+        server.stop()
+
+
+def test_a_client_that_never_stops_sending_is_closed_after_the_linger():
+    """The lingering close is bounded: a client that goes on sending after the 408 (and never reads
+    or closes) is closed `linger_s` after the answer, and its connection slot is freed."""
+    server = _server(body_timeout=1.0, body_grace=0.5, min_body_rate=0.0)
+    try:
+        slow = socket.create_connection(("127.0.0.1", server.port))
+        slow.sendall(_head(100_000_000) + b"{")
+        slow.settimeout(30)
+        assert slow.recv(1, socket.MSG_PEEK) == b"H"
+        reset = None
+        try:
+            while True:  # sends are read and dropped until the linger ends: then a reset stops them
+                slow.sendall(b" " * 1000)
+        except OSError as exc:
+            reset = exc
+        assert isinstance(reset, ConnectionResetError | BrokenPipeError), reset
+        _wait_connections_at_most(server, 0)
+    finally:
+        slow.close()
         server.stop()
 
 
