@@ -45,7 +45,10 @@ def servers():
 
 
 def provider(pools: dict, **kw) -> SGLangProvider:
-    cfg = SGLangConfig.model_validate({"type": "sglang", "model": "stand-in/llama-8b", "pools": pools, **kw})
+    # load_timeout_s: the stand-ins answer at once, but a loaded CI host can stall them past the 0.5 s default
+    cfg = SGLangConfig.model_validate(
+        {"type": "sglang", "model": "stand-in/llama-8b", "pools": pools, "load_timeout_s": 30, **kw}
+    )
     return SGLangProvider("gpu", cfg)
 
 

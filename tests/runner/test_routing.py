@@ -41,6 +41,7 @@ providers:
     default_pool: plain
     load_cache_s: 0
     load_stale_s: 0
+    load_timeout_s: 30  # the stand-ins answer at once, but a loaded CI host can stall them past 0.5 s
     pools:
       eagle3: {{replicas: [{servers["eagle3"].url}], launch: {{algorithm: EAGLE3, draft_model_path: h, num_steps: 3}}}}
       ngram: {{replicas: [{servers["ngram"].url}], launch: {{algorithm: NGRAM, num_draft_tokens: 8}}}}
