@@ -50,18 +50,17 @@ def _head(length: int) -> bytes:
     return (f"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n").encode()
 
 
-def _wait_connections(server: ServerThread, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while len(server.server.server_state.connections) < n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(server.server.server_state.connections) >= n
+def _wait_connections(server: ServerThread, n: int, *, at_most: bool = False) -> None:
+    """Until the server holds at least `n` open connections (`at_most`: no more than `n`)."""
 
+    def done() -> bool:
+        held = len(server.server.server_state.connections)
+        return held <= n if at_most else held >= n
 
-def _wait_connections_at_most(server: ServerThread, n: int) -> None:
     deadline = time.monotonic() + 10
-    while len(server.server.server_state.connections) > n and time.monotonic() < deadline:
+    while not done() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(server.server.server_state.connections) <= n
+    assert done(), len(server.server.server_state.connections)
 
 
 def test_a_body_that_stops_after_the_head_is_cut_off():
@@ -140,7 +139,7 @@ def test_a_client_that_never_stops_sending_is_closed_after_the_linger():
         except OSError as exc:
             reset = exc
         assert isinstance(reset, ConnectionResetError | BrokenPipeError), reset
-        _wait_connections_at_most(server, 0)
+        _wait_connections(server, 0, at_most=True)
     finally:
         slow.close()
         server.stop()
