@@ -3,14 +3,14 @@
 vLLM loads it and drafts with it; optionally, the embedded engine with the same head on the same
 prompts, acceptance per draft position side by side (issue 47).
 
-    .venv/bin/python scripts/vllm-eagle3-check.py HEAD_DIR [--prompts N] [--max-tokens N] [--embedded]
+    .venv/bin/python scripts/vllm-eagle3-check.py HEAD_DIR [--prompts N] [--max-tokens N] [--embedded] [--fp32]
 
 The server is scripts/vllm-cpu-serve.sh on the engine's converted SmolLM2 folder with
 `--speculative-config {"method":"eagle3","model":HEAD_DIR,"num_speculative_tokens":K}`, eager mode
-and a small context (this runs on a 2-core machine). Greedy chat completions on built-in prompts;
+(bf16, or float32 with --fp32) and a small context (this runs on a 2-core machine). Greedy chat completions on built-in prompts;
 prints one JSON object: the architecture vLLM resolved for the draft, its spec-decode counters from
 /metrics, and per-position acceptance (accepted at position i / drafts) of vLLM and, with
---embedded, of the embedded engine (chains of K drafts every round, no adaptive length) on the same
+--embedded, of the embedded engine (chains of K drafts every round, the rounds vLLM runs) on the same
 prompt tokens (rendered by the embedded engine, sent to /v1/completions), with the number of
 prompts whose greedy replies were the same text.
 """
@@ -68,10 +68,12 @@ def metrics(url: str) -> dict:
     return out
 
 
-def serve(head: Path, k: int, port: int, log: Path) -> subprocess.Popen:
+def serve(head: Path, k: int, port: int, log: Path, fp32: bool) -> subprocess.Popen:
     spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": k})
     cmd = ["bash", str(ROOT / "scripts" / "vllm-cpu-serve.sh"), str(model_dir()), str(port), "--enforce-eager",
            "--max-model-len", "2048", "--speculative-config", spec]
+    if fp32:  # after the script's own --dtype bfloat16: the last one counts
+        cmd += ["--dtype", "float32"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "VLLM_NO_USAGE_STATS": "1"}
     with open(log, "wb") as out:
@@ -93,24 +95,18 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 6
 
 
 def embedded(engine, head: Path, prompts: list[list[int]], k: int, max_tokens: int) -> tuple[dict, list[str]]:
-    """The embedded engine with the same head: chains of k drafts every round; (figures, replies)."""
-    from openalice_runner.engine import SamplingParams, SpecConfig
+    """The embedded engine with the same head: chains of k drafts every round, the rounds vLLM runs
+    (bench/eagle3_rounds.py: vLLM drafts k even where less of max_tokens is left); (figures, replies)."""
+    from openalice_runner.bench.eagle3_rounds import Rounds, vllm_rounds
 
-    hist = [0] * (k + 1)
-    proposed = accepted = 0
-    replies = []
+    rounds, replies = Rounds(k), []
     for ids in prompts:
-        out = engine.generate(ids, SamplingParams(max_tokens=max_tokens),
-                              SpecConfig(method="eagle", gamma=k, eagle_head=str(head), adaptive_length=False))
-        replies.append(out.token_ids)
-        proposed += out.stats.proposed
-        accepted += out.stats.accepted
-        for n, count in enumerate(out.stats.accept_length_histogram[: k + 1]):
-            hist[n] += count
-    rounds = sum(hist)
-    per_pos = [sum(hist[i + 1 :]) / max(1, rounds) for i in range(k)]
-    figures = {"dtype": engine.dtype, "rounds": rounds, "proposed": proposed, "accepted": accepted,
-               "acceptance_per_position": [round(x, 3) for x in per_pos], "reply_tokens": sum(map(len, replies))}
+        tokens, _ = vllm_rounds(engine, head, ids, k, max_tokens, into=rounds)
+        replies.append(tokens)
+    figures = {"dtype": engine.dtype, "rounds": len(rounds.accepted), "proposed": k * len(rounds.accepted),
+               "accepted": sum(rounds.accepted), "draft_lengths": sorted(rounds.drafted),
+               "acceptance_per_position": [round(x, 3) for x in rounds.per_position()],
+               "reply_tokens": sum(map(len, replies))}
     return figures, [engine.tokenizer.decode(r, skip_special_tokens=True) for r in replies]
 
 
@@ -121,6 +117,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (the embedded engine's gamma)")
     p.add_argument("--embedded", action="store_true", help="also run the embedded engine with the head")
+    p.add_argument("--fp32", action="store_true",
+                   help="both engines in float32, where greedy replies and acceptance agree exactly (the live tier's check)")
     p.add_argument("--log", type=Path, default=Path("/tmp/vllm-eagle3-check.log"))
     args = p.parse_args()
     head = args.head.resolve()
@@ -131,12 +129,12 @@ def main() -> int:
     if args.embedded:  # the same prompt tokens for both engines: the embedded engine renders them
         from openalice_runner.engine import Engine
 
-        engine = Engine.load(None)
+        engine = Engine.load(None, dtype="fp32", prefill="fp32") if args.fp32 else Engine.load(None)
         prompts = [engine.render_chat(m) for m in prompts]
     texts = []
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = serve(head, args.k, port, args.log)
+    proc = serve(head, args.k, port, args.log, args.fp32)
     report: dict = {"head": str(head), "k": args.k, "prompts": len(prompts), "max_tokens": args.max_tokens}
     try:
         report["startup_s"] = round(wait_ready(proc, url, args.log), 1)

@@ -192,43 +192,11 @@ def _per_position(url: str) -> tuple[float, list[float]]:
     return drafts, per_pos
 
 
-def _embedded_rounds(engine, head: Path, prompt: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
-    """The embedded engine's reply tokens and its rounds as vLLM runs them: (drafted, accepted) of
-    each round that starts before MAX_TOKENS tokens were generated.
-
-    vLLM drafts K tokens at every step, however few the request has left of max_tokens ("we don't
-    schedule partial draft tokens", v1/core/sched/scheduler.py), and counts their acceptance
-    before the reply is cut at max_tokens; the embedded engine drafts only what fits the budget
-    (round.py). So the embedded run gets K more tokens of budget, every round vLLM runs is a full
-    one here too, and the rounds past vLLM's end are left out."""
-    from openalice_runner.engine import SamplingParams, SpecConfig
-    from openalice_runner.engine.drafters.eagle import EagleDrafter
-
-    class Recorded(EagleDrafter):
-        rounds: list[tuple[int, int]]
-
-        def update(self, history: list[int], proposed: int, accepted: int) -> None:
-            super().update(history, proposed, accepted)
-            self.rounds.append((proposed, accepted))
-
-    drafter = Recorded(engine.eagle_runtime(str(head)), len(prompt) + MAX_TOKENS + 4 * K, engine.model.cfg.vocab_size)
-    drafter.rounds = []
-    out = engine.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS + K),
-                          SpecConfig(method="eagle", gamma=K, eagle_head=str(head), adaptive_length=False),
-                          drafter=drafter)
-    rounds, generated = [], 1  # the first token is the prefill's
-    for drafted, accepted in drafter.rounds:
-        if generated >= MAX_TOKENS:
-            break
-        rounds.append((drafted, accepted))
-        generated += accepted + 1
-    return out.token_ids[:MAX_TOKENS], rounds
-
-
 def test_the_embedded_engine_and_vllm_accept_the_same_drafts_with_the_same_head(eagle3):
     """Same head, same prompt tokens (the embedded engine renders them; vLLM gets them as
     /v1/completions token ids), greedy, float32, K drafts every round: the same rounds, acceptance
     at each draft position within ACCEPTANCE_TOLERANCE, and the same replies."""
+    from openalice_runner.bench.eagle3_rounds import Rounds, vllm_rounds
     from openalice_runner.engine import Engine
 
     engine = Engine.load(None, dtype="fp32", prefill="fp32")
@@ -244,14 +212,14 @@ def test_the_embedded_engine_and_vllm_accept_the_same_drafts_with_the_same_head(
     drafts1, pos1 = _per_position(url)
     rounds_v = drafts1 - drafts0
     vllm_rate = [(b - a) / rounds_v for a, b in zip(pos0, pos1, strict=True)]
-    rounds, embedded_replies = [], []
+    # the embedded engine's rounds as vLLM runs them: K drafts in every one (eagle3_rounds.py)
+    rounds, embedded_replies = Rounds(K), []
     for prompt in ids:
-        tokens, prompt_rounds = _embedded_rounds(engine, eagle3.head, prompt)
+        tokens, _ = vllm_rounds(engine, eagle3.head, prompt, K, MAX_TOKENS, into=rounds)
         embedded_replies.append(engine.tokenizer.decode(tokens, skip_special_tokens=True))
-        rounds += prompt_rounds
-    assert {drafted for drafted, _ in rounds} == {K}
-    rounds_e = len(rounds)
-    embedded_rate = [sum(accepted > i for _, accepted in rounds) / rounds_e for i in range(K)]
+    assert rounds.drafted == {K}
+    rounds_e = len(rounds.accepted)
+    embedded_rate = rounds.per_position()
     print("acceptance per draft position, vLLM", [round(x, 3) for x in vllm_rate], f"({rounds_v:.0f} rounds);",
           "embedded", [round(x, 3) for x in embedded_rate], f"({rounds_e} rounds)")
     assert rounds_v > 0 and rounds_e > 0 and vllm_rate[0] > 0
