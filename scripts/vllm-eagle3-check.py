@@ -101,8 +101,7 @@ def embedded(engine, head: Path, prompts: list[list[int]], k: int, max_tokens: i
 
     rounds, replies = Rounds(k), []
     for ids in prompts:
-        tokens, _ = vllm_rounds(engine, head, ids, k, max_tokens, into=rounds)
-        replies.append(tokens)
+        replies.append(vllm_rounds(engine, head, ids, max_tokens, rounds))
     figures = {"dtype": engine.dtype, "rounds": len(rounds.accepted), "proposed": k * len(rounds.accepted),
                "accepted": sum(rounds.accepted), "draft_lengths": sorted(rounds.drafted),
                "acceptance_per_position": [round(x, 3) for x in rounds.per_position()],

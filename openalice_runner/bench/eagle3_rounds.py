@@ -44,11 +44,10 @@ class Rounds:
         return [sum(a > i for a in self.accepted) / n for i in range(self.k)]
 
 
-def vllm_rounds(engine: Engine, head: str | Path, prompt: list[int], k: int, max_tokens: int,
-                into: Rounds | None = None) -> tuple[list[int], Rounds]:
-    """Greedy, chains of k drafts: the reply's tokens (at most max_tokens) and the rounds vLLM would
-    run for it, added to `into` where given."""
-    rounds = into or Rounds(k)
+def vllm_rounds(engine: Engine, head: str | Path, prompt: list[int], max_tokens: int, rounds: Rounds) -> list[int]:
+    """Greedy, chains of `rounds.k` drafts: the reply's tokens (at most max_tokens); the rounds vLLM
+    would run for it are added to `rounds`."""
+    k = rounds.k
     drafter = _Recorded(engine.eagle_runtime(str(head)), len(prompt) + max_tokens + 4 * k, engine.model.cfg.vocab_size)
     out = engine.generate(prompt, SamplingParams(max_tokens=max_tokens + k),
                           SpecConfig(method="eagle", gamma=k, eagle_head=str(head), adaptive_length=False),
@@ -60,4 +59,4 @@ def vllm_rounds(engine: Engine, head: str | Path, prompt: list[int], k: int, max
         rounds.drafted.add(drafted)
         rounds.accepted.append(accepted)
         generated += accepted + 1
-    return out.token_ids[:max_tokens], rounds
+    return out.token_ids[:max_tokens]

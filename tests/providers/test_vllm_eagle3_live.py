@@ -215,7 +215,7 @@ def test_the_embedded_engine_and_vllm_accept_the_same_drafts_with_the_same_head(
     # the embedded engine's rounds as vLLM runs them: K drafts in every one (eagle3_rounds.py)
     rounds, embedded_replies = Rounds(K), []
     for prompt in ids:
-        tokens, _ = vllm_rounds(engine, eagle3.head, prompt, K, MAX_TOKENS, into=rounds)
+        tokens = vllm_rounds(engine, eagle3.head, prompt, MAX_TOKENS, rounds)
         embedded_replies.append(engine.tokenizer.decode(tokens, skip_special_tokens=True))
     assert rounds.drafted == {K}
     rounds_e = len(rounds.accepted)
