@@ -4,7 +4,9 @@
   γ+1 rows costs about what a one-row decode costs (the premise of speculative decoding) on
   CPUs without bf16 arithmetic, and a prefill runs at arithmetic speed. Where the CPU has
   AVX-512, bf16 weights run a register tile twice as wide, with the same bits
-  (`CpuKernels.wide`; `OPENALICE_NATIVE_AVX512=0` keeps the AVX2 tile).
+  (`CpuKernels.wide`; `OPENALICE_NATIVE_AVX512=0` keeps the AVX2 tile). Prompt rows of a bf16
+  prefill run on AVX512-BF16 dot products, or on AMX tiles where the CPU has them
+  (`CpuKernels.amx`; `OPENALICE_NATIVE_AMX=0` keeps the dot products).
 - `attention`: causal attention for ragged rows read straight from the KV cache, so one pass
   serves sequences of different lengths, each feeding its own number of tokens.
 - `add_rms_norm`, `silu_mul`, `rope_store`: a layer's small per-row steps, one call each
@@ -72,6 +74,12 @@ class CpuKernels:
         return bool(self.library.linear_wide())
 
     @property
+    def amx(self) -> bool:
+        """Whether prompt rows (`linear_bf16_rows`) run on AMX tiles (the CPU has AMX-BF16 and
+        Linux grants its state); off with OPENALICE_NATIVE_AMX=0, for side-by-side benchmarks."""
+        return bool(self.library.linear_amx())
+
+    @property
     def bf16_dot(self) -> bool:
         """Whether the CPU has AVX512-BF16 dot products (`linear_bf16_rows`)."""
         return bool(self.library.linear_bf16dp_supported())
@@ -113,7 +121,7 @@ class CpuKernels:
         if status == -1:
             raise RuntimeError("linear_bf16_rows: this CPU has no AVX512-BF16 dot products")
         if status == -2:
-            raise MemoryError("linear_bf16_rows: no memory for the rows' bf16 copy")
+            raise MemoryError("linear_bf16_rows: no memory for the rows' bf16 copy or the AMX weight pairs")
         return out if weight.n == weight.n_padded else out[..., : weight.n].contiguous()
 
     def attention(
@@ -279,6 +287,8 @@ def _load() -> tuple[CpuKernels | None, str | None]:
     library.pack_weight.restype = None
     library.linear_wide.argtypes = []
     library.linear_wide.restype = ctypes.c_int
+    library.linear_amx.argtypes = []
+    library.linear_amx.restype = ctypes.c_int
     library.attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     library.attention.restype = ctypes.c_int
     library.attention_prompt.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]

@@ -2,7 +2,8 @@
 
 A prefill chunk is arithmetic-bound. CPUs with bf16 dot products (AVX512-BF16 `vdpbf16ps`, which
 AMX machines have too) do twice the multiply-adds per instruction on bf16 inputs, so prompt rows
-run their linears with activations rounded to bf16 (csrc/linear.c). Decode, verify and tree rows
+run their linears with activations rounded to bf16 (csrc/linear.c; on AMX tiles where the CPU has
+them, several times the dot products' rate). Decode, verify and tree rows
 never do: they keep the fp32 kernel's bits, so speculation stays exact. On CPUs without them
 (AVX2-only) bf16 arithmetic is emulated and slower than fp32, so `auto` keeps fp32 there.
 
@@ -66,4 +67,5 @@ def choose_prefill(mode: str | None, weight_dtype: torch.dtype, kernels: CpuKern
         flags = ", ".join(sorted(cpu_bf16_flags())) or "none"
         return PrefillChoice(mode, False, f"prefill auto: fp32, no AVX512-BF16 dot products "
                                           f"(torch capability {capability}, bf16 flags: {flags})")
-    return PrefillChoice(mode, True, f"prefill auto: bf16 on the CPU's bf16 dot products (torch capability {capability})")
+    how = "AMX tiles" if kernels.amx else "bf16 dot products"
+    return PrefillChoice(mode, True, f"prefill auto: bf16 on the CPU's {how} (torch capability {capability})")

@@ -1,7 +1,7 @@
 """bf16 prefill: prompt rows run their linears with bf16 activations; every other row keeps its bits.
 
-The bf16 path runs on any CPU: on the CPU's bf16 dot products (csrc/linear.c, AVX512-BF16) where
-it has them, else emulated (the same bf16 products summed in fp32), so these tests check the
+The bf16 path runs on any CPU: on the CPU's bf16 dot products (csrc/linear.c, AVX512-BF16, or AMX
+tiles) where it has them, else emulated (the same bf16 products summed in fp32), so these tests check the
 path everywhere; the kernel's own tests skip where the CPU lacks AVX512-BF16.
 
 Exactness with it on: the target is the bf16-prefill model. A prompt's keys and values, and the
@@ -40,7 +40,7 @@ def test_dot_kernel_is_bf16_products_and_rows_independent(n, k):
     torch.manual_seed(n + k)
     w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
     packed = KERNELS.pack(w)
-    for rows in (1, 7, 12, 25, 130):
+    for rows in (1, 7, 12, 25, 32, 33, 130):  # AMX blocks of 32 rows: within, at and past one
         x = torch.randn(rows, k)
         y = KERNELS.linear_bf16_rows(x, packed)
         exact = reference(x, w)
@@ -50,6 +50,50 @@ def test_dot_kernel_is_bf16_products_and_rows_independent(n, k):
         # each row's bits do not depend on the others (a prompt's cache does not depend on its chunking)
         alone = torch.cat([KERNELS.linear_bf16_rows(x[i : i + 1], packed) for i in range(rows)])
         assert torch.equal(y, alone)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(f.read().split())
+    except OSError:
+        return set()
+
+
+@needs_dot
+def test_amx_tiles_run_prompt_rows_where_the_cpu_has_them():
+    """On a CPU with AMX-BF16 (and a Linux that grants its state) prompt rows run on the tiles;
+    OPENALICE_NATIVE_AMX=0 keeps them on `vdpbf16ps`. Both paths are bf16 products summed in fp32
+    (the bound of the test above), so they agree within twice it."""
+    import subprocess
+    import sys
+
+    assert KERNELS.amx == ("amx_bf16" in _cpu_flags() and "amx_tile" in _cpu_flags())
+    script = (
+        "import sys, torch\n"
+        "from openalice_runner.engine.cpu_kernels import cpu_kernels\n"
+        "k = cpu_kernels()\n"
+        "torch.manual_seed(5)\n"
+        "w = (torch.randn(576, 1536) * 0.05).to(torch.bfloat16)\n"
+        "x = torch.randn(45, 1536)\n"
+        "torch.save((k.amx, k.linear_bf16_rows(x, k.pack(w))), sys.argv[1])\n"
+    )
+    torch.manual_seed(5)
+    w = (torch.randn(576, 1536) * 0.05).to(torch.bfloat16)
+    x = torch.randn(45, 1536)
+    here = KERNELS.linear_bf16_rows(x, KERNELS.pack(w))
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "dp.pt")
+        env = {**os.environ, "OPENALICE_NATIVE_AMX": "0"}
+        subprocess.run([sys.executable, "-c", script, out], check=True, env=env, timeout=120)
+        amx_off, there = torch.load(out)
+    assert amx_off is False
+    bound = 1536 * 2**-22 * (x.to(torch.bfloat16).double().abs() @ w.double().abs().t())
+    assert ((here.double() - there.double()).abs() <= 2 * bound + 1e-30).all()
+    assert ((there.double() - reference(x, w)).abs() <= bound + 1e-30).all()
 
 
 @needs_dot

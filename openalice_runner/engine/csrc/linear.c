@@ -17,10 +17,15 @@
 
    Every output (m, n) is the same sum in the same order for any M and any tile it falls in:
    an FMA chain over each block of KB k's from zero, the blocks' sums added in order. */
+#define _GNU_SOURCE
+#include <cpuid.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <strings.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "pool.h"
 
@@ -389,15 +394,146 @@ static BF16DP void dp_share(void *ctx, int share, int shares) {
     }
 }
 
+/* AMX tiles for prompt rows, where the CPU has them (Sapphire Rapids and later).
+
+   `vdpbf16ps` above does 32 bf16 multiply-adds per instruction; one AMX `tdpbf16ps` does 8,192
+   (a 16 x 32 bf16 tile of x against a 32 x 16 tile of w into a 16 x 16 fp32 tile), several
+   times the arithmetic per cycle. Rows go through in blocks of 32 (x's bf16 copy is padded
+   with zero rows), columns in pairs of panels: four accumulator tiles, two of x, two of w.
+   The weight tile wants each output's (k, k + 1) pairs side by side, 16 outputs to a 64-byte
+   row: the panel's steps are permuted into that layout (as the `vdpbf16ps` tile does in
+   registers) into a buffer per share, once per call, and read back for every row block.
+
+   Each output is one accumulation over k blocks of 32 in order, within a block the pairs in
+   order, whatever the row count, the row's block or the share: a row's bits do not depend on
+   the other rows (they are not those of the `vdpbf16ps` tile: another summation order).
+   Linux hands out the tiles' state on request (arch_prctl), once per process. */
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define AMX_ROWS 32 /* rows per block: two x tiles */
+#define AMX_K 32    /* k per tile */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* 1 where prompt rows run on AMX tiles: the CPU has AMX-TILE and AMX-BF16 (and AVX512-BF16),
+   Linux grants the tile state, and OPENALICE_NATIVE_AMX is not 0, false, no or off. Decided once
+   per process. */
+int linear_amx(void) {
+    static int amx = -1;
+    if (amx < 0) {
+        const char *env = getenv("OPENALICE_NATIVE_AMX");
+        const int off = env && (!strcasecmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no") ||
+                                !strcasecmp(env, "off"));
+        unsigned a, b, c, d;
+        const int tiles = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
+        /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; fails where the kernel has no AMX support */
+        amx = !off && tiles && linear_bf16dp_supported() && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }
+    return amx;
+}
+
+typedef struct {
+    const uint16_t *w; /* packed panels */
+    const uint16_t *xb; /* x in bf16, M padded to AMX_ROWS with zero rows */
+    float *y;
+    int64_t M, N, K;
+    int wide;
+    _Atomic int failed; /* a share found no memory for its pairs */
+} amx_job;
+
+/* panel (16 outputs x K, steps k-major) -> K / 2 rows of 16 (k, k + 1) pairs */
+static AMX void amx_pairs(const uint16_t *panel, uint16_t *out, int64_t K, const __m512i idx) {
+    for (int64_t k = 0; k < K; k += 2)
+        _mm512_storeu_si512(out + k * PANEL, _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(panel + k * PANEL)));
+}
+
+static AMX void amx_share(void *ctx, int share, int shares) {
+    amx_job *job = (amx_job *)ctx;
+    const int64_t M = job->M, N = job->N, K = job->K;
+    const int64_t panels = N / PANEL, begin = panels * share / shares, end = panels * (share + 1) / shares;
+    if (begin == end) return;
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    uint16_t *pairs = (uint16_t *)aligned_alloc(64, 2 * PANEL * K * sizeof(uint16_t)); /* two panels */
+    if (!pairs) {
+        job->failed = 1;
+        return;
+    }
+    _tile_loadconfig(&cfg);
+    const __m512i idx = pair_index(job->wide, PANEL);
+    float scratch[AMX_ROWS * 2 * PANEL];
+    const int64_t xs = K * 2, ps = 2 * PANEL * 2; /* strides in bytes: rows of x, rows of pairs */
+    for (int64_t p = begin; p < end; p += 2) {
+        const int two = p + 1 < end;
+        const int64_t n0 = p * PANEL;
+        amx_pairs(job->w + n0 * K, pairs, K, idx);
+        if (two) amx_pairs(job->w + (n0 + PANEL) * K, pairs + PANEL * K, K, idx);
+        const uint16_t *b0 = pairs, *b1 = pairs + PANEL * K;
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+            const uint16_t *a = job->xb + m0 * K;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k0 = 0; k0 < K; k0 += AMX_K) {
+                _tile_loadd(4, a + k0, xs);
+                _tile_loadd(5, a + 16 * K + k0, xs);
+                _tile_loadd(6, b0 + k0 * PANEL, ps);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) {
+                    _tile_loadd(7, b1 + k0 * PANEL, ps);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            const int full = m0 + AMX_ROWS <= M;
+            float *out = full ? job->y + m0 * N + n0 : scratch;
+            const int64_t os = (full ? N : 2 * PANEL) * 4;
+            _tile_stored(0, out, os);
+            _tile_stored(2, out + 16 * (os / 4), os);
+            if (two) {
+                _tile_stored(1, out + PANEL, os);
+                _tile_stored(3, out + 16 * (os / 4) + PANEL, os);
+            }
+            if (!full)
+                for (int64_t i = 0; i < M - m0; i++)
+                    __builtin_memcpy(job->y + (m0 + i) * N + n0, scratch + i * 2 * PANEL, (two ? 2 : 1) * PANEL * 4);
+        }
+    }
+    free(pairs);
+    _tile_release();
+}
+
 /* y (M x N fp32) = bf16(x) @ w.T on packed bf16 panels; returns -1 where the CPU lacks
-   AVX512-BF16, -2 without memory for x's bf16 copy. */
+   AVX512-BF16, -2 without memory for x's bf16 copy or the AMX weight pairs. */
 int linear_bf16dp(const uint16_t *w, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
     if (!linear_bf16dp_supported()) return -1;
-    uint16_t *xb = (uint16_t *)aligned_alloc(64, ((M * K * 2 + 63) / 64) * 64);
+    /* AMX: whole tiles of k and pairs of panels' worth of columns (the model's shapes all are) */
+    const int amx = linear_amx() && K % AMX_K == 0 && N % PANEL == 0;
+    const int64_t rows = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;
+    uint16_t *xb = (uint16_t *)aligned_alloc(64, ((rows * K * 2 + 63) / 64) * 64);
     if (!xb) return -2;
     dp_job job = {w, x, xb, y, M, N, K};
     pool_run(dp_convert_share, &job);
-    pool_run(dp_share, &job);
+    if (amx) {
+        memset(xb + M * K, 0, (rows - M) * K * 2);
+        amx_job tiles = {w, xb, y, M, N, K, linear_wide(), 0};
+        pool_run(amx_share, &tiles);
+        if (tiles.failed) {
+            free(xb);
+            return -2;
+        }
+    } else {
+        pool_run(dp_share, &job);
+    }
     free(xb);
     return 0;
 }
