@@ -11,6 +11,8 @@ verify and tree rows get the bits they get in any pass, so `policy` equals `off`
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from openalice_runner.engine.llama import Linear, PromptRows
 from openalice_runner.engine.prefill_choice import PREFILL_MODES, choose_prefill, resolve_mode
 
 KERNELS = cpu_kernels()
+ROOT = Path(__file__).resolve().parents[2]
 # A hardware skip, not an install skip (tests/tiers.py): it stays a skip, with its reason, under CI=true.
 needs_dot = pytest.mark.skipif(KERNELS is None or not KERNELS.bf16_dot, reason="the CPU has no AVX512-BF16")
 
@@ -60,40 +63,51 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-@needs_dot
-def test_amx_tiles_run_prompt_rows_where_the_cpu_has_them():
-    """On a CPU with AMX-BF16 (and a Linux that grants its state) prompt rows run on the tiles;
-    OPENALICE_NATIVE_AMX=0 keeps them on `vdpbf16ps`. Both paths are bf16 products summed in fp32
-    (the bound of the test above), so they agree within twice it."""
-    import subprocess
-    import sys
-
-    assert KERNELS.amx == ("amx_bf16" in _cpu_flags() and "amx_tile" in _cpu_flags())
-    script = (
-        "import sys, torch\n"
-        "from openalice_runner.engine.cpu_kernels import cpu_kernels\n"
-        "k = cpu_kernels()\n"
-        "torch.manual_seed(5)\n"
-        "w = (torch.randn(576, 1536) * 0.05).to(torch.bfloat16)\n"
-        "x = torch.randn(45, 1536)\n"
-        "torch.save((k.amx, k.linear_bf16_rows(x, k.pack(w))), sys.argv[1])\n"
-    )
+def _linear_and_attention(kernels):
+    """A prompt's linear and attention on `kernels`, with their fp32 references."""
     torch.manual_seed(5)
     w = (torch.randn(576, 1536) * 0.05).to(torch.bfloat16)
     x = torch.randn(45, 1536)
-    here = KERNELS.linear_bf16_rows(x, KERNELS.pack(w))
+    keys = torch.randn(1, 3, 300, 64).to(torch.bfloat16)
+    values = torch.randn(1, 3, 300, 64).to(torch.bfloat16)
+    q = torch.randn(45, 9, 64)
+    slot, pos = torch.zeros(45, dtype=torch.long), torch.arange(200, 245)
+    return (kernels.linear_bf16_rows(x, kernels.pack(w)), kernels.attention_prompt(q, keys, values, slot, pos, 0.125),
+            x, w, kernels.attention(q, keys, values, slot, pos, 0.125))
+
+
+@needs_dot
+def test_amx_tiles_run_prompt_rows_where_the_cpu_has_them():
+    """On a CPU with AMX-BF16 (and a Linux that grants its state) prompt rows' linears and
+    attention run on the tiles; OPENALICE_NATIVE_AMX=0 keeps them on `vdpbf16ps`. Both paths are
+    bf16 products summed in fp32, each within its bound of the reference (the tests above), so
+    the two agree within twice it, whichever this CPU runs."""
     import os
+    import subprocess
+    import sys
     import tempfile
 
+    flags = _cpu_flags()
+    assert KERNELS.amx == ("amx_bf16" in flags and "amx_tile" in flags)
+    script = (
+        "import sys, torch\n"
+        "from openalice_runner.engine.cpu_kernels import cpu_kernels\n"
+        "from tests.engine.test_bf16_prefill import _linear_and_attention\n"
+        "k = cpu_kernels()\n"
+        "torch.save((k.amx, *_linear_and_attention(k)[:2]), sys.argv[1])\n"
+    )
+    here, attention_here, x, w, fp32 = _linear_and_attention(KERNELS)
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "dp.pt")
         env = {**os.environ, "OPENALICE_NATIVE_AMX": "0"}
-        subprocess.run([sys.executable, "-c", script, out], check=True, env=env, timeout=120)
-        amx_off, there = torch.load(out)
+        subprocess.run([sys.executable, "-c", script, out], check=True, env=env, timeout=120, cwd=ROOT)
+        amx_off, there, attention_there = torch.load(out)
     assert amx_off is False
     bound = 1536 * 2**-22 * (x.to(torch.bfloat16).double().abs() @ w.double().abs().t())
-    assert ((here.double() - there.double()).abs() <= 2 * bound + 1e-30).all()
     assert ((there.double() - reference(x, w)).abs() <= bound + 1e-30).all()
+    assert ((here.double() - there.double()).abs() <= 2 * bound + 1e-30).all()
+    assert (attention_there - fp32).abs().max().item() < 0.03
+    assert (attention_here - attention_there).abs().max().item() < 0.06
 
 
 @needs_dot

@@ -340,7 +340,14 @@ typedef struct {
     const int64_t *row_slot, *row_pos, *tile_start;
     int64_t tiles, n_heads, n_kv_heads, D, max_len;
     float scale;
+    _Atomic int failed; /* a share found no memory for its scratch */
 } prompt_job;
+
+typedef struct { /* an AMX tile configuration (palette 1) */
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
 
 /* tile (rows r0..r0+T-1, positions p0..), query head h */
 static BF16DP void prompt_tile(const prompt_job *job, int64_t r0, int64_t T, int64_t h, int32_t *qp, float *ot) {
@@ -429,10 +436,10 @@ static BF16DP void prompt_tile(const prompt_job *job, int64_t r0, int64_t T, int
 }
 
 static BF16DP void prompt_share(void *ctx, int share, int shares) {
-    const prompt_job *job = (const prompt_job *)ctx;
+    prompt_job *job = (prompt_job *)ctx;
     int32_t *qp = (int32_t *)aligned_alloc(64, sizeof(int32_t) * 64 * PT);
     float *ot = (float *)aligned_alloc(64, sizeof(float) * 128 * PT);
-    if (!qp || !ot) { free(qp); free(ot); return; }
+    if (!qp || !ot) { free(qp); free(ot); job->failed = 1; return; }
     /* tasks (tile, head) interleaved across shares: tiles late in a chunk see more keys */
     for (int64_t task = share; task < job->tiles * job->n_heads; task += shares) {
         const int64_t tile = task / job->n_heads, h = task % job->n_heads;
@@ -441,6 +448,153 @@ static BF16DP void prompt_share(void *ctx, int share, int shares) {
     }
     free(qp);
     free(ot);
+}
+
+/* ---- prompt rows on AMX tiles, where the CPU has them (linear_amx(), csrc/linear.c) ----------
+
+   The tiles above, 16 rows of one slot and one query head with lanes as rows, and the same lane-wise
+   online softmax, with the products on AMX in blocks of 32 keys: the scores come out transposed
+   (keys x rows, the lanes' layout) from the keys as they lie in the cache against q's (d, d + 1)
+   pairs; the weights, rounded to bf16, are transposed to rows x keys and multiplied with the
+   values' key pairs into fp32 tiles, which are added to the output rescaled per row. A block that
+   ends past the last key any row sees is copied with zero keys, so nothing past it is read. Each
+   row's bits depend only on its own position and the cache: lanes and tile rows do not mix. */
+#define AMXT __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx512dq")))
+#define AK 32 /* keys per block */
+#define AMX_D 128
+
+int linear_amx(void); /* csrc/linear.c */
+
+typedef struct {
+    int32_t qp[AMX_D / 2 * PT];      /* q pairs: qp[p * 16 + t] = (q[t][2p], q[t][2p + 1]) */
+    float s[AK * PT];                /* scores, keys x rows */
+    int32_t pt[PT * PT], p[PT * PT]; /* weights' key pairs: pairs x rows, then rows x pairs */
+    uint16_t vp[AMX_D * AK];         /* values' key pairs per 16 d: [d / 16][pair][d % 16][2] */
+    float pv[PT * AMX_D], o[PT * AMX_D]; /* this block's weights x values, the running output (rows x d) */
+    uint16_t kpad[AK * AMX_D], vpad[AK * AMX_D]; /* a last block's keys and values, zero past its end */
+} amx_scratch;
+
+static AMXT void amx_prompt_tile(const prompt_job *job, int64_t r0, int64_t T, int64_t h, amx_scratch *w) {
+    const int64_t D = job->D, DP = D / 2, G = job->n_heads / job->n_kv_heads;
+    const int64_t p0 = job->row_pos[r0], n_max = p0 + T;
+    const int64_t base = (job->row_slot[r0] * job->n_kv_heads + h / G) * job->max_len * D;
+    const uint16_t *K = job->keys + base, *V = job->values + base;
+    for (int64_t t = 0; t < PT; t++) { /* lanes past T copy row 0 */
+        const float *qr = job->q + ((r0 + (t < T ? t : 0)) * job->n_heads + h) * D;
+        for (int64_t p = 0; p < DP; p++)
+            w->qp[p * PT + t] = (int32_t)((uint32_t)to_bf16(qr[2 * p]) | ((uint32_t)to_bf16(qr[2 * p + 1]) << 16));
+    }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i last = _mm512_add_epi32(_mm512_set1_epi32((int)p0),
+                                          _mm512_maskz_mov_epi32(_cvtu32_mask16((1u << T) - 1u), lane));
+    const __m512 scale = _mm512_set1_ps(job->scale);
+    __m512i ileave, vlo, vhi; /* (P_j, P_j+1) per lane; values of keys a, b interleaved by d */
+    {
+        int16_t idx[32], lo[32], hi[32];
+        for (int t = 0; t < 16; t++) {
+            idx[2 * t] = (int16_t)t, idx[2 * t + 1] = (int16_t)(16 + t);
+            lo[2 * t] = (int16_t)t, lo[2 * t + 1] = (int16_t)(32 + t);
+            hi[2 * t] = (int16_t)(16 + t), hi[2 * t + 1] = (int16_t)(48 + t);
+        }
+        ileave = _mm512_loadu_si512(idx), vlo = _mm512_loadu_si512(lo), vhi = _mm512_loadu_si512(hi);
+    }
+    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+    for (int64_t i = 0; i < PT * D; i++) w->o[i] = 0.0f;
+    for (int64_t j0 = 0; j0 < n_max; j0 += AK) {
+        const int64_t nk = n_max - j0 < AK ? n_max - j0 : AK;
+        const uint16_t *kb = K + j0 * D, *vb = V + j0 * D;
+        if (nk < AK) {
+            __builtin_memcpy(w->kpad, kb, nk * D * 2);
+            __builtin_memcpy(w->vpad, vb, nk * D * 2);
+            __builtin_memset(w->kpad + nk * D, 0, (AK - nk) * D * 2);
+            __builtin_memset(w->vpad + nk * D, 0, (AK - nk) * D * 2);
+            kb = w->kpad, vb = w->vpad;
+        }
+        /* scores, transposed: tile 0 keys 0-15, tile 1 keys 16-31, lanes the rows */
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            _tile_loadd(5, w->qp + d0 / 2 * PT, 64);
+            _tile_loadd(4, kb + d0, D * 2);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(4, kb + 16 * D + d0, D * 2);
+            _tile_dpbf16ps(1, 4, 5);
+        }
+        _tile_stored(0, w->s, 64);
+        _tile_stored(1, w->s + 16 * PT, 64);
+        __m512 s[AK];
+        __mmask16 seen[AK];
+        __m512 mx = m;
+        for (int64_t j = 0; j < AK; j++) {
+            seen[j] = j < nk ? _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)(j0 + j)), last, _MM_CMPINT_LE) : 0;
+            s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen[j], _mm512_mul_ps(_mm512_loadu_ps(w->s + j * PT), scale));
+            mx = _mm512_max_ps(mx, s[j]);
+        }
+        const __m512 factor = exp_nonpositive_zmm(_mm512_sub_ps(m, mx));
+        m = mx;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < AK; j++) {
+            s[j] = _mm512_maskz_mov_ps(seen[j], exp_nonpositive_zmm(_mm512_sub_ps(s[j], m)));
+            sum = _mm512_add_ps(sum, s[j]);
+        }
+        l = _mm512_fmadd_ps(l, factor, sum);
+        /* weights to bf16 key pairs (pairs x rows), then rows x pairs: the tile's rows are q's rows */
+        for (int64_t jp = 0; jp < AK / 2; jp++)
+            _mm512_storeu_si512(w->pt + jp * PT,
+                                _mm512_permutexvar_epi16(ileave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * jp + 1], s[2 * jp])));
+        for (int64_t t = 0; t < PT; t++)
+            for (int64_t jp = 0; jp < AK / 2; jp++) w->p[t * PT + jp] = w->pt[jp * PT + t];
+        /* values' key pairs: for 16 d at a time, row jp holds (v[2jp][d], v[2jp + 1][d]) */
+        for (int64_t jp = 0; jp < AK / 2; jp++) {
+            const uint16_t *a = vb + 2 * jp * D, *b = a + D;
+            for (int64_t d0 = 0; d0 < D; d0 += 32) {
+                const __m512i za = _mm512_loadu_si512(a + d0), zb = _mm512_loadu_si512(b + d0);
+                _mm512_storeu_si512(w->vp + (d0 / 16 * (AK / 2) + jp) * 32, _mm512_permutex2var_epi16(za, vlo, zb));
+                _mm512_storeu_si512(w->vp + ((d0 / 16 + 1) * (AK / 2) + jp) * 32, _mm512_permutex2var_epi16(za, vhi, zb));
+            }
+        }
+        _tile_loadd(4, w->p, 64);
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            _tile_zero(0);
+            _tile_loadd(5, w->vp + d0 / 16 * (AK / 2) * 32, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_stored(0, w->pv + d0, D * 4);
+        }
+        float f[PT];
+        _mm512_storeu_ps(f, factor);
+        for (int64_t t = 0; t < PT; t++) {
+            const __m512 ft = _mm512_set1_ps(f[t]);
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_storeu_ps(w->o + t * D + d, _mm512_fmadd_ps(_mm512_loadu_ps(w->o + t * D + d), ft,
+                                                                   _mm512_loadu_ps(w->pv + t * D + d)));
+        }
+    }
+    float inv[PT];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    for (int64_t t = 0; t < T; t++) {
+        float *out = job->out + ((r0 + t) * job->n_heads + h) * D;
+        for (int64_t d = 0; d < D; d++) out[d] = w->o[t * D + d] * inv[t];
+    }
+}
+
+static AMXT void amx_prompt_share(void *ctx, int share, int shares) {
+    prompt_job *job = (prompt_job *)ctx;
+    amx_scratch *w = (amx_scratch *)aligned_alloc(64, sizeof(amx_scratch));
+    if (!w) {
+        job->failed = 1;
+        return;
+    }
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    for (int64_t task = share; task < job->tiles * job->n_heads; task += shares) {
+        const int64_t tile = task / job->n_heads, h = task % job->n_heads;
+        const int64_t r0 = job->tile_start[tile];
+        amx_prompt_tile(job, r0, job->tile_start[tile + 1] - r0, h, w);
+    }
+    _tile_release();
+    free(w);
 }
 
 int attention_prompt_supported(void) {
@@ -465,8 +619,8 @@ int attention_prompt(const float *q, const uint16_t *keys, const uint16_t *value
         if (!joins) tile_start[tiles++] = r;
     }
     tile_start[tiles] = R;
-    prompt_job job = {q, keys, values, out, row_slot, row_pos, tile_start, tiles, n_heads, n_kv_heads, D, max_len, scale};
-    pool_run(prompt_share, &job);
+    prompt_job job = {q, keys, values, out, row_slot, row_pos, tile_start, tiles, n_heads, n_kv_heads, D, max_len, scale, 0};
+    pool_run(linear_amx() ? amx_prompt_share : prompt_share, &job);
     free(tile_start);
-    return 0;
+    return job.failed ? -2 : 0;
 }
