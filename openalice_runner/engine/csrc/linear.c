@@ -143,8 +143,11 @@ DEFINE_LINEAR(linear_f32, float, tile_f32_16, tile_f32_8)
    instruction an 8-row pass costs about 1.4 one-row passes instead of 1.5, a 16-row one 2.1
    instead of 2.2 (whole passes, README), and a one-row pass is faster too. Each output is still an
    FMA chain over each block of KB k's from zero, the blocks' sums added in order, so it gets
-   the same bits as the AVX2 kernel. Full bf16 panels are stored in natural column order for
-   it (`pack_weight`); half panels (N % 16 == 8) keep the AVX2 tile. */
+   the same bits as the AVX2 kernel. Full bf16 panels are stored for it with their steps in
+   pairs (`pack_weight`, where K is even): 64 bytes hold steps k and k + 1 of the 16 outputs,
+   (k, k + 1) side by side per output, the layout `vdpbf16ps` and AMX tiles read as it is; this
+   tile widens step k from the pairs' low halves and k + 1 from their high halves, and runs the
+   same FMA chain. Half panels (N % 16 == 8) keep the AVX2 tile. */
 #define WROWS 12 /* input rows per AVX-512 register tile */
 #define AVX512 __attribute__((target("avx512f,avx512bw")))
 
@@ -153,14 +156,37 @@ static inline AVX512 __m512 load_bf16_zmm(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+/* whether a panel's steps are stored in pairs (see above) */
+static inline int paired(const int wide, const int64_t width, const int64_t K) {
+    return wide && width == PANEL && K % 2 == 0;
+}
+
 /* MM rows against NP (1 or 2) consecutive full panels; w0 and w1 are the panels' block starts. */
 static inline __attribute__((always_inline)) AVX512 void tile_bf16_zmm(
     const uint16_t *w0, const uint16_t *w1, const float *x, float *y, int64_t K, int64_t N, int64_t kn,
-    int first, const int MM, const int NP) {
+    int first, const int MM, const int NP, const int pairs) {
     __m512 acc[WROWS][2];
     for (int i = 0; i < MM; i++)
         for (int v = 0; v < NP; v++) acc[i][v] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kn; k++) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t k = 0; pairs && k < kn; k += 2) { /* kn is even */
+        _mm_prefetch((const char *)(w0 + k * PANEL) + PREFETCH_AHEAD, _MM_HINT_T0);
+        __m512 b[2][2]; /* [panel][step k, k + 1] */
+        __m512i v = _mm512_loadu_si512(w0 + k * PANEL);
+        b[0][0] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        b[0][1] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+        if (NP == 2) {
+            _mm_prefetch((const char *)(w1 + k * PANEL) + PREFETCH_AHEAD, _MM_HINT_T0);
+            v = _mm512_loadu_si512(w1 + k * PANEL);
+            b[1][0] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            b[1][1] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+        }
+        for (int i = 0; i < MM; i++) {
+            const __m512 a0 = _mm512_set1_ps(x[i * K + k]), a1 = _mm512_set1_ps(x[i * K + k + 1]);
+            for (int v = 0; v < NP; v++) acc[i][v] = _mm512_fmadd_ps(a1, b[v][1], _mm512_fmadd_ps(a0, b[v][0], acc[i][v]));
+        }
+    }
+    for (int64_t k = 0; !pairs && k < kn; k++) {
         _mm_prefetch((const char *)(w0 + k * PANEL) + PREFETCH_AHEAD, _MM_HINT_T0);
         __m512 b[2];
         b[0] = load_bf16_zmm(w0 + k * PANEL);
@@ -180,18 +206,18 @@ static inline __attribute__((always_inline)) AVX512 void tile_bf16_zmm(
         }
 }
 
-#define ZMM_CASE(MM) case MM: tile_bf16_zmm(w0, w1, xm, ym, K, N, kn, first, MM, NP); break;
+#define ZMM_CASE(MM) case MM: tile_bf16_zmm(w0, w1, xm, ym, K, N, kn, first, MM, NP, pairs); break;
 #define DEFINE_ZMM_ROWS(NAME, NP_)                                                               \
     static AVX512 void NAME(const uint16_t *w0, const uint16_t *w1, const float *x, float *y,     \
                             int64_t M, int64_t K, int64_t N, int64_t kn, int first) {             \
-        const int NP = NP_;                                                                      \
+        const int NP = NP_, pairs = paired(1, PANEL, K);                                         \
         for (int64_t m0 = 0; m0 < M; m0 += WROWS) {                                              \
             const float *xm = x + m0 * K;                                                        \
             float *ym = y + m0 * N;                                                              \
             switch (M - m0 < WROWS ? M - m0 : WROWS) {                                           \
             ZMM_CASE(12) ZMM_CASE(11) ZMM_CASE(10) ZMM_CASE(9) ZMM_CASE(8) ZMM_CASE(7)           \
             ZMM_CASE(6) ZMM_CASE(5) ZMM_CASE(4) ZMM_CASE(3) ZMM_CASE(2)                          \
-            default: tile_bf16_zmm(w0, w1, xm, ym, K, N, kn, first, 1, NP); break;               \
+            default: tile_bf16_zmm(w0, w1, xm, ym, K, N, kn, first, 1, NP, pairs); break;        \
             }                                                                                    \
         }                                                                                        \
     }
@@ -243,7 +269,8 @@ void linear_bf16(const uint16_t *w, const float *x, float *y, int64_t M, int64_t
 }
 
 /* w (N x K) row-major -> panels (see above). N % 8 == 0. `bf16`: 2-byte weights, else 4;
-   full bf16 panels in natural column order where the AVX-512 tile reads them. */
+   full bf16 panels with their steps in pairs where the AVX-512 tile reads them (K even), or in
+   natural column order (K odd). */
 void pack_weight(const void *w, void *out, int64_t N, int64_t K, int bf16) {
     const int wide = linear_wide();
     for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
@@ -251,7 +278,9 @@ void pack_weight(const void *w, void *out, int64_t N, int64_t K, int bf16) {
         for (int64_t k = 0; k < K; k++)
             for (int64_t j = 0; j < width; j++) {
                 const int64_t col = bf16 && width == PANEL && !wide ? BF16_ORDER[j] : j;
-                const int64_t from = (n0 + col) * K + k, to = n0 * K + k * width + j;
+                const int pairs = bf16 && paired(wide, width, K);
+                const int64_t from = (n0 + col) * K + k;
+                const int64_t to = n0 * K + (pairs ? (k / 2) * 2 * PANEL + 2 * j + k % 2 : k * width + j);
                 if (bf16)
                     ((uint16_t *)out)[to] = ((const uint16_t *)w)[from];
                 else
@@ -282,11 +311,12 @@ int linear_bf16dp_supported(void) {
 }
 
 /* the permute that turns steps k | k + 1 (16 + 16 bf16 of a panel) into 16 (k, k + 1) pairs;
-   the AVX2 layout's slots hold columns BF16_ORDER[slot] (its own inverse) */
+   the AVX2 layout's slots hold columns BF16_ORDER[slot] (its own inverse); panels stored in pairs
+   (the AVX-512 layout, K % 8 == 0 here) are in place already */
 static inline BF16DP __m512i pair_index(const int wide, const int width) {
     int16_t idx[32];
-    for (int j = 0; j < 32; j++) idx[j] = 0;
-    for (int j = 0; j < width; j++) {
+    for (int j = 0; j < 32; j++) idx[j] = wide && width == PANEL ? (int16_t)j : 0;
+    for (int j = 0; j < width && !(wide && width == PANEL); j++) {
         const int slot = width == PANEL && !wide ? BF16_ORDER[j] : j;
         idx[2 * j] = (int16_t)slot;
         idx[2 * j + 1] = (int16_t)(width + slot);
@@ -401,8 +431,9 @@ static BF16DP void dp_share(void *ctx, int share, int shares) {
    times the arithmetic per cycle. Rows go through in blocks of 32 (x's bf16 copy is padded
    with zero rows), columns in pairs of panels: four accumulator tiles, two of x, two of w.
    The weight tile wants each output's (k, k + 1) pairs side by side, 16 outputs to a 64-byte
-   row: the panel's steps are permuted into that layout (as the `vdpbf16ps` tile does in
-   registers) into a buffer per share, once per call, and read back for every row block.
+   row: the AVX-512 layout stores full panels so, and the tiles read them in place; the AVX2
+   layout's (OPENALICE_NATIVE_AVX512=0) are permuted into it in a buffer per share, once per
+   call, and read back for every row block.
 
    Each output is one accumulation over k blocks of 32 in order, within a block the pairs in
    order, whatever the row count, the row's block or the share: a row's bits do not depend on
@@ -461,8 +492,9 @@ static AMX void amx_share(void *ctx, int share, int shares) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
-    uint16_t *pairs = (uint16_t *)aligned_alloc(64, 2 * PANEL * K * sizeof(uint16_t)); /* two panels */
-    if (!pairs) {
+    /* panels stored in pairs are read in place; others are permuted into `pairs`, two at a time */
+    uint16_t *pairs = job->wide ? NULL : (uint16_t *)aligned_alloc(64, 2 * PANEL * K * sizeof(uint16_t));
+    if (!job->wide && !pairs) {
         job->failed = 1;
         return;
     }
@@ -473,9 +505,12 @@ static AMX void amx_share(void *ctx, int share, int shares) {
     for (int64_t p = begin; p < end; p += 2) {
         const int two = p + 1 < end;
         const int64_t n0 = p * PANEL;
-        amx_pairs(job->w + n0 * K, pairs, K, idx);
-        if (two) amx_pairs(job->w + (n0 + PANEL) * K, pairs + PANEL * K, K, idx);
-        const uint16_t *b0 = pairs, *b1 = pairs + PANEL * K;
+        const uint16_t *b0 = job->w + n0 * K, *b1 = b0 + PANEL * K;
+        if (!job->wide) {
+            amx_pairs(b0, pairs, K, idx);
+            if (two) amx_pairs(b1, pairs + PANEL * K, K, idx);
+            b0 = pairs, b1 = pairs + PANEL * K;
+        }
         for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
             const uint16_t *a = job->xb + m0 * K;
             _tile_zero(0);
