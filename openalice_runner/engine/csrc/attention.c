@@ -468,11 +468,35 @@ int linear_amx(void); /* csrc/linear.c */
 typedef struct {
     int32_t qp[AMX_D / 2 * PT];      /* q pairs: qp[p * 16 + t] = (q[t][2p], q[t][2p + 1]) */
     float s[AK * PT];                /* scores, keys x rows */
-    int32_t pt[PT * PT], p[PT * PT]; /* weights' key pairs: pairs x rows, then rows x pairs */
+    int32_t p[PT * PT];              /* the weights' key pairs, rows x pairs */
     uint16_t vp[AMX_D * AK];         /* values' key pairs per 16 d: [d / 16][pair][d % 16][2] */
     float pv[PT * AMX_D], o[PT * AMX_D]; /* this block's weights x values, the running output (rows x d) */
     uint16_t kpad[AK * AMX_D], vpad[AK * AMX_D]; /* a last block's keys and values, zero past its end */
 } amx_scratch;
+
+/* r[i] (16 rows of 16 dwords) -> r[j] = column j */
+static inline AMXT void transpose_16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++) /* 4 x 4 blocks are in place within 128-bit lanes: move the lanes */
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+    }
+}
 
 static AMXT void amx_prompt_tile(const prompt_job *job, int64_t r0, int64_t T, int64_t h, amx_scratch *w) {
     const int64_t D = job->D, DP = D / 2, G = job->n_heads / job->n_kv_heads;
@@ -539,11 +563,11 @@ static AMXT void amx_prompt_tile(const prompt_job *job, int64_t r0, int64_t T, i
         }
         l = _mm512_fmadd_ps(l, factor, sum);
         /* weights to bf16 key pairs (pairs x rows), then rows x pairs: the tile's rows are q's rows */
+        __m512i pairs[AK / 2];
         for (int64_t jp = 0; jp < AK / 2; jp++)
-            _mm512_storeu_si512(w->pt + jp * PT,
-                                _mm512_permutexvar_epi16(ileave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * jp + 1], s[2 * jp])));
-        for (int64_t t = 0; t < PT; t++)
-            for (int64_t jp = 0; jp < AK / 2; jp++) w->p[t * PT + jp] = w->pt[jp * PT + t];
+            pairs[jp] = _mm512_permutexvar_epi16(ileave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * jp + 1], s[2 * jp]));
+        transpose_16x16(pairs);
+        for (int64_t t = 0; t < PT; t++) _mm512_storeu_si512(w->p + t * PT, pairs[t]);
         /* values' key pairs: for 16 d at a time, row jp holds (v[2jp][d], v[2jp + 1][d]) */
         for (int64_t jp = 0; jp < AK / 2; jp++) {
             const uint16_t *a = vb + 2 * jp * D, *b = a + D;
