@@ -333,6 +333,30 @@ static inline uint16_t to_bf16(float f) { /* to nearest even (finite f) */
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* One block's step of the online softmax, lanes the rows: s[j] (the raw scores of key j0 + j; the
+   first nk are keys, the rest padding) become the block's weights, 0 where a row does not see the
+   key; the running max m and sum l move on. Returns the factor the output so far is rescaled by. */
+static inline __attribute__((always_inline)) BF16DP __m512 softmax_block(
+    __m512 *s, const int64_t n, const int64_t nk, const int64_t j0, const __m512i last, const __m512 scale, __m512 *m,
+    __m512 *l) {
+    __mmask16 seen[32];
+    __m512 mx = *m;
+    for (int64_t j = 0; j < n; j++) {
+        seen[j] = j < nk ? _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)(j0 + j)), last, _MM_CMPINT_LE) : 0;
+        s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen[j], _mm512_mul_ps(s[j], scale));
+        mx = _mm512_max_ps(mx, s[j]);
+    }
+    const __m512 factor = exp_nonpositive_zmm(_mm512_sub_ps(*m, mx));
+    *m = mx;
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = _mm512_maskz_mov_ps(seen[j], exp_nonpositive_zmm(_mm512_sub_ps(s[j], mx)));
+        sum = _mm512_add_ps(sum, s[j]);
+    }
+    *l = _mm512_fmadd_ps(*l, factor, sum);
+    return factor;
+}
+
 typedef struct {
     const float *q;
     const uint16_t *keys, *values;
@@ -392,21 +416,7 @@ static BF16DP void prompt_tile(const prompt_job *job, int64_t r0, int64_t T, int
             }
             s[j] = a0; if (kn > 1) s[j + 1] = a1; if (kn > 2) s[j + 2] = a2; if (kn > 3) s[j + 3] = a3;
         }
-        __mmask16 seen[PK];
-        __m512 mx = m;
-        for (int64_t j = 0; j < PK; j++) {
-            seen[j] = j < nk ? _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)(j0 + j)), last, _MM_CMPINT_LE) : 0;
-            s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen[j], _mm512_mul_ps(s[j], scale));
-            mx = _mm512_max_ps(mx, s[j]);
-        }
-        const __m512 factor = exp_nonpositive_zmm(_mm512_sub_ps(m, mx));
-        m = mx;
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < PK; j++) {
-            s[j] = _mm512_maskz_mov_ps(seen[j], exp_nonpositive_zmm(_mm512_sub_ps(s[j], m)));
-            sum = _mm512_add_ps(sum, s[j]);
-        }
-        l = _mm512_fmadd_ps(l, factor, sum);
+        const __m512 factor = softmax_block(s, PK, nk, j0, last, scale, &m, &l);
         /* value pairs, keys past the block's end zero (the cache there may hold anything) */
         for (int64_t jp = 0; jp < PK / 2; jp++) {
             const int64_t ja = j0 + 2 * jp, jb = ja + 1;
@@ -547,21 +557,8 @@ static AMXT void amx_prompt_tile(const prompt_job *job, int64_t r0, int64_t T, i
         _tile_stored(0, w->s, 64);
         _tile_stored(1, w->s + 16 * PT, 64);
         __m512 s[AK];
-        __mmask16 seen[AK];
-        __m512 mx = m;
-        for (int64_t j = 0; j < AK; j++) {
-            seen[j] = j < nk ? _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)(j0 + j)), last, _MM_CMPINT_LE) : 0;
-            s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen[j], _mm512_mul_ps(_mm512_loadu_ps(w->s + j * PT), scale));
-            mx = _mm512_max_ps(mx, s[j]);
-        }
-        const __m512 factor = exp_nonpositive_zmm(_mm512_sub_ps(m, mx));
-        m = mx;
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < AK; j++) {
-            s[j] = _mm512_maskz_mov_ps(seen[j], exp_nonpositive_zmm(_mm512_sub_ps(s[j], m)));
-            sum = _mm512_add_ps(sum, s[j]);
-        }
-        l = _mm512_fmadd_ps(l, factor, sum);
+        for (int64_t j = 0; j < AK; j++) s[j] = _mm512_loadu_ps(w->s + j * PT);
+        const __m512 factor = softmax_block(s, AK, nk, j0, last, scale, &m, &l);
         /* weights to bf16 key pairs (pairs x rows), then rows x pairs: the tile's rows are q's rows */
         __m512i pairs[AK / 2];
         for (int64_t jp = 0; jp < AK / 2; jp++)

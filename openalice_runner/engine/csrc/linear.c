@@ -251,12 +251,15 @@ static AVX512 void linear_bf16_zmm_share(void *ctx, int share, int shares) {
 
 /* 1 where the AVX-512 tile runs (the CPU has AVX-512 F and BW and OPENALICE_NATIVE_AVX512 is
    not 0, false, no or off), decided once per process: `pack_weight` lays bf16 panels out for it. */
+static int turned_off(const char *name) { /* the variable says 0, false, no or off */
+    const char *env = getenv(name);
+    return env && (!strcasecmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no") || !strcasecmp(env, "off"));
+}
+
 int linear_wide(void) {
     static int wide = -1;
     if (wide < 0) {
-        const char *env = getenv("OPENALICE_NATIVE_AVX512");
-        const int off = env && (!strcasecmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no") ||
-                                !strcasecmp(env, "off"));
+        const int off = turned_off("OPENALICE_NATIVE_AVX512");
         __builtin_cpu_init();
         wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && !off;
     }
@@ -455,9 +458,7 @@ typedef struct {
 int linear_amx(void) {
     static int amx = -1;
     if (amx < 0) {
-        const char *env = getenv("OPENALICE_NATIVE_AMX");
-        const int off = env && (!strcasecmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no") ||
-                                !strcasecmp(env, "off"));
+        const int off = turned_off("OPENALICE_NATIVE_AMX");
         unsigned a, b, c, d;
         const int tiles = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
         /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; fails where the kernel has no AMX support */
