@@ -249,12 +249,13 @@ static AVX512 void linear_bf16_zmm_share(void *ctx, int share, int shares) {
     }
 }
 
-/* 1 where the AVX-512 tile runs (the CPU has AVX-512 F and BW and OPENALICE_NATIVE_AVX512 is
-   not 0, false, no or off), decided once per process: `pack_weight` lays bf16 panels out for it. */
 static int turned_off(const char *name) { /* the variable says 0, false, no or off */
     const char *env = getenv(name);
     return env && (!strcasecmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no") || !strcasecmp(env, "off"));
 }
+
+/* 1 where the AVX-512 tile runs (the CPU has AVX-512 F and BW and OPENALICE_NATIVE_AVX512 is
+   not 0, false, no or off), decided once per process: `pack_weight` lays bf16 panels out for it. */
 
 int linear_wide(void) {
     static int wide = -1;
@@ -552,7 +553,7 @@ static AMX void amx_share(void *ctx, int share, int shares) {
    AVX512-BF16, -2 without memory for x's bf16 copy or the AMX weight pairs. */
 int linear_bf16dp(const uint16_t *w, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
     if (!linear_bf16dp_supported()) return -1;
-    /* AMX: whole tiles of k and pairs of panels' worth of columns (the model's shapes all are) */
+    /* AMX: whole tiles of k and whole panels of columns (the model's shapes all are) */
     const int amx = linear_amx() && K % AMX_K == 0 && N % PANEL == 0;
     const int64_t rows = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;
     uint16_t *xb = (uint16_t *)aligned_alloc(64, ((rows * K * 2 + 63) / 64) * 64);
