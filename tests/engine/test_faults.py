@@ -269,13 +269,29 @@ def test_a_fault_in_the_pass_spares_a_running_sequence_that_was_not_in_it(monkey
     sampling = SamplingParams(max_tokens=16)
     expected = engine.generate(long_prompt, sampling).token_ids
     real = engine.model.forward_rows
+    real_submit = scheduler.submit
     spared: list[set[int]] = []
+    submitted: list[object] = []
+    queued = threading.Event()  # both later requests wait for a batch slot
+
+    def submit(seq, *args, **kwargs):
+        request = real_submit(seq, *args, **kwargs)
+        submitted.append(request)
+        if len(submitted) == 3:
+            queued.set()
+        return request
 
     def forward_rows(tokens, cache, row_slot, row_pos, *args, **kwargs):
+        first = [r for r in scheduler._running if r.seq.sampling.max_tokens == 200]
+        if first and not first[0].prefilling:
+            # it decodes no further before both later prompts are queued: the next admission takes them
+            # together, and one waits for its chunk while it decodes (without this, a loaded machine
+            # could finish its 200 tokens before they arrive)
+            assert queued.wait(60), "the later requests were never submitted"
         # the decoding sequence's rows break every pass they are in, from the first pass that leaves a
         # running sequence out (a pass run again in halves pins the fault to it)
         outside = {r.seq.slot for r in scheduler._running} - set(row_slot)
-        decoding_rows = {r.seq.slot for r in scheduler._running if r.seq.sampling.max_tokens == 200} & set(row_slot)
+        decoding_rows = {r.seq.slot for r in first} & set(row_slot)
         if decoding_rows and (outside or spared):
             if not spared:
                 spared.append(outside)
@@ -283,6 +299,7 @@ def test_a_fault_in_the_pass_spares_a_running_sequence_that_was_not_in_it(monkey
         return real(tokens, cache, row_slot, row_pos, *args, **kwargs)
 
     monkeypatch.setattr(engine.model, "forward_rows", forward_rows)
+    monkeypatch.setattr(scheduler, "submit", submit)
     decoding = threading.Event()
 
     def first():
