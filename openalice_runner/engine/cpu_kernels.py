@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("linear.c", "attention.c", "rowwise.c", "argmax.c", "pool.c")]
-HEADERS = [CSRC / name for name in ("pool.h", "vec.h")]
+HEADERS = [CSRC / name for name in ("amx.h", "pool.h", "vec.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC"]
 DISABLE_ENV = "OPENALICE_NATIVE_KERNELS"
 

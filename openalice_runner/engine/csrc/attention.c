@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "amx.h"
 #include "pool.h"
 #include "vec.h"
 
@@ -367,11 +368,16 @@ typedef struct {
     _Atomic int failed; /* a share found no memory for its scratch */
 } prompt_job;
 
-typedef struct { /* an AMX tile configuration (palette 1) */
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
+/* the tile's q rows of head h as bf16 pairs, transposed: qp[p * PT + t] = (q[t][2p], q[t][2p + 1]);
+   lanes past T copy row 0 */
+static void q_pairs(const prompt_job *job, int64_t r0, int64_t T, int64_t h, int32_t *qp) {
+    const int64_t D = job->D;
+    for (int64_t t = 0; t < PT; t++) {
+        const float *qr = job->q + ((r0 + (t < T ? t : 0)) * job->n_heads + h) * D;
+        for (int64_t p = 0; p < D / 2; p++)
+            qp[p * PT + t] = (int32_t)((uint32_t)to_bf16(qr[2 * p]) | ((uint32_t)to_bf16(qr[2 * p + 1]) << 16));
+    }
+}
 
 /* tile (rows r0..r0+T-1, positions p0..), query head h */
 static BF16DP void prompt_tile(const prompt_job *job, int64_t r0, int64_t T, int64_t h, int32_t *qp, float *ot) {
@@ -379,12 +385,7 @@ static BF16DP void prompt_tile(const prompt_job *job, int64_t r0, int64_t T, int
     const int64_t p0 = job->row_pos[r0], n_max = p0 + T;
     const int64_t base = (job->row_slot[r0] * job->n_kv_heads + h / G) * job->max_len * D;
     const uint16_t *K = job->keys + base, *V = job->values + base;
-    /* q rows (bf16 pairs) transposed: qp[p * PT + t] = (q[t][2p], q[t][2p+1]); lanes past T copy row 0 */
-    for (int64_t t = 0; t < PT; t++) {
-        const float *qr = job->q + ((r0 + (t < T ? t : 0)) * job->n_heads + h) * D;
-        for (int64_t p = 0; p < DP; p++)
-            qp[p * PT + t] = (int32_t)((uint32_t)to_bf16(qr[2 * p]) | ((uint32_t)to_bf16(qr[2 * p + 1]) << 16));
-    }
+    q_pairs(job, r0, T, h, qp);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     /* each lane's last visible key: p0 + t (lanes past T: p0) */
     const __m512i last = _mm512_add_epi32(_mm512_set1_epi32((int)p0),
@@ -473,8 +474,6 @@ static BF16DP void prompt_share(void *ctx, int share, int shares) {
 #define AK 32 /* keys per block */
 #define AMX_D 128
 
-int linear_amx(void); /* csrc/linear.c */
-
 typedef struct {
     int32_t qp[AMX_D / 2 * PT];      /* q pairs: qp[p * 16 + t] = (q[t][2p], q[t][2p + 1]) */
     float s[AK * PT];                /* scores, keys x rows */
@@ -509,15 +508,11 @@ static inline AMXT void transpose_16x16(__m512i r[16]) {
 }
 
 static AMXT void amx_prompt_tile(const prompt_job *job, int64_t r0, int64_t T, int64_t h, amx_scratch *w) {
-    const int64_t D = job->D, DP = D / 2, G = job->n_heads / job->n_kv_heads;
+    const int64_t D = job->D, G = job->n_heads / job->n_kv_heads;
     const int64_t p0 = job->row_pos[r0], n_max = p0 + T;
     const int64_t base = (job->row_slot[r0] * job->n_kv_heads + h / G) * job->max_len * D;
     const uint16_t *K = job->keys + base, *V = job->values + base;
-    for (int64_t t = 0; t < PT; t++) { /* lanes past T copy row 0 */
-        const float *qr = job->q + ((r0 + (t < T ? t : 0)) * job->n_heads + h) * D;
-        for (int64_t p = 0; p < DP; p++)
-            w->qp[p * PT + t] = (int32_t)((uint32_t)to_bf16(qr[2 * p]) | ((uint32_t)to_bf16(qr[2 * p + 1]) << 16));
-    }
+    q_pairs(job, r0, T, h, w->qp);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i last = _mm512_add_epi32(_mm512_set1_epi32((int)p0),
                                           _mm512_maskz_mov_epi32(_cvtu32_mask16((1u << T) - 1u), lane));
@@ -605,9 +600,7 @@ static AMXT void amx_prompt_share(void *ctx, int share, int shares) {
         job->failed = 1;
         return;
     }
-    tile_config cfg = {0};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    const tile_config cfg = amx_tiles_16x64();
     _tile_loadconfig(&cfg);
     for (int64_t task = share; task < job->tiles * job->n_heads; task += shares) {
         const int64_t tile = task / job->n_heads, h = task % job->n_heads;

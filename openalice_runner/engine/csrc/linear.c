@@ -27,6 +27,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "amx.h"
 #include "pool.h"
 
 #define PANEL 16         /* output rows per panel */
@@ -447,12 +448,6 @@ static BF16DP void dp_share(void *ctx, int share, int shares) {
 #define AMX_ROWS 32 /* rows per block: two x tiles */
 #define AMX_K 32    /* k per tile */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* 1 where prompt rows run on AMX tiles: the CPU has AMX-TILE and AMX-BF16 (and AVX512-BF16),
    Linux grants the tile state, and OPENALICE_NATIVE_AMX is not 0, false, no or off. Decided once
    per process. */
@@ -488,12 +483,7 @@ static AMX void amx_share(void *ctx, int share, int shares) {
     const int64_t M = job->M, N = job->N, K = job->K;
     const int64_t panels = N / PANEL, begin = panels * share / shares, end = panels * (share + 1) / shares;
     if (begin == end) return;
-    tile_config cfg = {0};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
+    const tile_config cfg = amx_tiles_16x64();
     /* panels stored in pairs are read in place; others are permuted into `pairs`, two at a time */
     uint16_t *pairs = job->wide ? NULL : (uint16_t *)aligned_alloc(64, 2 * PANEL * K * sizeof(uint16_t));
     if (!job->wide && !pairs) {
