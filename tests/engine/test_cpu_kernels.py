@@ -64,6 +64,7 @@ for n, depth in [(104, 520), (40, 600), (64, 64), (8, 16)]:
     weight = k.pack(torch.randn(n, depth, generator=g).to(torch.bfloat16))
     for rows in (1, 2, 6, 7, 12, 13, 25):
         out["y"].append(k.linear(torch.randn(rows, depth, generator=g), weight))
+out["silu"] = [k.silu_mul(torch.randn(rows, 2 * inter, generator=g) * 8) for rows in (1, 40) for inter in (8, 24, 1536)]
 torch.save(out, sys.argv[1])
 """
 
@@ -83,6 +84,9 @@ def test_avx512_tile_gives_the_avx2_tiles_bits(kernels, tmp_path):
     assert got["1"]["wide"] and not got["0"]["wide"]
     assert len(got["1"]["y"]) == len(got["0"]["y"]) == 28
     for wide, narrow in zip(got["1"]["y"], got["0"]["y"], strict=True):
+        assert torch.equal(wide, narrow)
+    assert len(got["1"]["silu"]) == len(got["0"]["silu"]) == 6  # the SiLU gate's 16 lanes: the same bits too
+    for wide, narrow in zip(got["1"]["silu"], got["0"]["silu"], strict=True):
         assert torch.equal(wide, narrow)
 
 

@@ -88,10 +88,35 @@ static void silu_share(void *ctx, int share, int shares) {
     }
 }
 
+#define ZMM __attribute__((target("avx512f")))
+
+static inline ZMM __m512 silu_zmm(__m512 g) { /* silu's operations on 16 lanes: the same bits */
+    __m512 e = exp_nonpositive_zmm(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u))));
+    __m512 one = _mm512_set1_ps(1.0f);
+    __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+    return _mm512_mul_ps(g, _mm512_mask_blend_ps(positive, _mm512_mul_ps(e, inv), inv));
+}
+
+static ZMM void silu_share_zmm(void *ctx, int share, int shares) {
+    const silu_job *job = (const silu_job *)ctx;
+    int64_t n = job->inter, n16 = n & ~(int64_t)15;
+    for (int64_t r = job->rows * share / shares; r < job->rows * (share + 1) / shares; r++) {
+        const float *g = job->gate_up + r * 2 * n, *u = g + n;
+        float *o = job->out + r * n;
+        for (int64_t d = 0; d < n16; d += 16)
+            _mm512_storeu_ps(o + d, _mm512_mul_ps(silu_zmm(_mm512_loadu_ps(g + d)), _mm512_loadu_ps(u + d)));
+        for (int64_t d = n16; d < n; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_mul_ps(silu(_mm256_loadu_ps(g + d)), _mm256_loadu_ps(u + d)));
+    }
+}
+
+int linear_wide(void); /* linear.c: AVX-512 F and BW, and OPENALICE_NATIVE_AVX512 not off */
+
 /* out (rows, inter) = silu(gate) * up, gate_up (rows, 2 * inter) = [gate | up]; inter % 8 == 0. */
 void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter) {
     silu_job job = {gate_up, out, rows, inter};
-    run_rows(silu_share, &job, rows);
+    run_rows(linear_wide() ? silu_share_zmm : silu_share, &job, rows);
 }
 
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
@@ -102,19 +127,23 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch doe
     return (uint16_t)(bits >> 16);
 }
 
-/* Rotate the q and k heads of each row of qkv (rows, n_heads + 2 * n_kv, D) in place by the
-   row's rotary position (rope_pos[r], or row_pos[r] where rope_pos is NULL; HF rotate-half
-   layout; cos/sin (max_positions, D)), then store its k and v heads in the cache
-   (slots, n_kv, max_len, D), bf16 or fp32, at (row_slot[r], row_pos[r]). A tree node's rotary
-   position is its depth past the root, its cache position its index in the tree. */
-void rope_store(float *qkv, const float *cos_table, const float *sin_table, const int64_t *row_slot,
-                const int64_t *row_pos, const int64_t *rope_pos, int64_t rows, int64_t n_heads,
-                int64_t n_kv, int64_t D, void *keys, void *values, int64_t max_len, int kv_bf16) {
-    int64_t half = D / 2, width = n_heads + 2 * n_kv;
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t angle = rope_pos ? rope_pos[r] : row_pos[r];
-        const float *c = cos_table + angle * D, *s = sin_table + angle * D;
-        float *row = qkv + r * width * D;
+typedef struct {
+    float *qkv;
+    const float *cos_table, *sin_table;
+    const int64_t *row_slot, *row_pos, *rope_pos;
+    int64_t rows, n_heads, n_kv, D;
+    void *keys, *values;
+    int64_t max_len;
+    int kv_bf16;
+} rope_job;
+
+static void rope_share(void *ctx, int share, int shares) {
+    const rope_job *job = (const rope_job *)ctx;
+    const int64_t D = job->D, half = D / 2, n_heads = job->n_heads, n_kv = job->n_kv, width = n_heads + 2 * n_kv;
+    for (int64_t r = job->rows * share / shares; r < job->rows * (share + 1) / shares; r++) {
+        int64_t angle = job->rope_pos ? job->rope_pos[r] : job->row_pos[r];
+        const float *c = job->cos_table + angle * D, *s = job->sin_table + angle * D;
+        float *row = job->qkv + r * width * D;
         for (int64_t h = 0; h < n_heads + n_kv; h++) {
             float *x = row + h * D;
             for (int64_t d = 0; d < half; d++) {
@@ -125,17 +154,31 @@ void rope_store(float *qkv, const float *cos_table, const float *sin_table, cons
         }
         for (int64_t h = 0; h < n_kv; h++) {
             const float *k = row + (n_heads + h) * D, *v = row + (n_heads + n_kv + h) * D;
-            int64_t at = ((row_slot[r] * n_kv + h) * max_len + row_pos[r]) * D;
-            if (kv_bf16) {
-                uint16_t *kc = (uint16_t *)keys + at, *vc = (uint16_t *)values + at;
+            int64_t at = ((job->row_slot[r] * n_kv + h) * job->max_len + job->row_pos[r]) * D;
+            if (job->kv_bf16) {
+                uint16_t *kc = (uint16_t *)job->keys + at, *vc = (uint16_t *)job->values + at;
                 for (int64_t d = 0; d < D; d++) {
                     kc[d] = to_bf16(k[d]);
                     vc[d] = to_bf16(v[d]);
                 }
             } else {
-                __builtin_memcpy((float *)keys + at, k, sizeof(float) * D);
-                __builtin_memcpy((float *)values + at, v, sizeof(float) * D);
+                __builtin_memcpy((float *)job->keys + at, k, sizeof(float) * D);
+                __builtin_memcpy((float *)job->values + at, v, sizeof(float) * D);
             }
         }
     }
+}
+
+/* Rotate the q and k heads of each row of qkv (rows, n_heads + 2 * n_kv, D) in place by the
+   row's rotary position (rope_pos[r], or row_pos[r] where rope_pos is NULL; HF rotate-half
+   layout; cos/sin (max_positions, D)), then store its k and v heads in the cache
+   (slots, n_kv, max_len, D), bf16 or fp32, at (row_slot[r], row_pos[r]). A tree node's rotary
+   position is its depth past the root, its cache position its index in the tree. Rows write
+   distinct cache entries, so a prompt chunk's rows are shared among the workers. */
+void rope_store(float *qkv, const float *cos_table, const float *sin_table, const int64_t *row_slot,
+                const int64_t *row_pos, const int64_t *rope_pos, int64_t rows, int64_t n_heads,
+                int64_t n_kv, int64_t D, void *keys, void *values, int64_t max_len, int kv_bf16) {
+    rope_job job = {qkv, cos_table, sin_table, row_slot, row_pos, rope_pos, rows, n_heads, n_kv, D,
+                    keys, values, max_len, kv_bf16};
+    run_rows(rope_share, &job, rows);
 }
