@@ -505,30 +505,33 @@ static AMX void amx_share(void *ctx, int share, int shares) {
         }
         for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
             const uint16_t *a = job->xb + m0 * K;
+            const int lower = M - m0 > 16; /* a last block of 16 rows or fewer skips the lower row tile */
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t k0 = 0; k0 < K; k0 += AMX_K) {
                 _tile_loadd(4, a + k0, xs);
-                _tile_loadd(5, a + 16 * K + k0, xs);
                 _tile_loadd(6, b0 + k0 * PANEL, ps);
                 _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(2, 5, 6);
+                if (lower) {
+                    _tile_loadd(5, a + 16 * K + k0, xs);
+                    _tile_dpbf16ps(2, 5, 6);
+                }
                 if (two) {
                     _tile_loadd(7, b1 + k0 * PANEL, ps);
                     _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(3, 5, 7);
+                    if (lower) _tile_dpbf16ps(3, 5, 7);
                 }
             }
             const int full = m0 + AMX_ROWS <= M;
             float *out = full ? job->y + m0 * N + n0 : scratch;
             const int64_t os = (full ? N : 2 * PANEL) * 4;
             _tile_stored(0, out, os);
-            _tile_stored(2, out + 16 * (os / 4), os);
+            if (lower) _tile_stored(2, out + 16 * (os / 4), os);
             if (two) {
                 _tile_stored(1, out + PANEL, os);
-                _tile_stored(3, out + 16 * (os / 4) + PANEL, os);
+                if (lower) _tile_stored(3, out + 16 * (os / 4) + PANEL, os);
             }
             if (!full)
                 for (int64_t i = 0; i < M - m0; i++)
