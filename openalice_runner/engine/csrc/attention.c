@@ -162,18 +162,71 @@ static inline __attribute__((always_inline)) void score_block(const float *q, co
     _mm256_storeu_ps(s, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
 }
 
+/* ---- the G heads of a row together: for AVX-512 VL's 32 vector registers --------------------
+
+   score_block and the values' loop below load a key or value chunk for every head and every
+   FMA: two loads an FMA, so the loads set their pace. With 32 registers (the same ymm
+   instructions, AVX-512 VL's encoding) a row's G heads go together: each key chunk is loaded
+   once for G x KEY_BLOCK score chains, each value chunk once for G sums. Each chain is the same
+   FMAs on the same operands in the same order as the head-by-head loops: the same bits. (Reading
+   a lone row's keys straight from the cache instead of kv_block's widened copy was tried: no
+   faster in a whole pass.) */
+#define HEADS_MAX 3 /* 24 score chains + 3 q chunks + 1 key chunk: 28 of 32 registers */
+
+/* score_block for the G heads of one row (q + g * D) against the block kb: G rows of 8 scores at
+   s + g * stride. */
+static inline __attribute__((always_inline)) void score_heads(const float *q, const float *kb, float *s, int64_t stride,
+                                                              const int64_t D, const int64_t G, float scale) {
+    __m256 acc[HEADS_MAX][KEY_BLOCK];
+    for (int64_t g = 0; g < G; g++)
+        for (int kk = 0; kk < KEY_BLOCK; kk++) acc[g][kk] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 qd[HEADS_MAX];
+        for (int64_t g = 0; g < G; g++) qd[g] = _mm256_loadu_ps(q + g * D + d);
+        for (int kk = 0; kk < KEY_BLOCK; kk++) {
+            const __m256 kd = _mm256_loadu_ps(kb + kk * D + d);
+            for (int64_t g = 0; g < G; g++) acc[g][kk] = _mm256_fmadd_ps(qd[g], kd, acc[g][kk]);
+        }
+    }
+    for (int64_t g = 0; g < G; g++) _mm256_storeu_ps(s + g * stride, _mm256_mul_ps(hsum8(acc[g]), _mm256_set1_ps(scale)));
+}
+
+/* The values' loop for the G heads of one row: the block's first jn values (vb) weighted by
+   s + g * stride into the sums at a + g * D. */
+static inline __attribute__((always_inline)) void value_heads(const float *s, int64_t stride, const float *vb, int64_t jn,
+                                                              float *a, const int64_t D, const int64_t G) {
+    __m256 av[HEADS_MAX][MAX_DV];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t d = 0; d < D / 8; d++) av[g][d] = _mm256_loadu_ps(a + g * D + 8 * d);
+    for (int64_t jj = 0; jj < jn; jj++) {
+        __m256 p[HEADS_MAX];
+        for (int64_t g = 0; g < G; g++) p[g] = _mm256_set1_ps(s[g * stride + jj]);
+        for (int64_t d = 0; d < D / 8; d++) {
+            const __m256 vd = _mm256_loadu_ps(vb + jj * D + 8 * d);
+            for (int64_t g = 0; g < G; g++) av[g][d] = _mm256_fmadd_ps(p[g], vd, av[g][d]);
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t d = 0; d < D / 8; d++) _mm256_storeu_ps(a + g * D + 8 * d, av[g][d]);
+}
+
 /* Rows p0..p0+T-1 of one slot (row t sees keys 0..p0+t), the G heads of one KV head.
    q: row t's head g at q + t * q_stride + g * D; out likewise. s: T * G rows of `stride` floats;
-   acc: T * G * D floats; kb: KEY_BLOCK * D floats. */
+   acc: T * G * D floats; kb: KEY_BLOCK * D floats. `heads`: a row's heads together (score_heads,
+   value_heads; G <= HEADS_MAX), else one by one. */
 static inline __attribute__((always_inline)) void attend_tile(
     const float *q, int64_t q_stride, const void *k, const void *v, float *out, int64_t p0, int64_t T,
-    float *s, int64_t stride, float *acc, float *kb, const int64_t D, const int64_t G, float scale, const int bf16) {
+    float *s, int64_t stride, float *acc, float *kb, const int64_t D, const int64_t G, float scale, const int bf16,
+    const int heads) {
     const int64_t n_max = p0 + T;
     for (int64_t j0 = 0; j0 < n_max; j0 += KEY_BLOCK) {
         const float *keys = kv_block(k, j0, n_max - j0 < KEY_BLOCK ? n_max - j0 : KEY_BLOCK, D, bf16, kb);
         for (int64_t t = 0; t < T; t++) {
             if (j0 > p0 + t) continue; /* row t sees keys 0..p0+t */
-            for (int64_t g = 0; g < G; g++) score_block(q + t * q_stride + g * D, keys, s + (t * G + g) * stride + j0, D, scale);
+            if (heads)
+                score_heads(q + t * q_stride, keys, s + t * G * stride + j0, stride, D, G, scale);
+            else
+                for (int64_t g = 0; g < G; g++) score_block(q + t * q_stride + g * D, keys, s + (t * G + g) * stride + j0, D, scale);
         }
     }
     float inv[TILE_ROWS * MAX_GROUP];
@@ -186,6 +239,10 @@ static inline __attribute__((always_inline)) void attend_tile(
             int64_t jn = p0 + t + 1 - j0; /* this row's keys in the block */
             if (jn <= 0) continue;
             if (jn > KEY_BLOCK) jn = KEY_BLOCK;
+            if (heads) {
+                value_heads(s + t * G * stride + j0, stride, values, jn, acc + t * G * D, D, G);
+                continue;
+            }
             for (int64_t g = 0; g < G; g++) {
                 const float *sg = s + (t * G + g) * stride + j0;
                 float *a = acc + (t * G + g) * D;
@@ -206,16 +263,35 @@ static inline __attribute__((always_inline)) void attend_tile(
                                  _mm256_mul_ps(_mm256_loadu_ps(acc + (t * G + g) * D + d), _mm256_set1_ps(inv[t * G + g])));
 }
 
+/* SmolLM2's shape (head_dim 64, 3 heads per KV head) with a row's heads together, where AVX-512 VL
+   gives the registers for it. */
+static __attribute__((target("avx512f,avx512vl"))) void attend_tile_64_3_heads(
+    const float *q, int64_t q_stride, const void *k, const void *v, float *out, int64_t p0, int64_t T, float *s,
+    int64_t stride, float *acc, float *kb, float scale, int bf16) {
+    if (bf16) attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, 64, 3, scale, 1, 1);
+    else attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, 64, 3, scale, 0, 1);
+}
+
+int linear_wide(void); /* linear.c: AVX-512 F and BW, and OPENALICE_NATIVE_AVX512 not off */
+
+static int heads_together(void) {
+    static int wide = -1;
+    if (wide < 0) wide = linear_wide() && __builtin_cpu_supports("avx512vl");
+    return wide;
+}
+
 static void attend_tile_any(const float *q, int64_t q_stride, const void *k, const void *v, float *out, int64_t p0,
                             int64_t T, float *s, int64_t stride, float *acc, float *kb, int64_t D, int64_t G,
                             float scale, int bf16) {
-    if (D == 64 && G == 3) { /* SmolLM2, Llama 3: constants */
-        if (bf16) attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, 64, 3, scale, 1);
-        else attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, 64, 3, scale, 0);
+    if (D == 64 && G == 3 && heads_together()) {
+        attend_tile_64_3_heads(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, scale, bf16);
+    } else if (D == 64 && G == 3) { /* SmolLM2, Llama 3: constants */
+        if (bf16) attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, 64, 3, scale, 1, 0);
+        else attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, 64, 3, scale, 0, 0);
     } else if (bf16) {
-        attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, D, G, scale, 1);
+        attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, D, G, scale, 1, 0);
     } else {
-        attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, D, G, scale, 0);
+        attend_tile(q, q_stride, k, v, out, p0, T, s, stride, acc, kb, D, G, scale, 0, 0);
     }
 }
 
@@ -235,7 +311,16 @@ static int is_tree_row(const attention_job *job, int64_t r) {
     return job->tree_from && job->tree_from[r] < job->row_pos[r] + 1;
 }
 
-/* Tasks are (tile, KV head); shares take every shares-th task, so long and short rows mix. */
+/* A tile's work: its rows times the keys its last row sees. */
+static int64_t tile_work(const attention_job *job, int64_t tile) {
+    const int64_t r = job->tile_start[tile], last = job->tile_start[tile + 1] - 1;
+    return (last - r + 1) * (job->row_pos[last] + 1);
+}
+
+/* Tasks are (KV head, tile), a KV head's tiles one after another: a verify's tiles (4 + 4 + 1
+   rows) read the same keys and values, and a share that takes them in a row reads them from memory
+   once and then from its own cache. Each share takes a run of tasks holding about its part of the
+   work (tile_work), so long and short tiles still balance. */
 static void attention_share(void *ctx, int share, int shares) {
     const attention_job *job = (const attention_job *)ctx;
     int64_t group = job->n_heads / job->n_kv_heads, D = job->D, stride = job->stride;
@@ -243,8 +328,14 @@ static void attention_share(void *ctx, int share, int shares) {
     float *s = (float *)malloc(sizeof(float) * (size_t)(stride * group * TILE_ROWS + D * group * TILE_ROWS + D * KEY_BLOCK));
     if (!s) return;
     float *acc = s + stride * group * TILE_ROWS, *kb = acc + D * group * TILE_ROWS;
-    for (int64_t task = share; task < job->tiles * job->n_kv_heads; task += shares) {
-        int64_t tile = task / job->n_kv_heads, kvh = task % job->n_kv_heads;
+    int64_t work = 0, done = 0; /* all tasks' work; the work of the tasks before this one */
+    for (int64_t tile = 0; tile < job->tiles; tile++) work += tile_work(job, tile);
+    work *= job->n_kv_heads;
+    for (int64_t task = 0; task < job->tiles * job->n_kv_heads; task++) {
+        int64_t tile = task % job->tiles, kvh = task / job->tiles;
+        const int64_t w = tile_work(job, tile), mid = 2 * done + w; /* twice the task's midpoint */
+        done += w;
+        if (mid * shares / (2 * work) != share) continue; /* another share's part holds its midpoint */
         int64_t r = job->tile_start[tile], T = job->tile_start[tile + 1] - r;
         int64_t base = (job->row_slot[r] * job->n_kv_heads + kvh) * job->max_len * D * width;
         const char *k = (const char *)job->keys + base, *v = (const char *)job->values + base;
