@@ -65,6 +65,15 @@ for n, depth in [(104, 520), (40, 600), (64, 64), (8, 16)]:
     for rows in (1, 2, 6, 7, 12, 13, 25):
         out["y"].append(k.linear(torch.randn(rows, depth, generator=g), weight))
 out["silu"] = [k.silu_mul(torch.randn(rows, 2 * inter, generator=g) * 8) for rows in (1, 40) for inter in (8, 24, 1536)]
+# decode attention in SmolLM2's shape (9 heads on 3 KV heads of 64): a step, a verify, a mixed batch
+keys, values = torch.randn(3, 3, 300, 64, generator=g), torch.randn(3, 3, 300, 64, generator=g)
+out["attention"] = []
+for dtype in (torch.bfloat16, torch.float32):
+    for runs in (((1, 0, 1),), ((1, 250, 9),), ((2, 33, 5), (0, 100, 1), (1, 7, 13))):
+        slot = torch.cat([torch.full((n,), s, dtype=torch.long) for s, _, n in runs])
+        pos = torch.cat([torch.arange(p, p + n) for _, p, n in runs])
+        q = torch.randn(len(slot), 9, 64, generator=g)
+        out["attention"].append(k.attention(q, keys.to(dtype), values.to(dtype), slot, pos, 0.125))
 torch.save(out, sys.argv[1])
 """
 
@@ -87,6 +96,10 @@ def test_avx512_tile_gives_the_avx2_tiles_bits(kernels, tmp_path):
         assert torch.equal(wide, narrow)
     assert len(got["1"]["silu"]) == len(got["0"]["silu"]) == 6  # the SiLU gate's 16 lanes: the same bits too
     for wide, narrow in zip(got["1"]["silu"], got["0"]["silu"], strict=True):
+        assert torch.equal(wide, narrow)
+    # decode attention with a row's heads together (AVX-512 VL's registers): the same bits too
+    assert len(got["1"]["attention"]) == len(got["0"]["attention"]) == 6
+    for wide, narrow in zip(got["1"]["attention"], got["0"]["attention"], strict=True):
         assert torch.equal(wide, narrow)
 
 
