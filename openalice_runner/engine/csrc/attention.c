@@ -150,30 +150,17 @@ static inline __attribute__((always_inline)) const float *kv_block(
     return scratch;
 }
 
-/* One query head against a block of 8 keys: 8 scores (times scale) stored at s. */
-static inline __attribute__((always_inline)) void score_block(const float *q, const float *kb, float *s,
-                                                              const int64_t D, float scale) {
-    __m256 acc[KEY_BLOCK];
-    for (int k = 0; k < KEY_BLOCK; k++) acc[k] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qd = _mm256_loadu_ps(q + d);
-        for (int k = 0; k < KEY_BLOCK; k++) acc[k] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kb + k * D + d), acc[k]);
-    }
-    _mm256_storeu_ps(s, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
-}
+/* ---- a row's heads against a block: one at a time, or G together where 32 registers allow ------
 
-/* ---- the G heads of a row together: for AVX-512 VL's 32 vector registers --------------------
-
-   score_block and the values' loop below load a key or value chunk for every head and every
-   FMA: two loads an FMA, so the loads set their pace. With 32 registers (the same ymm
-   instructions, AVX-512 VL's encoding) a row's G heads go together: each key chunk is loaded
-   once for G x KEY_BLOCK score chains, each value chunk once for G sums. Each chain is the same
-   FMAs on the same operands in the same order as the head-by-head loops: the same bits. (Reading
-   a lone row's keys straight from the cache instead of kv_block's widened copy was tried: no
-   faster in a whole pass.) */
+   One head at a time loads a key or value chunk for every FMA: two loads an FMA, so the loads set
+   the pace. With AVX-512 VL's 32 registers (the same ymm instructions) a row's G heads go
+   together: each key chunk is loaded once for G x KEY_BLOCK score chains, each value chunk once
+   for G sums. Each chain is the same FMAs on the same operands in the same order either way: the
+   same bits. (Reading a lone row's keys straight from the cache instead of kv_block's widened
+   copy was tried: no faster in a whole pass.) */
 #define HEADS_MAX 3 /* 24 score chains + 3 q chunks + 1 key chunk: 28 of 32 registers */
 
-/* score_block for the G heads of one row (q + g * D) against the block kb: G rows of 8 scores at
+/* G heads of one row (q + g * D) against the block kb: G rows of 8 scores (times scale) at
    s + g * stride. */
 static inline __attribute__((always_inline)) void score_heads(const float *q, const float *kb, float *s, int64_t stride,
                                                               const int64_t D, const int64_t G, float scale) {
@@ -191,8 +178,8 @@ static inline __attribute__((always_inline)) void score_heads(const float *q, co
     for (int64_t g = 0; g < G; g++) _mm256_storeu_ps(s + g * stride, _mm256_mul_ps(hsum8(acc[g]), _mm256_set1_ps(scale)));
 }
 
-/* The values' loop for the G heads of one row: the block's first jn values (vb) weighted by
-   s + g * stride into the sums at a + g * D. */
+/* G heads of one row: the block's first jn values (vb) weighted by s + g * stride, added to the
+   sums at a + g * D. */
 static inline __attribute__((always_inline)) void value_heads(const float *s, int64_t stride, const float *vb, int64_t jn,
                                                               float *a, const int64_t D, const int64_t G) {
     __m256 av[HEADS_MAX][MAX_DV];
@@ -212,21 +199,19 @@ static inline __attribute__((always_inline)) void value_heads(const float *s, in
 
 /* Rows p0..p0+T-1 of one slot (row t sees keys 0..p0+t), the G heads of one KV head.
    q: row t's head g at q + t * q_stride + g * D; out likewise. s: T * G rows of `stride` floats;
-   acc: T * G * D floats; kb: KEY_BLOCK * D floats. `heads`: a row's heads together (score_heads,
-   value_heads; G <= HEADS_MAX), else one by one. */
+   acc: T * G * D floats; kb: KEY_BLOCK * D floats. `heads`: a row's G heads together (G <=
+   HEADS_MAX, 32 registers), else one by one. */
 static inline __attribute__((always_inline)) void attend_tile(
     const float *q, int64_t q_stride, const void *k, const void *v, float *out, int64_t p0, int64_t T,
     float *s, int64_t stride, float *acc, float *kb, const int64_t D, const int64_t G, float scale, const int bf16,
     const int heads) {
-    const int64_t n_max = p0 + T;
+    const int64_t n_max = p0 + T, hg = heads ? G : 1; /* heads per call */
     for (int64_t j0 = 0; j0 < n_max; j0 += KEY_BLOCK) {
         const float *keys = kv_block(k, j0, n_max - j0 < KEY_BLOCK ? n_max - j0 : KEY_BLOCK, D, bf16, kb);
         for (int64_t t = 0; t < T; t++) {
             if (j0 > p0 + t) continue; /* row t sees keys 0..p0+t */
-            if (heads)
-                score_heads(q + t * q_stride, keys, s + t * G * stride + j0, stride, D, G, scale);
-            else
-                for (int64_t g = 0; g < G; g++) score_block(q + t * q_stride + g * D, keys, s + (t * G + g) * stride + j0, D, scale);
+            for (int64_t g = 0; g < G; g += hg)
+                score_heads(q + t * q_stride + g * D, keys, s + (t * G + g) * stride + j0, stride, D, hg, scale);
         }
     }
     float inv[TILE_ROWS * MAX_GROUP];
@@ -239,21 +224,8 @@ static inline __attribute__((always_inline)) void attend_tile(
             int64_t jn = p0 + t + 1 - j0; /* this row's keys in the block */
             if (jn <= 0) continue;
             if (jn > KEY_BLOCK) jn = KEY_BLOCK;
-            if (heads) {
-                value_heads(s + t * G * stride + j0, stride, values, jn, acc + t * G * D, D, G);
-                continue;
-            }
-            for (int64_t g = 0; g < G; g++) {
-                const float *sg = s + (t * G + g) * stride + j0;
-                float *a = acc + (t * G + g) * D;
-                __m256 av[MAX_DV];
-                for (int64_t d = 0; d < D / 8; d++) av[d] = _mm256_loadu_ps(a + 8 * d);
-                for (int64_t jj = 0; jj < jn; jj++) {
-                    const __m256 p = _mm256_set1_ps(sg[jj]);
-                    for (int64_t d = 0; d < D / 8; d++) av[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(values + jj * D + 8 * d), av[d]);
-                }
-                for (int64_t d = 0; d < D / 8; d++) _mm256_storeu_ps(a + 8 * d, av[d]);
-            }
+            for (int64_t g = 0; g < G; g += hg)
+                value_heads(s + (t * G + g) * stride + j0, stride, values, jn, acc + (t * G + g) * D, D, hg);
         }
     }
     for (int64_t t = 0; t < T; t++)
