@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from openalice_runner.engine.huge_pages import HugePageArena
     from openalice_runner.engine.tree import TreeMask
 
 CSRC = Path(__file__).with_name("csrc")
@@ -84,15 +85,15 @@ class CpuKernels:
         """Whether the CPU has AVX512-BF16 dot products (`linear_bf16_rows`)."""
         return bool(self.library.linear_bf16dp_supported())
 
-    def pack(self, weight: torch.Tensor) -> PackedWeight:
+    def pack(self, weight: torch.Tensor, arena: HugePageArena | None = None) -> PackedWeight:
         """The weight (N, K), bf16 or fp32, in the layout `linear` reads (a copy; packed once
-        at load time)."""
+        at load time, into `arena` where given: huge_pages.py says why)."""
         weight = weight.detach().contiguous()
         n, k = weight.shape
         n_padded = -(-n // 8) * 8
         if n_padded != n:
             weight = torch.cat([weight, weight.new_zeros(n_padded - n, k)])
-        data = torch.empty(n_padded * k, dtype=weight.dtype)
+        data = torch.empty(n_padded * k, dtype=weight.dtype) if arena is None else arena.empty(n_padded * k, weight.dtype)
         self.library.pack_weight(weight.data_ptr(), data.data_ptr(), n_padded, k, weight.dtype == torch.bfloat16)
         return PackedWeight(data, n, n_padded, k)
 

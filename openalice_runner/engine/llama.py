@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from openalice_runner.engine.attention import attention_by_runs, attention_visible, runs_of
 from openalice_runner.engine.cpu_kernels import CpuKernels, cpu_kernels, unavailable_reason
+from openalice_runner.engine.huge_pages import HugePageArena
 from openalice_runner.engine.kv_cache import KVCache
 from openalice_runner.engine.tree import TreeMask
 
@@ -66,17 +67,19 @@ class Linear:
         split_multi_row: bool,
         kernels: CpuKernels | None = None,
         parts: list[torch.Tensor] | None = None,
+        arena: HugePageArena | None = None,
     ):
         """`parts`: tensors held elsewhere whose row-wise concatenation is `weight` (a fused
         q/k/v or gate/up). Where the kernels run this linear they read only the packed copy,
         so `weight` is not kept: other readers (an EAGLE head's initialisation) get it
-        re-fused from `parts`, and the fused copy's memory goes back."""
+        re-fused from `parts`, and the fused copy's memory goes back. `arena`: where the packed
+        copy goes (huge pages: huge_pages.py)."""
         self._weight = weight.contiguous()
         self.parts = None
         self.bias = None if bias is None else bias.float()
         self.kernels = kernels if kernels is not None and kernels.supports(self._weight) else None
         # the kernels read their own layout, packed once here (`weight` stays for other readers)
-        self.packed = None if self.kernels is None else self.kernels.pack(self._weight)
+        self.packed = None if self.kernels is None else self.kernels.pack(self._weight, arena)
         if self.kernels is not None and parts is not None:
             self._weight, self.parts = None, parts
         # fp32 copy for multi-row inputs (None: kernels in use, the stored weight is fp32
@@ -253,6 +256,7 @@ class LlamaModel:
         # with it, passes of prompt rows only also run attention on the bf16 dot products (q and
         # the softmax weights in bf16); passes that mix in decode rows keep the fp32 attention
         self.attention_bf16 = kernels is not None and kernels.bf16_dot
+        arena = HugePageArena()  # every pass reads all the packed weights: on 2 MiB pages
 
         def linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> Linear:
             # one weight is shared with the transformers module (no copy); several are fused,
@@ -262,7 +266,7 @@ class LlamaModel:
             b = None
             if biases and all(x is not None for x in biases):
                 b = torch.cat([x.detach() for x in biases], dim=0)
-            return Linear(w, b, split_multi_row, kernels, parts=parts if len(parts) > 1 else None)
+            return Linear(w, b, split_multi_row, kernels, parts=parts if len(parts) > 1 else None, arena=arena)
 
         self.layers: list[Layer] = []
         for layer in inner.layers:

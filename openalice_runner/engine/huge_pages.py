@@ -1,0 +1,62 @@
+"""Memory on 2 MiB pages for what every pass reads whole: the packed weights.
+
+A pass streams every weight, 270 MB for the default model. On 4 KiB pages that is 69,000 pages;
+their translations do not fit the TLB, so each pass walks the page tables as it goes, and after
+the machine did something else for a while (an agent's tool ran, another process ran) the tables
+themselves are no longer cached and every walk goes to memory: on a 2-core VM a 40-token prefill
+took 40 ms right after the last call, 100 ms after one idle second and 180 ms after three, the
+same C loop reading 270 MB 9-10 GB/s hot and 2-3 GB/s after 3 idle seconds, and 13-15 GB/s either
+way on 2 MiB pages (docs/benchmarks/2026-12-06-huge-pages.md).
+
+So the packed weights go in anonymous mappings advised `MADV_HUGEPAGE` before anything touches
+them, which the kernel backs with 2 MiB pages whenever the system allows THP on request
+(`/sys/kernel/mm/transparent_hugepage/enabled`: `always` or `madvise`); otherwise they are ordinary
+pages, as before. The weights are carved from chunks of at least `CHUNK_BYTES` so that weights
+smaller than a huge page share them; a chunk's unused tail is never touched and costs no memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from dataclasses import dataclass, field
+
+import torch
+
+HUGE_PAGE = 2 << 20
+CHUNK_BYTES = 64 << 20
+ALIGN = 64  # a cache line: the kernels read weights from their start with full-line loads
+
+
+def huge_mapping(nbytes: int) -> mmap.mmap:
+    """An anonymous private mapping of `nbytes`, advised to be backed by huge pages where the OS
+    has the advice (untouched: no page is resident until written)."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+    if advice is not None:
+        with contextlib.suppress(OSError):  # THP compiled out or refused: ordinary pages
+            mapping.madvise(advice)
+    return mapping
+
+
+@dataclass
+class HugePageArena:
+    """Hands out uninitialised tensors for the model's lifetime from huge-page mappings. A tensor
+    keeps its chunk alive (a view of the chunk's tensor); nothing is ever given back."""
+
+    chunk_bytes: int = CHUNK_BYTES
+    _chunk: torch.Tensor | None = field(default=None, repr=False)  # uint8 view of the current mapping
+    _used: int = 0
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        start = -(-self._used // ALIGN) * ALIGN
+        if self._chunk is None or start + nbytes > self._chunk.numel():
+            size = -(-max(self.chunk_bytes, nbytes) // HUGE_PAGE) * HUGE_PAGE
+            # a huge page backs only a 2 MiB-aligned 2 MiB of the mapping: one page more, to align
+            mapped = torch.frombuffer(huge_mapping(size + HUGE_PAGE), dtype=torch.uint8)  # holds the mapping
+            skip = -mapped.data_ptr() % HUGE_PAGE
+            self._chunk = mapped[skip : skip + size]
+            start = 0
+        self._used = start + nbytes
+        return self._chunk[start : start + nbytes].view(dtype)

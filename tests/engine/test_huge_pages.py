@@ -1,0 +1,87 @@
+"""The packed weights live on mappings advised MADV_HUGEPAGE (engine/huge_pages.py): every pass reads
+them whole, and on 4 KiB pages a pass after an idle second ran at a fraction of its speed (issue 49,
+docs/benchmarks/2026-12-06-huge-pages.md). Whether the kernel then backs them with huge pages depends
+on the system's THP setting and free memory, so these tests check what the runner controls: the
+advice on the mapping (the `hg` flag in /proc/self/smaps), alignment, and unchanged results."""
+
+from __future__ import annotations
+
+import mmap
+import platform
+
+import pytest
+import torch
+
+from openalice_runner.engine import Engine
+from openalice_runner.engine.cpu_kernels import cpu_kernels, unavailable_reason
+from openalice_runner.engine.huge_pages import ALIGN, HUGE_PAGE, HugePageArena
+
+ADVISED = hasattr(mmap, "MADV_HUGEPAGE")  # Linux
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    reason = unavailable_reason()
+    if reason is not None and (platform.machine() not in ("x86_64", "AMD64") or "AVX2" in reason):
+        pytest.skip(reason)  # hardware, not an install (tests/tiers.py): a skip under CI=true too
+    assert reason is None, reason
+    return cpu_kernels()
+
+
+def test_the_arena_hands_out_aligned_tensors_that_do_not_overlap():
+    arena = HugePageArena(chunk_bytes=4 * HUGE_PAGE)
+    sizes = [(1000, torch.bfloat16), (37, torch.float32), (3 * HUGE_PAGE // 2, torch.bfloat16), (5, torch.uint8),
+             (5 * HUGE_PAGE, torch.uint8)]  # the last is larger than a chunk: a chunk of its own
+    tensors = [arena.empty(n, dtype) for n, dtype in sizes]
+    spans = []
+    for t, (n, dtype) in zip(tensors, sizes, strict=True):
+        assert t.shape == (n,) and t.dtype == dtype and t.is_contiguous()
+        assert t.data_ptr() % ALIGN == 0
+        spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    spans.sort()
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
+    for i, t in enumerate(tensors):  # each keeps what is written to it
+        t.view(torch.uint8).fill_(i + 1)
+    assert all(bool((t.view(torch.uint8) == i + 1).all()) for i, t in enumerate(tensors))
+
+
+@pytest.mark.skipif(not ADVISED, reason="MADV_HUGEPAGE is Linux's: elsewhere the weights stay on ordinary pages")
+def test_the_arenas_chunks_start_on_a_huge_page_and_are_advised_huge():
+    arena = HugePageArena()
+    first = arena.empty(10, torch.bfloat16)
+    assert first.data_ptr() % HUGE_PAGE == 0  # a chunk's first 2 MiB can be one huge page
+    assert "hg" in _vm_flags(first.data_ptr())
+
+
+@pytest.mark.skipif(not ADVISED, reason="MADV_HUGEPAGE is Linux's: elsewhere the weights stay on ordinary pages")
+def test_every_packed_weight_of_a_model_is_on_an_advised_mapping(kernels):
+    engine = Engine.tiny_random(dtype="bf16", layers=2)
+    model = engine.model
+    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    linears.append(model.lm_head)
+    assert all(lin.packed is not None for lin in linears)
+    assert all("hg" in _vm_flags(lin.packed.data.data_ptr()) for lin in linears)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_weight_packed_into_the_arena_is_the_same_and_gives_the_same_bits(kernels, dtype):
+    torch.manual_seed(0)
+    weight = torch.randn(37, 600).to(dtype)  # padded to 40 rows
+    x = torch.randn(9, 600)
+    plain, arena = kernels.pack(weight), kernels.pack(weight, HugePageArena())
+    assert torch.equal(plain.data, arena.data) and (plain.n, plain.n_padded, plain.k) == (arena.n, arena.n_padded, arena.k)
+    assert torch.equal(kernels.linear(x, plain), kernels.linear(x, arena))
