@@ -1,24 +1,27 @@
 """Memory on 2 MiB pages for what every pass reads whole: the packed weights.
 
 A pass streams every weight, 270 MB for the default model. On 4 KiB pages that is 69,000 pages;
-their translations do not fit the TLB, so each pass walks the page tables as it goes, and after
-the machine did something else for a while (an agent's tool ran, another process ran) the tables
-themselves are no longer cached and every walk goes to memory: on a 2-core VM a 40-token prefill
-took 40 ms right after the last call, 100 ms after one idle second and 180 ms after three, the
-same C loop reading 270 MB 9-10 GB/s hot and 2-3 GB/s after 3 idle seconds, and 13-15 GB/s either
-way on 2 MiB pages (docs/benchmarks/2026-12-06-huge-pages.md).
+their translations do not fit the TLB, so each pass walks the page tables as it goes, and after the
+machine did something else for a while (an agent's tool ran, another process ran) the walks cost far
+more (the tables, presumably, no longer cached): on a 2-core VM a 40-token prefill took 40 ms right
+after the last call, 100 ms after one idle second and 180 ms after three, and a C loop read 270 MB
+at 7-10 GB/s hot and 2-5 GB/s after 3 idle seconds, 13-15 GB/s either way on 2 MiB pages
+(docs/benchmarks/2026-12-06-huge-pages.md).
 
 So the packed weights go in anonymous mappings advised `MADV_HUGEPAGE` before anything touches
 them, which the kernel backs with 2 MiB pages whenever the system allows THP on request
 (`/sys/kernel/mm/transparent_hugepage/enabled`: `always` or `madvise`); otherwise they are ordinary
 pages, as before. The weights are carved from chunks of at least `CHUNK_BYTES` so that weights
 smaller than a huge page share them; a chunk's unused tail is never touched and costs no memory.
+`OPENALICE_HUGE_PAGES=0` keeps them on malloc's memory (for side-by-side benchmarks:
+bench/huge_pages.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +29,12 @@ import torch
 HUGE_PAGE = 2 << 20
 CHUNK_BYTES = 64 << 20
 ALIGN = 64  # a cache line: the kernels read weights from their start with full-line loads
+DISABLE_ENV = "OPENALICE_HUGE_PAGES"
+
+
+def enabled() -> bool:
+    """False where OPENALICE_HUGE_PAGES says 0, false, no or off."""
+    return os.environ.get(DISABLE_ENV, "1").lower() not in ("0", "false", "no", "off")
 
 
 def huge_mapping(nbytes: int) -> mmap.mmap:

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from openalice_runner.engine import huge_pages
 from openalice_runner.engine.attention import attention_by_runs, attention_visible, runs_of
 from openalice_runner.engine.cpu_kernels import CpuKernels, cpu_kernels, unavailable_reason
-from openalice_runner.engine.huge_pages import HugePageArena
 from openalice_runner.engine.kv_cache import KVCache
 from openalice_runner.engine.tree import TreeMask
 
@@ -67,7 +67,7 @@ class Linear:
         split_multi_row: bool,
         kernels: CpuKernels | None = None,
         parts: list[torch.Tensor] | None = None,
-        arena: HugePageArena | None = None,
+        arena: huge_pages.HugePageArena | None = None,
     ):
         """`parts`: tensors held elsewhere whose row-wise concatenation is `weight` (a fused
         q/k/v or gate/up). Where the kernels run this linear they read only the packed copy,
@@ -256,7 +256,7 @@ class LlamaModel:
         # with it, passes of prompt rows only also run attention on the bf16 dot products (q and
         # the softmax weights in bf16); passes that mix in decode rows keep the fp32 attention
         self.attention_bf16 = kernels is not None and kernels.bf16_dot
-        arena = HugePageArena()  # every pass reads all the packed weights: on 2 MiB pages
+        arena = huge_pages.HugePageArena() if huge_pages.enabled() else None  # every pass reads them all
 
         def linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> Linear:
             # one weight is shared with the transformers module (no copy); several are fused,

@@ -85,3 +85,10 @@ def test_a_weight_packed_into_the_arena_is_the_same_and_gives_the_same_bits(kern
     plain, arena = kernels.pack(weight), kernels.pack(weight, HugePageArena())
     assert torch.equal(plain.data, arena.data) and (plain.n, plain.n_padded, plain.k) == (arena.n, arena.n_padded, arena.k)
     assert torch.equal(kernels.linear(x, plain), kernels.linear(x, arena))
+
+
+@pytest.mark.skipif(not ADVISED, reason="MADV_HUGEPAGE is Linux's: elsewhere the weights stay on ordinary pages")
+def test_openalice_huge_pages_0_keeps_the_packed_weights_off_the_arena(kernels, monkeypatch):
+    monkeypatch.setenv("OPENALICE_HUGE_PAGES", "0")
+    model = Engine.tiny_random(dtype="bf16", layers=1).model
+    assert "hg" not in _vm_flags(model.layers[0].gate_up.packed.data.data_ptr())
