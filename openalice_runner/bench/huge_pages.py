@@ -18,7 +18,6 @@ faster), and how much of the huge-page engine's packed weights the kernel did ba
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from openalice_runner.cli.common import write_report
 from openalice_runner.engine import Engine, SamplingParams, huge_pages
 
 SIDES = ("huge", "4k")
@@ -160,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--gaps must be >= 0, --rounds and --passes >= 1")
     report = run(gaps, args.rounds, args.passes, tiny=args.tiny)
     print(format_report(report))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(args.json_out, report)
     return 0
 
 

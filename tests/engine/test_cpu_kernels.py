@@ -5,7 +5,6 @@ off."""
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 
@@ -15,16 +14,6 @@ import torch
 from openalice_runner.engine import Engine, SamplingParams, SpecConfig
 from openalice_runner.engine.cpu_kernels import DISABLE_ENV, cpu_kernels, unavailable_reason
 from openalice_runner.engine.llama import LlamaModel
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    reason = unavailable_reason()
-    if reason is not None and (platform.machine() not in ("x86_64", "AMD64") or "AVX2" in reason):
-        pytest.skip(reason)  # hardware, not an install (tests/tiers.py): a skip under CI=true too
-    # on an x86-64 machine with AVX2 and a compiler (this project's machines) they must build
-    assert reason is None, reason
-    return cpu_kernels()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -7,13 +7,11 @@ advice on the mapping (the `hg` flag in /proc/self/smaps), alignment, and unchan
 from __future__ import annotations
 
 import mmap
-import platform
 
 import pytest
 import torch
 
 from openalice_runner.engine import Engine
-from openalice_runner.engine.cpu_kernels import cpu_kernels, unavailable_reason
 from openalice_runner.engine.huge_pages import ALIGN, HUGE_PAGE, HugePageArena
 
 ADVISED = hasattr(mmap, "MADV_HUGEPAGE")  # Linux
@@ -31,15 +29,6 @@ def _vm_flags(address: int) -> set[str]:
             elif inside and line.startswith("VmFlags:"):
                 return set(line.split()[1:])
     raise AssertionError(f"no mapping holds {address:#x}")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    reason = unavailable_reason()
-    if reason is not None and (platform.machine() not in ("x86_64", "AMD64") or "AVX2" in reason):
-        pytest.skip(reason)  # hardware, not an install (tests/tiers.py): a skip under CI=true too
-    assert reason is None, reason
-    return cpu_kernels()
 
 
 def test_the_arena_hands_out_aligned_tensors_that_do_not_overlap():
