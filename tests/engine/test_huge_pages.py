@@ -7,6 +7,7 @@ advice on the mapping (the `hg` flag in /proc/self/smaps), alignment, and unchan
 from __future__ import annotations
 
 import mmap
+import os
 
 import pytest
 import torch
@@ -14,7 +15,11 @@ import torch
 from openalice_runner.engine import Engine
 from openalice_runner.engine.huge_pages import ALIGN, HUGE_PAGE, HugePageArena
 
-ADVISED = hasattr(mmap, "MADV_HUGEPAGE")  # Linux
+# Linux with THP built into its kernel (a platform's property, not an install's: skipped elsewhere)
+ADVISED = hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+NO_THP = "no transparent huge pages here (not Linux, or a kernel without THP): the weights stay on ordinary pages"
 
 
 def _vm_flags(address: int) -> set[str]:
@@ -48,7 +53,7 @@ def test_the_arena_hands_out_aligned_tensors_that_do_not_overlap():
     assert all(bool((t.view(torch.uint8) == i + 1).all()) for i, t in enumerate(tensors))
 
 
-@pytest.mark.skipif(not ADVISED, reason="MADV_HUGEPAGE is Linux's: elsewhere the weights stay on ordinary pages")
+@pytest.mark.skipif(not ADVISED, reason=NO_THP)
 def test_the_arenas_chunks_start_on_a_huge_page_and_are_advised_huge():
     arena = HugePageArena()
     first = arena.empty(10, torch.bfloat16)
@@ -56,7 +61,7 @@ def test_the_arenas_chunks_start_on_a_huge_page_and_are_advised_huge():
     assert "hg" in _vm_flags(first.data_ptr())
 
 
-@pytest.mark.skipif(not ADVISED, reason="MADV_HUGEPAGE is Linux's: elsewhere the weights stay on ordinary pages")
+@pytest.mark.skipif(not ADVISED, reason=NO_THP)
 def test_every_packed_weight_of_a_model_is_on_an_advised_mapping(kernels):
     engine = Engine.tiny_random(dtype="bf16", layers=2)
     model = engine.model
@@ -76,7 +81,7 @@ def test_a_weight_packed_into_the_arena_is_the_same_and_gives_the_same_bits(kern
     assert torch.equal(kernels.linear(x, plain), kernels.linear(x, arena))
 
 
-@pytest.mark.skipif(not ADVISED, reason="MADV_HUGEPAGE is Linux's: elsewhere the weights stay on ordinary pages")
+@pytest.mark.skipif(not ADVISED, reason=NO_THP)
 def test_openalice_huge_pages_0_keeps_the_packed_weights_off_the_arena(kernels, monkeypatch):
     monkeypatch.setenv("OPENALICE_HUGE_PAGES", "0")
     model = Engine.tiny_random(dtype="bf16", layers=1).model
