@@ -93,7 +93,8 @@ class CpuKernels:
         n_padded = -(-n // 8) * 8
         if n_padded != n:
             weight = torch.cat([weight, weight.new_zeros(n_padded - n, k)])
-        data = torch.empty(n_padded * k, dtype=weight.dtype) if arena is None else arena.empty(n_padded * k, weight.dtype)
+        size = n_padded * k
+        data = torch.empty(size, dtype=weight.dtype) if arena is None else arena.empty(size, weight.dtype)
         self.library.pack_weight(weight.data_ptr(), data.data_ptr(), n_padded, k, weight.dtype == torch.bfloat16)
         return PackedWeight(data, n, n_padded, k)
 

@@ -12,7 +12,8 @@ So the packed weights go in anonymous mappings advised `MADV_HUGEPAGE` before an
 them, which the kernel backs with 2 MiB pages whenever the system allows THP on request
 (`/sys/kernel/mm/transparent_hugepage/enabled`: `always` or `madvise`); otherwise they are ordinary
 pages, as before. The weights are carved from chunks of at least `CHUNK_BYTES` so that weights
-smaller than a huge page share them; a chunk's unused tail is never touched and costs no memory.
+smaller than a huge page share them; a chunk's tail past its last used 2 MiB is never touched and
+costs no memory.
 `OPENALICE_HUGE_PAGES=0` keeps them on malloc's memory (for side-by-side benchmarks:
 bench/huge_pages.py).
 """
