@@ -58,18 +58,8 @@ def huge_backed_bytes(engine: Engine) -> tuple[int, int]:
     linears.append(model.lm_head)
     packed = [lin.packed.data for lin in linears if lin.packed is not None]
     total = sum(t.numel() * t.element_size() for t in packed)
-    starts = {t.data_ptr() for t in packed}
-    backed, inside, counted = 0, False, set()
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = any(lo <= s < hi for s in starts) and (lo, hi) not in counted
-                if inside:
-                    counted.add((lo, hi))
-            elif inside and line.startswith("AnonHugePages:"):
-                backed += int(line.split()[1]) * 1024
+    chunks = {(m.start, m.end): m for m in map(huge_pages.mapping_of, (t.data_ptr() for t in packed))}
+    backed = sum(m.anon_huge_bytes for m in chunks.values())  # the arena's chunks, each once
     return backed, total
 
 

@@ -49,6 +49,38 @@ def huge_mapping(nbytes: int) -> mmap.mmap:
     return mapping
 
 
+@dataclass(frozen=True)
+class Mapping:
+    """One mapping of this process as /proc/self/smaps gives it (Linux): what benchmarks and tests read
+    to see whether the advice took."""
+
+    start: int
+    end: int
+    flags: frozenset[str]  # VmFlags: `hg` where advised MADV_HUGEPAGE
+    anon_huge_bytes: int  # AnonHugePages: how much of it the kernel backs with huge pages
+
+
+def mapping_of(address: int) -> Mapping:
+    """The mapping that holds `address` (LookupError where none does)."""
+    found: dict[str, int | set[str]] | None = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                if found is not None:
+                    break
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                if lo <= address < hi:
+                    found = {"start": lo, "end": hi, "flags": set(), "anon_huge_bytes": 0}
+            elif found is not None and line.startswith("AnonHugePages:"):
+                found["anon_huge_bytes"] = int(line.split()[1]) * 1024
+            elif found is not None and line.startswith("VmFlags:"):
+                found["flags"] = set(line.split()[1:])
+    if found is None:
+        raise LookupError(f"no mapping of this process holds {address:#x}")
+    return Mapping(found["start"], found["end"], frozenset(found["flags"]), found["anon_huge_bytes"])
+
+
 @dataclass
 class HugePageArena:
     """Hands out uninitialised tensors for the model's lifetime from huge-page mappings. A tensor

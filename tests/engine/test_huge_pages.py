@@ -13,27 +13,13 @@ import pytest
 import torch
 
 from openalice_runner.engine import Engine
-from openalice_runner.engine.huge_pages import ALIGN, HUGE_PAGE, HugePageArena
+from openalice_runner.engine.huge_pages import ALIGN, HUGE_PAGE, HugePageArena, mapping_of
 
 # Linux with THP built into its kernel (a platform's property, not an install's: skipped elsewhere)
 ADVISED = hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 NO_THP = "no transparent huge pages here (not Linux, or a kernel without THP): the weights stay on ordinary pages"
-
-
-def _vm_flags(address: int) -> set[str]:
-    """The VmFlags of the mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("VmFlags:"):
-                return set(line.split()[1:])
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_the_arena_hands_out_aligned_tensors_that_do_not_overlap():
@@ -58,7 +44,7 @@ def test_the_arenas_chunks_start_on_a_huge_page_and_are_advised_huge():
     arena = HugePageArena()
     first = arena.empty(10, torch.bfloat16)
     assert first.data_ptr() % HUGE_PAGE == 0  # a chunk's first 2 MiB can be one huge page
-    assert "hg" in _vm_flags(first.data_ptr())
+    assert "hg" in mapping_of(first.data_ptr()).flags
 
 
 @pytest.mark.skipif(not ADVISED, reason=NO_THP)
@@ -68,7 +54,7 @@ def test_every_packed_weight_of_a_model_is_on_an_advised_mapping(kernels):
     linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     linears.append(model.lm_head)
     assert all(lin.packed is not None for lin in linears)
-    assert all("hg" in _vm_flags(lin.packed.data.data_ptr()) for lin in linears)
+    assert all("hg" in mapping_of(lin.packed.data.data_ptr()).flags for lin in linears)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -85,4 +71,4 @@ def test_a_weight_packed_into_the_arena_is_the_same_and_gives_the_same_bits(kern
 def test_openalice_huge_pages_0_keeps_the_packed_weights_off_the_arena(kernels, monkeypatch):
     monkeypatch.setenv("OPENALICE_HUGE_PAGES", "0")
     model = Engine.tiny_random(dtype="bf16", layers=1).model
-    assert "hg" not in _vm_flags(model.layers[0].gate_up.packed.data.data_ptr())
+    assert "hg" not in mapping_of(model.layers[0].gate_up.packed.data.data_ptr()).flags
