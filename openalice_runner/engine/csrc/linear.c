@@ -10,7 +10,11 @@
    (BLIS-style); widening bf16 is two unpacks per step, shared by all rows of the tile (the
    panel's order is permuted so that the unpacks land columns 0-7 and 8-15 in place).
    - One row (decode) streams the weight from memory once; the panels are read in order and
-     prefetched ahead.
+     prefetched ahead. Each output's sum is one FMA chain, so a one-row tile over one panel has
+     only 2 chains in flight and waits on the FMA's latency (on an AMD EPYC, 4 cycles a step);
+     one or two rows therefore take several panels at once (FEW_PANELS), the same chains side
+     by side: 1.5-1.7x on weights in cache (a draft model, a head), 1.08-1.13x on the default
+     model's, which come from memory (docs/benchmarks/2026-12-07-avx2-loops.md).
    - Several rows reuse each panel step from registers, and across row tiles from L1 (k runs in
      blocks of KB), so a verify or a batch of 8 costs little more than one row, and a prefill
      runs at arithmetic speed.
@@ -83,6 +87,61 @@ DEFINE_TILE(tile_bf16_8, uint16_t, 1, load_bf16_8)
 DEFINE_TILE(tile_f32_16, float, 2, load_f32_16)
 DEFINE_TILE(tile_f32_8, float, 1, load_f32_8)
 
+/* MM (1 or 2) rows against NP full panels side by side (`pstride` elements apart): 2 * MM * NP
+   FMA chains in flight instead of 2 * MM, each output still its own chain in the same order. */
+#define FEW_PANELS 4 /* panels side by side for one row (two rows take 2): 8 chains */
+#define DEFINE_FEW_TILE(NAME, WTYPE, LOAD)                                                        \
+    static inline __attribute__((always_inline)) void NAME(                                      \
+        const WTYPE *wp, int64_t pstride, const float *x, float *y, int64_t K, int64_t N, int64_t kn, \
+        int first, const int MM, const int NP) {                                                 \
+        __m256 acc[2][FEW_PANELS][2];                                                            \
+        for (int i = 0; i < MM; i++)                                                             \
+            for (int p = 0; p < NP; p++) acc[i][p][0] = acc[i][p][1] = _mm256_setzero_ps();      \
+        for (int64_t k = 0; k < kn; k++) {                                                       \
+            __m256 a[2];                                                                         \
+            for (int i = 0; i < MM; i++) a[i] = _mm256_broadcast_ss(x + i * K + k);              \
+            for (int p = 0; p < NP; p++) {                                                       \
+                const WTYPE *step = wp + p * pstride + k * PANEL;                                \
+                _mm_prefetch((const char *)step + PREFETCH_AHEAD, _MM_HINT_T0);                  \
+                __m256 b[2];                                                                     \
+                LOAD(step, b);                                                                   \
+                for (int i = 0; i < MM; i++)                                                     \
+                    for (int v = 0; v < 2; v++) acc[i][p][v] = _mm256_fmadd_ps(a[i], b[v], acc[i][p][v]); \
+            }                                                                                    \
+        }                                                                                        \
+        for (int i = 0; i < MM; i++)                                                             \
+            for (int p = 0; p < NP; p++)                                                         \
+                for (int v = 0; v < 2; v++) {                                                    \
+                    float *out = y + i * N + p * PANEL + 8 * v;                                  \
+                    _mm256_storeu_ps(out, first ? acc[i][p][v] : _mm256_add_ps(_mm256_loadu_ps(out), acc[i][p][v])); \
+                }                                                                                \
+    }
+
+DEFINE_FEW_TILE(few_bf16, uint16_t, load_bf16_16)
+DEFINE_FEW_TILE(few_f32, float, load_f32_16)
+
+/* NP consecutive full panels from n0 for M (1 or 2) rows, over every k block */
+#define FEW_ROWS(FEW, WTYPE)                                                                     \
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {                                                     \
+        const int64_t kn = K - k0 < KB ? K - k0 : KB;                                            \
+        const int first = k0 == 0;                                                               \
+        const WTYPE *wp = (const WTYPE *)job->w + n0 * K + k0 * PANEL;                           \
+        const float *xm = x + k0;                                                                \
+        float *ym = y + n0;                                                                      \
+        if (M == 1) {                                                                            \
+            switch (np) {                                                                        \
+            case 4: FEW(wp, PANEL * K, xm, ym, K, N, kn, first, 1, 4); break;                    \
+            case 3: FEW(wp, PANEL * K, xm, ym, K, N, kn, first, 1, 3); break;                    \
+            case 2: FEW(wp, PANEL * K, xm, ym, K, N, kn, first, 1, 2); break;                    \
+            default: FEW(wp, PANEL * K, xm, ym, K, N, kn, first, 1, 1); break;                   \
+            }                                                                                    \
+        } else if (np == 2) {                                                                    \
+            FEW(wp, PANEL * K, xm, ym, K, N, kn, first, 2, 2);                                   \
+        } else {                                                                                 \
+            FEW(wp, PANEL * K, xm, ym, K, N, kn, first, 2, 1);                                   \
+        }                                                                                        \
+    }
+
 #define ROW_TILES(TILE)                                                                          \
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {                                                   \
         const float *xm = x + m0 * K + k0;                                                       \
@@ -106,14 +165,24 @@ typedef struct {
 
 /* Each share takes a contiguous run of panels: panel p holds outputs 16p.. and starts at
    w + 16p * K (a full panel is 16 K weights, the last one of an N % 16 == 8 weight 8 K). */
-#define DEFINE_LINEAR(NAME, WTYPE, TILE16, TILE8)                                                \
+#define DEFINE_LINEAR(NAME, WTYPE, TILE16, TILE8, FEW)                                           \
     static void NAME##_share(void *ctx, int share, int shares) {                                 \
         const linear_job *job = (const linear_job *)ctx;                                         \
         const float *x = job->x;                                                                 \
         float *y = job->y;                                                                       \
         const int64_t M = job->M, N = job->N, K = job->K;                                        \
-        const int64_t panels = (N + PANEL - 1) / PANEL;                                          \
-        for (int64_t p = panels * share / shares; p < panels * (share + 1) / shares; p++) {      \
+        const int64_t panels = (N + PANEL - 1) / PANEL, full = N / PANEL;                        \
+        const int64_t end = panels * (share + 1) / shares;                                       \
+        int64_t p = panels * share / shares;                                                     \
+        if (M <= 2) { /* full panels a few at a time; a half panel in the loop below */          \
+            const int64_t group = M == 1 ? FEW_PANELS : 2, stop = end < full ? end : full;       \
+            for (int64_t np; p < stop; p += np) {                                                \
+                const int64_t n0 = p * PANEL;                                                    \
+                np = stop - p < group ? stop - p : group;                                        \
+                FEW_ROWS(FEW, WTYPE)                                                             \
+            }                                                                                    \
+        }                                                                                        \
+        for (; p < end; p++) {                                                                   \
             const int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;               \
             const WTYPE *panel = (const WTYPE *)job->w + n0 * K;                                 \
             for (int64_t k0 = 0; k0 < K; k0 += KB) {                                             \
@@ -133,8 +202,8 @@ typedef struct {
         pool_run(NAME##_share, &job);                                                            \
     }
 
-DEFINE_LINEAR(linear_bf16_avx2, uint16_t, tile_bf16_16, tile_bf16_8)
-DEFINE_LINEAR(linear_f32, float, tile_f32_16, tile_f32_8)
+DEFINE_LINEAR(linear_bf16_avx2, uint16_t, tile_bf16_16, tile_bf16_8, few_bf16)
+DEFINE_LINEAR(linear_f32, float, tile_f32_16, tile_f32_8, few_f32)
 
 /* AVX-512 (where the CPU has it): the same sums in the same order, twice the arithmetic.
 
