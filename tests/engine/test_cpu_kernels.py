@@ -44,6 +44,14 @@ def test_row_results_do_not_depend_on_row_count(kernels, dtype, n):
             assert torch.equal(alone[r], together[r - first]), (first, end, r)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_no_rows_give_an_empty_result(kernels, dtype):
+    """A pass may hold no rows of a linear: nothing is written (one- and two-row tiles do not run)."""
+    weight = kernels.pack(torch.randn(232, 520).to(dtype))
+    got = kernels.linear(torch.randn(0, 520), weight)
+    assert got.shape == (0, 232)
+
+
 _LINEAR_BITS = """
 import sys, torch
 from openalice_runner.engine.cpu_kernels import cpu_kernels

@@ -174,7 +174,7 @@ typedef struct {
         const int64_t panels = (N + PANEL - 1) / PANEL, full = N / PANEL;                        \
         const int64_t end = panels * (share + 1) / shares;                                       \
         int64_t p = panels * share / shares;                                                     \
-        if (M <= 2) { /* full panels a few at a time; a half panel in the loop below */          \
+        if (M == 1 || M == 2) { /* full panels a few at a time; a half panel in the loop below */ \
             const int64_t group = M == 1 ? FEW_PANELS : 2, stop = end < full ? end : full;       \
             for (int64_t np; p < stop; p += np) {                                                \
                 const int64_t n0 = p * PANEL;                                                    \
