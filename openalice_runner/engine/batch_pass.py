@@ -87,7 +87,7 @@ def run_pass(model: LlamaModel, cache: KVCache, rows: PassRows, costs: PassCostM
     # only eagle-3 drafters ask for taps, and tree drafters for a mask: other models need not know
     extra = {} if tree is None else {"tree": tree}
     spans = [(plan.first, plan.first + plan.count) for plan in plans if plan.round is None]
-    if spans and getattr(model, "prefill_bf16", False):  # prompt rows in bf16; decode rows keep their bits
+    if spans and getattr(model, "prompt_kernels", False):  # prompt rows on their own kernels; decode rows keep their bits
         extra["prompt_spans"] = spans
     feed = torch.tensor(rows.tokens)
     if taps:

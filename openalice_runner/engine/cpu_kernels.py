@@ -8,7 +8,9 @@
   prefill run on AVX512-BF16 dot products, or on AMX tiles where the CPU has them
   (`CpuKernels.amx`; `OPENALICE_NATIVE_AMX=0` keeps the dot products).
 - `attention`: causal attention for ragged rows read straight from the KV cache, so one pass
-  serves sequences of different lengths, each feeding its own number of tokens.
+  serves sequences of different lengths, each feeding its own number of tokens. Prompt rows run
+  tiles of their own (`attention_prompt`: bf16 dot products, `attention_prompt_fp32`: fp32 on AVX2),
+  whose bits depend on each row's position alone but differ from a decode row's.
 - `add_rms_norm`, `silu_mul`, `rope_store`: a layer's small per-row steps, one call each
   instead of several torch ops (at a few rows per pass the dispatch costs more than the work).
 - `argmax`: greedy choices over the logits of a pass, within a grammar's allowed tokens, without
@@ -175,6 +177,23 @@ class CpuKernels:
             raise MemoryError("attention_prompt kernel: no memory for its row tiles")
         return out if status == 0 else None
 
+    def attention_prompt_fp32(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_slot: torch.Tensor,
+                              row_pos: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """`attention` for prompt rows in fp32 tiles (csrc/attention.c): each row's bits depend on its
+        position and the cache alone, as `attention`'s do, but are not the bits `attention` gives
+        it; fp32 or bf16 cache, no tree rows. None where the shape does not allow it (the caller
+        runs `attention`)."""
+        q = q.contiguous()
+        rows, n_heads, dim = q.shape
+        out = torch.empty_like(q)
+        status = self.library.attention_prompt_f32(
+            q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), row_slot.data_ptr(),
+            row_pos.data_ptr(), rows, n_heads, keys.shape[1], dim, keys.shape[2], scale, keys.dtype == torch.bfloat16,
+        )  # fmt: skip
+        if status == -2:
+            raise MemoryError("attention_prompt_fp32 kernel: no memory for its row tiles")
+        return out if status == 0 else None
+
     def add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
         """weight * x / rms(x) per row of x (R, H) fp32 contiguous; with `delta`, x += delta
         first, in place (the residual add)."""
@@ -295,6 +314,8 @@ def _load() -> tuple[CpuKernels | None, str | None]:
     library.attention.restype = ctypes.c_int
     library.attention_prompt.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
     library.attention_prompt.restype = ctypes.c_int
+    library.attention_prompt_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+    library.attention_prompt_f32.restype = ctypes.c_int
     library.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     library.add_rms_norm.restype = None
     library.silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2

@@ -74,9 +74,9 @@ def decode_round(model: LlamaModel, seq: Sequence, planned: Round) -> list[int]:
 
 def _forward(model: LlamaModel, feed: torch.Tensor, seq: Sequence, taps: tuple[int, ...],
              tree: TreeMask | None = None, prompt: bool = False):
-    """(hidden (1, T, H), tapped row 0 (T, len(taps) * H) or None). `prompt`: prompt rows (bf16 prefill)."""
+    """(hidden (1, T, H), tapped row 0 (T, len(taps) * H) or None). `prompt`: prompt rows (their own kernels: `prompt_kernels`)."""
     extra = {} if tree is None else {"tree": tree}
-    if prompt and getattr(model, "prefill_bf16", False):
+    if prompt and getattr(model, "prompt_kernels", False):
         extra["prompt"] = True
     if not taps:
         return model.forward(feed, seq.cache, [seq.slot], **extra), None

@@ -253,9 +253,14 @@ class LlamaModel:
         self.kv_dtype = torch.bfloat16 if bf16_cache else torch.float32
         self.attention_scale = self.cfg.head_dim**-0.5
         self.prefill_bf16 = prefill_bf16
-        # with it, passes of prompt rows only also run attention on the bf16 dot products (q and
-        # the softmax weights in bf16); passes that mix in decode rows keep the fp32 attention
+        # with it, prompt rows also run attention on the bf16 dot products (q and the softmax
+        # weights in bf16); decode, verify and tree rows keep the fp32 attention
         self.attention_bf16 = kernels is not None and kernels.bf16_dot
+        # Where prompt rows run fp32 on a CPU whose decode attention is the AVX2 one (no AVX-512),
+        # their attention runs the fp32 prompt tiles (csrc/attention.c): bits that depend on the
+        # row's position alone, as the decode kernel's, but not the same bits as a decode row's.
+        # Not on AVX-512 CPUs, whose decode attention takes a row's heads together: not measured.
+        self.prompt_attention_fp32 = self.attention_kernels is not None and not kernels.wide
         arena = huge_pages.HugePageArena() if huge_pages.enabled() else None  # every pass reads them all
 
         def linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> Linear:
@@ -302,6 +307,12 @@ class LlamaModel:
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
+    @property
+    def prompt_kernels(self) -> bool:
+        """Whether prompt rows run kernels of their own (bf16 prefill's linears and attention, or
+        the fp32 prompt attention tiles): callers mark them (`prompt_spans`, `prompt`)."""
+        return self.prefill_bf16 or self.prompt_attention_fp32
+
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         return KVCache(self.cfg, batch, max_len or self.cfg.max_positions, self.kv_dtype)
 
@@ -313,7 +324,7 @@ class LlamaModel:
                 taps: tuple[int, ...] = (), tree: TreeMask | None = None, prompt: bool = False):
         """Run `tokens` (B, T) appended at each slot's current length; returns hidden (B, T, H)
         (with `taps`, also the tapped residuals (B, T, len(taps) * H); `tree`: see `forward_rows`).
-        `prompt`: the tokens are prompt tokens (bf16 prefill where the model runs it).
+        `prompt`: the tokens are prompt tokens (their own kernels where the model has them: `prompt_kernels`).
 
         All sequences in the call append the same number T of tokens. Cache lengths advance
         by T; the caller rolls back rejected tokens by lowering `cache.lengths`.
@@ -350,7 +361,8 @@ class LlamaModel:
         these differ from a plain row's (a tree node's rotary position is its depth).
 
         `prompt_spans`: (first, end) spans of rows that are prompt rows; with `prefill_bf16` their
-        linears take bf16 activations. Other rows get the bits they would get in any pass.
+        linears take bf16 activations, and their attention runs the prompt kernels where the model
+        has them (`prompt_kernels`). Other rows get the bits they would get in any pass.
         """
         cfg = self.cfg
         rows = len(row_slot)
@@ -359,7 +371,7 @@ class LlamaModel:
         slot_t = torch.tensor(row_slot)
         pos_t = torch.tensor(row_pos)
         tapped: list[torch.Tensor] = []
-        prompt = PromptRows.of(prompt_spans, rows) if self.prefill_bf16 and prompt_spans else None
+        prompt = PromptRows.of(prompt_spans, rows) if self.prompt_kernels and prompt_spans else None
         if self.rowwise_kernels is not None:
             hidden = self._forward_rows_fused(tokens, cache, slot_t, pos_t, taps, tapped, tree, prompt)
             return (hidden, torch.cat(tapped, dim=-1)) if taps else hidden
@@ -368,10 +380,11 @@ class LlamaModel:
         sin = self.rotary.sin[rope_t].unsqueeze(1)
         runs = None if self.attention_kernels is not None or tree is not None else runs_of(row_slot, row_pos)
         n_qk = cfg.n_heads + cfg.n_kv_heads
+        bf16_rows = prompt if self.prefill_bf16 else None  # here prompt rows differ only in their linears
         x = self.embed[tokens].float()
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)
-            qkv = layer.qkv(h, prompt).view(rows, n_qk + cfg.n_kv_heads, cfg.head_dim)
+            qkv = layer.qkv(h, bf16_rows).view(rows, n_qk + cfg.n_kv_heads, cfg.head_dim)
             qk = RotaryTable.rotate(qkv[:, :n_qk], cos, sin)  # q and k heads in one go
             q, k, v = qk[:, : cfg.n_heads], qk[:, cfg.n_heads :], qkv[:, n_qk:]
             keys, values = cache.keys[i], cache.values[i]
@@ -383,10 +396,10 @@ class LlamaModel:
                 attn = attention_visible(q, keys, values, row_slot, row_pos, tree)
             else:
                 attn = attention_by_runs(q, keys, values, runs)
-            x = x + layer.o(attn.reshape(rows, -1), prompt)
+            x = x + layer.o(attn.reshape(rows, -1), bf16_rows)
             h = self._rms_norm(x, layer.mlp_norm)
-            gate, up = layer.gate_up(h, prompt).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up, prompt)
+            gate, up = layer.gate_up(h, bf16_rows).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up, bf16_rows)
             if i in taps:
                 tapped.append(x)
         hidden = self._rms_norm(x, self.norm)
@@ -401,16 +414,17 @@ class LlamaModel:
         norms (and residual adds), rotary embedding, cache write and SiLU gate one call each."""
         cfg, k = self.cfg, self.rowwise_kernels
         rows = len(tokens)
+        bf16_rows = prompt if self.prefill_bf16 else None  # the rows whose linears take bf16 activations
         x = self.embed[tokens].float()  # the residual stream, updated in place
         h = k.add_rms_norm(x, self.layers[0].attn_norm, cfg.eps)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(h, prompt).view(rows, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
+            qkv = layer.qkv(h, bf16_rows).view(rows, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
             keys, values = cache.keys[i], cache.values[i]
             k.rope_store(qkv, self.rotary.cos, self.rotary.sin, slot_t, pos_t, cfg.n_heads, cfg.n_kv_heads, keys, values,
                          None if tree is None else tree.rope_pos)
             attn = self._attention(k, qkv[:, : cfg.n_heads], keys, values, slot_t, pos_t, tree, prompt)
-            h = k.add_rms_norm(x, layer.mlp_norm, cfg.eps, delta=layer.o(attn.reshape(rows, -1), prompt))
-            down = layer.down(k.silu_mul(layer.gate_up(h, prompt)), prompt)
+            h = k.add_rms_norm(x, layer.mlp_norm, cfg.eps, delta=layer.o(attn.reshape(rows, -1), bf16_rows))
+            down = layer.down(k.silu_mul(layer.gate_up(h, bf16_rows)), bf16_rows)
             after = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
             h = k.add_rms_norm(x, after, cfg.eps, delta=down)
             if i in taps:
@@ -419,16 +433,23 @@ class LlamaModel:
 
     def _attention(self, k: CpuKernels, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    slot_t: torch.Tensor, pos_t: torch.Tensor, tree: TreeMask | None, prompt: PromptRows | None):
-        """The kernels' attention; prompt rows on the bf16 dot products where they run (with the
-        same bits whatever else shares the pass: a prompt's cache does not depend on its pass)."""
+        """The kernels' attention; prompt rows on the prompt kernels where the model runs them (bf16
+        prefill: the bf16 dot products; else the fp32 prompt tiles), with the same bits whatever
+        else shares the pass: a prompt's cache does not depend on its pass."""
         scale = self.attention_scale
-        if prompt is None or not self.attention_bf16 or keys.dtype != torch.bfloat16:
+        if prompt is None:
+            return k.attention(q, keys, values, slot_t, pos_t, scale, tree)
+        if self.prefill_bf16 and self.attention_bf16 and keys.dtype == torch.bfloat16:
+            prompt_attention = k.attention_prompt
+        elif self.prompt_attention_fp32:
+            prompt_attention = k.attention_prompt_fp32
+        else:
             return k.attention(q, keys, values, slot_t, pos_t, scale, tree)
         if prompt.all and tree is None:
-            out = k.attention_prompt(q, keys, values, slot_t, pos_t, scale)
+            out = prompt_attention(q, keys, values, slot_t, pos_t, scale)
             return out if out is not None else k.attention(q, keys, values, slot_t, pos_t, scale)
         rows = prompt.rows if not prompt.all else torch.arange(len(q))
-        ours = k.attention_prompt(q[rows], keys, values, slot_t[rows], pos_t[rows], scale)
+        ours = prompt_attention(q[rows], keys, values, slot_t[rows], pos_t[rows], scale)
         if ours is None:
             return k.attention(q, keys, values, slot_t, pos_t, scale, tree)
         if tree is None:  # the other rows on their own

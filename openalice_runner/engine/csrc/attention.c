@@ -704,3 +704,206 @@ int attention_prompt(const float *q, const uint16_t *keys, const uint16_t *value
     free(tile_start);
     return job.failed ? -2 : 0;
 }
+
+/* ---- prompt rows in fp32 (AVX2): lanes the query vectors, tiles as small matrix products ---------
+
+   Where prompt rows run in fp32, attend_tile above gives them the bits of decode rows: each score is
+   8 partial sums reduced by a shuffle tree, and on a prefill chunk it runs at about 40% of the FMA
+   peak (an AMD EPYC with AVX2 only; its hot spots the reductions). A prompt's rows only need bits that
+   depend on their own position and the cache (its cache must not depend on how it was chunked), so
+   here FT rows of one slot at consecutive positions and the G query heads of one KV head go together
+   as T x G query vectors, one per fp32 lane (padded to a multiple of 16 with copies of vector 0), as
+   the bf16 prompt tiles do. A score is one FMA chain over d (6 keys x 16 lanes a register tile, each
+   key broadcast from the block widened once), the softmax is online and lane-wise (running max,
+   rescale, sum: no horizontal step), and a weight times the values one FMA chain over the block's
+   keys (6 d x 16 lanes a register tile). Keys go in blocks of FB from key 0, the last one padded
+   with zero keys; a key a lane's row does not see gets the weight exactly 0 (its max and sum then
+   stay as they were, rescaled by exactly 1). Decode, verify and tree rows never come here. */
+#define FT 16        /* rows per tile */
+#define FB 24        /* keys per block: four register tiles of 6 */
+#define FL 16        /* lanes per register tile: two ymm */
+#define FV_MAX (FT * MAX_GROUP)
+
+typedef struct {
+    const float *q;
+    const void *keys, *values;
+    float *out;
+    const int64_t *row_slot, *row_pos, *tile_start;
+    int64_t tiles, n_heads, n_kv_heads, D, max_len;
+    float scale;
+    int bf16;
+    _Atomic int failed;
+} f32_prompt_job;
+
+typedef struct {
+    float qt[128 * FV_MAX];  /* q transposed: qt[d * nvp + v] */
+    float st[FB * FV_MAX];   /* the block's scores, then weights: st[j * nvp + v] */
+    float ot[128 * FV_MAX];  /* the running output, transposed: ot[d * nvp + v] */
+    float kw[FB * 128], vw[FB * 128]; /* the block's keys and values, fp32, zero past its end */
+    float m[FV_MAX], l[FV_MAX], factor[FV_MAX];
+    int32_t last[FV_MAX];    /* each lane's last visible key */
+} f32_prompt_scratch;
+
+/* scores of keys jb..jb+5 (kw rows) for lanes v0..v0+15: st[j * nvp + v] */
+static inline __attribute__((always_inline)) void f32_prompt_scores(f32_prompt_scratch *w, int64_t nvp, int64_t v0, int64_t jb,
+                                                               const int64_t D, const int NK) {
+    __m256 acc[6][2];
+    for (int j = 0; j < NK; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m256 q0 = _mm256_loadu_ps(w->qt + d * nvp + v0), q1 = _mm256_loadu_ps(w->qt + d * nvp + v0 + 8);
+        for (int j = 0; j < NK; j++) {
+            const __m256 k = _mm256_broadcast_ss(w->kw + (jb + j) * D + d);
+            acc[j][0] = _mm256_fmadd_ps(q0, k, acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(q1, k, acc[j][1]);
+        }
+    }
+    for (int j = 0; j < NK; j++) {
+        _mm256_storeu_ps(w->st + (jb + j) * nvp + v0, acc[j][0]);
+        _mm256_storeu_ps(w->st + (jb + j) * nvp + v0 + 8, acc[j][1]);
+    }
+}
+
+/* ot[d][v] = ot[d][v] * factor[v] + sum over the block's keys j of st[j][v] * vw[j][d], for d in
+   d0..d0+ND-1 and lanes v0..v0+15 */
+static inline __attribute__((always_inline)) void f32_prompt_values(f32_prompt_scratch *w, int64_t nvp, int64_t v0, int64_t d0,
+                                                               const int64_t D, const int ND) {
+    __m256 acc[6][2];
+    const __m256 f0 = _mm256_loadu_ps(w->factor + v0), f1 = _mm256_loadu_ps(w->factor + v0 + 8);
+    for (int i = 0; i < ND; i++) {
+        acc[i][0] = _mm256_mul_ps(_mm256_loadu_ps(w->ot + (d0 + i) * nvp + v0), f0);
+        acc[i][1] = _mm256_mul_ps(_mm256_loadu_ps(w->ot + (d0 + i) * nvp + v0 + 8), f1);
+    }
+    for (int64_t j = 0; j < FB; j++) {
+        const __m256 p0 = _mm256_loadu_ps(w->st + j * nvp + v0), p1 = _mm256_loadu_ps(w->st + j * nvp + v0 + 8);
+        for (int i = 0; i < ND; i++) {
+            const __m256 v = _mm256_broadcast_ss(w->vw + j * D + d0 + i);
+            acc[i][0] = _mm256_fmadd_ps(p0, v, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(p1, v, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < ND; i++) {
+        _mm256_storeu_ps(w->ot + (d0 + i) * nvp + v0, acc[i][0]);
+        _mm256_storeu_ps(w->ot + (d0 + i) * nvp + v0 + 8, acc[i][1]);
+    }
+}
+
+/* keys (or values) j0..j0+nk-1 widened to fp32 rows of D, rows nk..FB-1 zero */
+static inline void f32_prompt_block(const void *base, int64_t j0, int64_t nk, int64_t D, int bf16, float *dst) {
+    for (int64_t j = 0; j < FB; j++)
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(dst + j * D + d, j < nk ? load_kv(base, (j0 + j) * D + d, bf16) : _mm256_setzero_ps());
+}
+
+/* the online softmax's step for one block, 8 lanes at a time (scores to weights, m and l move on) */
+static inline void f32_prompt_softmax(f32_prompt_scratch *w, int64_t nvp, int64_t j0, float scale) {
+    const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+    for (int64_t v0 = 0; v0 < nvp; v0 += 8) {
+        const __m256i last = _mm256_loadu_si256((const __m256i *)(w->last + v0));
+        const __m256 m = _mm256_loadu_ps(w->m + v0);
+        __m256 s[FB], seen[FB], mx = m;
+        for (int64_t j = 0; j < FB; j++) {
+            seen[j] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(j0 + j)), last)); /* unseen */
+            s[j] = _mm256_blendv_ps(_mm256_mul_ps(_mm256_loadu_ps(w->st + j * nvp + v0), sc), ninf, seen[j]);
+            mx = _mm256_max_ps(mx, s[j]);
+        }
+        const __m256 factor = exp_nonpositive(_mm256_sub_ps(m, mx));
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < FB; j++) {
+            const __m256 p = _mm256_andnot_ps(seen[j], exp_nonpositive(_mm256_sub_ps(s[j], mx)));
+            _mm256_storeu_ps(w->st + j * nvp + v0, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        _mm256_storeu_ps(w->m + v0, mx);
+        _mm256_storeu_ps(w->factor + v0, factor);
+        _mm256_storeu_ps(w->l + v0, _mm256_fmadd_ps(_mm256_loadu_ps(w->l + v0), factor, sum));
+    }
+}
+
+#define F32_VALUES_ND(D0, ND) \
+    switch (ND) { case 6: f32_prompt_values(w, nvp, v0, D0, D, 6); break; case 5: f32_prompt_values(w, nvp, v0, D0, D, 5); break; \
+    case 4: f32_prompt_values(w, nvp, v0, D0, D, 4); break; case 3: f32_prompt_values(w, nvp, v0, D0, D, 3); break; \
+    case 2: f32_prompt_values(w, nvp, v0, D0, D, 2); break; default: f32_prompt_values(w, nvp, v0, D0, D, 1); break; }
+
+/* rows r0..r0+T-1 (positions p0..), the G query heads of KV head kvh */
+static inline __attribute__((always_inline)) void f32_prompt_tile(const f32_prompt_job *job, int64_t r0, int64_t T, int64_t kvh,
+                                                             f32_prompt_scratch *w, const int64_t D, const int bf16) {
+    const int64_t G = job->n_heads / job->n_kv_heads, nv = T * G, nvp = (nv + FL - 1) / FL * FL;
+    const int64_t p0 = job->row_pos[r0], n_max = p0 + T;
+    const int64_t width = bf16 ? 2 : 4;
+    const int64_t base = (job->row_slot[r0] * job->n_kv_heads + kvh) * job->max_len * D * width;
+    const char *K = (const char *)job->keys + base, *V = (const char *)job->values + base;
+    for (int64_t v = 0; v < nvp; v++) { /* lane v: row v / G, head v % G; lanes past nv copy lane 0 */
+        const int64_t u = v < nv ? v : 0, t = u / G;
+        const float *qv = job->q + ((r0 + t) * job->n_heads + kvh * G + u % G) * D;
+        for (int64_t d = 0; d < D; d++) w->qt[d * nvp + v] = qv[d];
+        w->last[v] = (int32_t)(p0 + t);
+        w->m[v] = -INFINITY;
+        w->l[v] = 0.0f;
+    }
+    for (int64_t i = 0; i < D * nvp; i += 8) _mm256_storeu_ps(w->ot + i, _mm256_setzero_ps());
+    for (int64_t j0 = 0; j0 < n_max; j0 += FB) {
+        const int64_t nk = n_max - j0 < FB ? n_max - j0 : FB;
+        f32_prompt_block(K, j0, nk, D, bf16, w->kw);
+        f32_prompt_block(V, j0, nk, D, bf16, w->vw);
+        for (int64_t v0 = 0; v0 < nvp; v0 += FL) {
+            for (int64_t jb = 0; jb < FB; jb += 6) f32_prompt_scores(w, nvp, v0, jb, D, 6);
+        }
+        f32_prompt_softmax(w, nvp, j0, job->scale);
+        for (int64_t v0 = 0; v0 < nvp; v0 += FL)
+            for (int64_t d0 = 0; d0 < D; d0 += 6) {
+                const int64_t nd = D - d0 < 6 ? D - d0 : 6;
+                F32_VALUES_ND(d0, nd)
+            }
+    }
+    for (int64_t v = 0; v < nv; v++) {
+        const int64_t t = v / G;
+        float *o = job->out + ((r0 + t) * job->n_heads + kvh * G + v % G) * D;
+        const float inv = 1.0f / w->l[v];
+        for (int64_t d = 0; d < D; d++) o[d] = w->ot[d * nvp + v] * inv;
+    }
+}
+
+static void f32_prompt_share(void *ctx, int share, int shares) {
+    f32_prompt_job *job = (f32_prompt_job *)ctx;
+    f32_prompt_scratch *w = (f32_prompt_scratch *)aligned_alloc(64, sizeof(f32_prompt_scratch));
+    if (!w) {
+        job->failed = 1;
+        return;
+    }
+    /* tasks (tile, KV head) interleaved across shares: tiles late in a chunk see more keys */
+    for (int64_t task = share; task < job->tiles * job->n_kv_heads; task += shares) {
+        const int64_t tile = task / job->n_kv_heads, kvh = task % job->n_kv_heads;
+        const int64_t r0 = job->tile_start[tile], T = job->tile_start[tile + 1] - r0;
+        if (job->D == 64) {
+            if (job->bf16) f32_prompt_tile(job, r0, T, kvh, w, 64, 1);
+            else f32_prompt_tile(job, r0, T, kvh, w, 64, 0);
+        } else if (job->bf16) {
+            f32_prompt_tile(job, r0, T, kvh, w, job->D, 1);
+        } else {
+            f32_prompt_tile(job, r0, T, kvh, w, job->D, 0);
+        }
+    }
+    free(w);
+}
+
+/* Prompt rows as `attention` takes them (no tree rows), fp32 or bf16 cache. Returns 0, -1 where
+   the shape is not supported (D % 8, D > 128, group > 8), -2 where memory ran out. */
+int attention_prompt_f32(const float *q, const void *keys, const void *values, float *out,
+                         const int64_t *row_slot, const int64_t *row_pos, int64_t R, int64_t n_heads,
+                         int64_t n_kv_heads, int64_t D, int64_t max_len, float scale, int kv_bf16) {
+    if (D % 8 || D > 128 || n_heads % n_kv_heads || n_heads / n_kv_heads > MAX_GROUP) return -1;
+    int64_t *tile_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(R + 1));
+    if (!tile_start) return -2;
+    int64_t tiles = 0;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t first = tiles ? tile_start[tiles - 1] : -1;
+        const int joins = first >= 0 && r - first < FT && row_slot[r] == row_slot[r - 1] && row_pos[r] == row_pos[r - 1] + 1;
+        if (!joins) tile_start[tiles++] = r;
+    }
+    tile_start[tiles] = R;
+    f32_prompt_job job = {q, keys, values, out, row_slot, row_pos, tile_start, tiles, n_heads, n_kv_heads, D, max_len,
+                     scale, kv_bf16 != 0, 0};
+    pool_run(f32_prompt_share, &job);
+    free(tile_start);
+    return job.failed ? -2 : 0;
+}
