@@ -17,7 +17,9 @@ fp32 copy of each bf16 weight for multi-row inputs and the bf16 weight for one-r
 bf16 prefill (`prefill_bf16`, chosen by prefill_choice.py): prompt rows, and only those, run
 their linears with activations rounded to bf16, on the CPU's bf16 dot products where it has them
 (about twice the fp32 kernel's arithmetic). Decode, verify and tree rows keep the fp32 kernel
-and its same-bits-whatever-the-rows property, so speculation stays exact.
+and its same-bits-whatever-the-rows property, so speculation stays exact. Where prompt rows run
+fp32 on an AVX2-only CPU, their attention runs fp32 tiles of its own (`prompt_attention_fp32`):
+each row's bits depend on its position alone, but are not a decode row's.
 """
 
 from __future__ import annotations
@@ -133,7 +135,8 @@ class Linear:
 
 @dataclass(frozen=True)
 class PromptRows:
-    """Which rows of a pass are prompt rows (bf16 prefill): all of them, or `rows` (the rest `others`)."""
+    """Which rows of a pass are prompt rows (their own kernels: `LlamaModel.prompt_kernels`): all of
+    them, or `rows` (the rest `others`)."""
 
     all: bool
     rows: torch.Tensor | None = None
