@@ -8,7 +8,15 @@ from hypothesis import strategies as st
 from locations import REPO
 
 from openalice_runner.engine.cost_model import PassCostModel
-from openalice_runner.engine.drafters.ngram import NgramDrafter, NgramIndex, find_continuation
+from openalice_runner.engine.drafters.ngram import (
+    KEEP_OCCURRENCES,
+    MATCH_CAP,
+    AcceptanceByMatch,
+    NgramDrafter,
+    NgramIndex,
+    find_continuation,
+    find_match,
+)
 from openalice_runner.engine.types import SamplingParams
 
 
@@ -194,6 +202,93 @@ def test_engine_times_passes_so_the_first_requests_are_sized():
 def test_index_matches_plain_scan(context, n_min, extra, k):
     n_max = n_min + extra
     assert lookup(context, n_min, n_max, k) == find_continuation(context, n_min, n_max, k)
+
+
+def match_by_scan(context, n_min, n_max, k):
+    """Reference: the longest suffix that occurs earlier (a plain scan); of its latest
+    KEEP_OCCURRENCES occurrences the one whose preceding tokens equal those before the end furthest
+    back (counted up to MATCH_CAP, or n), the latest on a tie; (continuation, agreement)."""
+    for n in range(min(n_max, len(context) - 1), n_min - 1, -1):
+        starts = [s for s in range(len(context) - n - 1, -1, -1) if context[s : s + n] == context[-n:]]
+        best = None
+        for start in starts[:KEEP_OCCURRENCES]:
+            length = n
+            while (length < MATCH_CAP and start - (length - n) - 1 >= 0
+                   and context[start - (length - n) - 1] == context[-length - 1]):
+                length += 1
+            if best is None or length > best[0]:
+                best = (length, start + n)
+        if best:
+            return context[best[1] : best[1] + k], best[0]
+    return [], 0
+
+
+def test_match_reports_how_far_back_the_occurrence_agrees():
+    body = list(range(100, 120))
+    # inside a copy: the 4-gram's occurrence agrees for every token before it (all 16 of them)
+    index = NgramIndex(1, 4)
+    index.extend(body + [7] + body[:16])
+    assert index.match(3) == ([116, 117, 118], 16)
+    # the same 4-gram recurring after other text: it agrees for its own 4 tokens only
+    index = NgramIndex(1, 4)
+    index.extend(body + [7, 300, 301] + body[12:16])
+    assert index.match(3) == ([116, 117, 118], 4)
+    # the agreement is looked at up to MATCH_CAP tokens
+    index = NgramIndex(1, 4)
+    index.extend(body * 2)
+    assert index.match(2) == ([100, 101], MATCH_CAP)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    context=st.lists(st.integers(0, 3), max_size=120),
+    n_min=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    k=st.integers(1, 8),
+)
+def test_match_and_agreement_equal_a_plain_scan(context, n_min, extra, k):
+    n_max = n_min + extra
+    index = NgramIndex(n_min, n_max)
+    index.extend(context)
+    assert index.match(k) == match_by_scan(context, n_min, n_max, k) == find_match(context, n_min, n_max, k)
+
+
+def test_match_takes_the_occurrence_that_agrees_furthest_back():
+    body = list(range(100, 120))
+    # body[12:16] occurs in the copy under way's source (agreeing 16 back) and later after other
+    # text (agreeing 4): the source's continuation is taken, not the latest occurrence's
+    context = body + [7] + [300, 301] + body[12:16] + [55, 56] + body[:16]
+    index = NgramIndex(1, 4)
+    index.extend(context)
+    assert index.match(3) == ([116, 117, 118], 16)
+    # with the source older than the KEEP_OCCURRENCES latest occurrences, the latest of those wins
+    recurring = [v for _ in range(KEEP_OCCURRENCES) for v in [300, 301, *body[12:16], 55]]
+    index = NgramIndex(1, 4)
+    index.extend(body + [7] + recurring + body[:16])
+    assert index.match(1) == ([55], 4)
+
+
+def test_acceptance_classes_cover_every_length():
+    acceptance = AcceptanceByMatch()
+    assert [acceptance.length_class(n) for n in (1, 4, 5, 7, 8, 15, 16, 40)] == [0, 3, 4, 4, 5, 5, 6, 6]
+    acceptance.update(6, proposed=4, accepted=4)  # evidence for 5-7 moves 5-7 only
+    assert acceptance.alpha(5) == acceptance.alpha(7) > AcceptanceByMatch().alpha(5)
+    assert acceptance.alpha(8) == AcceptanceByMatch().alpha(8)
+
+
+def test_drafter_drafts_longer_inside_a_long_copy():
+    """The same 4-token match, once agreeing for 16 tokens (a copy under way) and once for its own
+    4: at the same pass costs the drafter proposes more of the first."""
+    body = list(range(100, 120))
+    continuation = body[16:] + [7] + body[:4]
+    proposals = []
+    for history in (body + [7] + body[:16], [200, 201, 202, 203] + body + [7, 300, 301] + body[12:16]):
+        drafter = NgramDrafter(1, 4, costs=linear_passes(), probe_every=1000)
+        drafter.start(history)
+        proposals.append(drafter.propose(history, 8, SamplingParams(), None).tokens)
+    inside, recurring = proposals
+    assert recurring and inside == continuation[: len(inside)] and recurring == continuation[: len(recurring)]
+    assert len(inside) > len(recurring)
 
 
 def test_ceiling_replay_counts_passes_with_free_verification():

@@ -3,9 +3,21 @@
 An index maps each n-gram (n in [n_min, n_max]) to the positions right after its occurrences,
 updated incrementally as tokens arrive, so a proposal costs O(n_max) dictionary lookups rather
 than a scan of the context.
+
+A match is weighed by its agreement: how far back the text before the occurrence equals the text
+before now (at least n, looked at up to MATCH_CAP tokens). Inside a copy of a tool result or a
+file the agreement runs long and the copy is likely to go on; a 4-gram that merely recurs agrees
+for 4 tokens. Of an n_max-gram's latest KEEP_OCCURRENCES occurrences the match takes the one that
+agrees furthest back (the latest of those), not merely the latest: the copy under way rather than
+the same few tokens somewhere else. The drafter learns acceptance per agreement class
+(`AcceptanceByMatch`) and drafts longer where the agreement is long
+(docs/benchmarks/2026-12-07-ngram-agreement.md).
 """
 
 from __future__ import annotations
+
+import bisect
+from collections import deque
 
 import torch
 
@@ -13,16 +25,21 @@ from openalice_runner.engine.cost_model import PassCostModel
 from openalice_runner.engine.drafters.base import Drafter, Proposal
 from openalice_runner.engine.types import SamplingParams
 
+MATCH_CAP = 16  # agreement looked at, in tokens: the longest class below starts here
+KEEP_OCCURRENCES = 16  # of each n_max-gram, the latest occurrences a match chooses among
+
 
 class NgramIndex:
-    """n-gram -> end position of its latest occurrence (the index of the token after it)."""
+    """n-gram -> end position of its latest occurrence (the index of the token after it); for
+    n_max-grams, of their latest KEEP_OCCURRENCES occurrences."""
 
     def __init__(self, n_min: int, n_max: int):
         if not (1 <= n_min <= n_max):
             raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
         self.n_min, self.n_max = n_min, n_max
         self.tokens: list[int] = []
-        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max + 1)]
+        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max)]  # n < n_max
+        self.recent: dict[tuple[int, ...], deque[int]] = {}  # n_max-gram -> end positions, oldest first
         self._pending: list[tuple[int, tuple[int, ...], int]] = []
 
     def extend(self, tokens: list[int]) -> None:
@@ -32,7 +49,10 @@ class NgramIndex:
             # The n-grams ending at the newest token must not be visible to the lookup of the
             # suffix they form themselves, so each is published one token later.
             for n, gram, pos in self._pending:
-                self.latest[n][gram] = pos
+                if n < self.n_max:
+                    self.latest[n][gram] = pos
+                else:
+                    self.recent.setdefault(gram, deque(maxlen=KEEP_OCCURRENCES)).append(pos)
             self._pending = [
                 (n, tuple(self.tokens[end - n : end]), end)
                 for n in range(self.n_min, self.n_max + 1)
@@ -40,61 +60,103 @@ class NgramIndex:
             ]
 
     def lookup(self, max_tokens: int) -> list[int]:
-        """Tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        """Tokens that followed the chosen earlier occurrence of the longest matching suffix."""
         return self.match(max_tokens)[0]
 
     def match(self, max_tokens: int) -> tuple[list[int], int]:
-        """(continuation, length of the matched suffix); ([], 0) without a match."""
+        """(continuation, agreement) for the longest matching suffix; ([], 0) without a match.
+        The agreement is the suffix's length n extended backwards while the tokens before the
+        occurrence equal those before now, up to MATCH_CAP (or n, if longer). Below n_max there
+        is one candidate worth looking at: every occurrence of a suffix that no longer one matches
+        agrees for exactly n, so the latest serves."""
         end = len(self.tokens)
         for n in range(min(self.n_max, end), self.n_min - 1, -1):
-            pos = self.latest[n].get(tuple(self.tokens[end - n :]))
-            if pos is not None:
-                return self.tokens[pos : pos + max_tokens], n
+            gram = tuple(self.tokens[end - n :])
+            if n < self.n_max:
+                pos = self.latest[n].get(gram)
+                if pos is not None:
+                    return self.tokens[pos : pos + max_tokens], n
+            elif gram in self.recent:
+                pos, length = self._agrees_furthest(self.recent[gram], n)
+                return self.tokens[pos : pos + max_tokens], length
         return [], 0
+
+    def _agrees_furthest(self, occurrences: deque[int], n: int) -> tuple[int, int]:
+        """(end position, agreement) of the occurrence agreeing furthest back; the latest on a tie."""
+        best_pos, best = 0, -1
+        for pos in reversed(occurrences):  # latest first
+            length = agreement(self.tokens, pos, n)
+            if length > best:
+                best_pos, best = pos, length
+                if best >= MATCH_CAP:
+                    break
+        return best_pos, best
+
+
+def agreement(tokens: list[int], pos: int, n: int) -> int:
+    """How many tokens before `pos` equal those before the end, given that the last n do (at most
+    max(n, MATCH_CAP))."""
+    end, length = len(tokens), n
+    while length < MATCH_CAP and pos - length > 0 and tokens[pos - length - 1] == tokens[end - length - 1]:
+        length += 1
+    return length
+
+
+def find_match(context: list[int], n_min: int, n_max: int, max_tokens: int) -> tuple[list[int], int]:
+    """Reference search (a plain scan), for tests and clarity: the longest n whose suffix occurs
+    earlier; of its latest KEEP_OCCURRENCES occurrences the one agreeing furthest back, the latest
+    on a tie; (continuation, agreement), or ([], 0)."""
+    for n in range(min(n_max, len(context) - 1), n_min - 1, -1):
+        starts = [s for s in range(len(context) - n - 1, -1, -1) if context[s : s + n] == context[-n:]]
+        if starts:
+            length, pos = max((agreement(context, s + n, n), s + n) for s in starts[:KEEP_OCCURRENCES])
+            return context[pos : pos + max_tokens], length
+    return [], 0
 
 
 def find_continuation(context: list[int], n_min: int, n_max: int, max_tokens: int) -> list[int]:
-    """Reference search (plain scan, latest occurrence, longest n first), for tests and clarity."""
-    for n in range(min(n_max, len(context) - 1), n_min - 1, -1):
-        suffix = context[-n:]
-        for start in range(len(context) - n - 1, -1, -1):
-            if context[start : start + n] == suffix:
-                return context[start + n : start + n + max_tokens]
-    return []
+    return find_match(context, n_min, n_max, max_tokens)[0]
 
 
 class AcceptanceByMatch:
-    """Per-token acceptance estimate for each matched-suffix length, from the rounds so far.
+    """Per-token acceptance estimate for each class of match length, from the rounds so far.
 
-    alpha = accepted / (accepted + rejections): the maximum-likelihood rate of a geometric
-    number of accepted tokens. A weak prior (PRIOR_WEIGHT pseudo-tokens) trusts longer matches
-    more; one lucky probe does not outweigh it, a few rounds of evidence do.
+    A match's length is its agreement (`agreement`; for a cross-request match, its suffix's
+    length). alpha = accepted / (accepted + rejections): the maximum-likelihood rate of a
+    geometric number of accepted tokens. A weak prior (PRIOR_WEIGHT pseudo-tokens) trusts longer
+    matches more; one lucky probe does not outweigh it, a few rounds of evidence do.
     """
 
-    PRIOR_ALPHA = (0.0, 0.25, 0.4, 0.5, 0.6)  # by matched length 1..4; longer: the last value
+    CLASSES = (1, 2, 3, 4, 5, 8, MATCH_CAP)  # a class holds the lengths from its start to the next's
+    PRIOR_ALPHA = (0.25, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85)  # by class
     PRIOR_WEIGHT = 4.0
 
-    def __init__(self, n_max: int):
-        priors = [self.PRIOR_ALPHA[min(n, len(self.PRIOR_ALPHA) - 1)] for n in range(n_max + 1)]
-        self.accepted = [a * self.PRIOR_WEIGHT for a in priors]
-        self.rejected = [(1 - a) * self.PRIOR_WEIGHT for a in priors]
+    def __init__(self) -> None:
+        self.accepted = [a * self.PRIOR_WEIGHT for a in self.PRIOR_ALPHA]
+        self.rejected = [(1 - a) * self.PRIOR_WEIGHT for a in self.PRIOR_ALPHA]
 
-    def alpha(self, n: int) -> float:
-        return self.accepted[n] / (self.accepted[n] + self.rejected[n])
+    @classmethod
+    def length_class(cls, length: int) -> int:
+        return max(0, bisect.bisect_right(cls.CLASSES, length) - 1)
 
-    def expected_accepted(self, n: int, k: int) -> float:
-        a = self.alpha(n)
+    def alpha(self, length: int) -> float:
+        c = self.length_class(length)
+        return self.accepted[c] / (self.accepted[c] + self.rejected[c])
+
+    def expected_accepted(self, length: int, k: int) -> float:
+        a = self.alpha(length)
         return k if a >= 1.0 else a * (1 - a**k) / (1 - a)
 
-    def update(self, n: int, proposed: int, accepted: int) -> None:
-        self.accepted[n] += accepted
-        self.rejected[n] += 1.0 if accepted < proposed else 0.0
+    def update(self, length: int, proposed: int, accepted: int) -> None:
+        c = self.length_class(length)
+        self.accepted[c] += accepted
+        self.rejected[c] += 1.0 if accepted < proposed else 0.0
 
 
 class NgramDrafter(Drafter):
     """Prompt lookup that proposes only what it expects to pay for.
 
-    For a match of n tokens with estimated per-token acceptance alpha_n, proposing k tokens
+    For a match of agreement n with estimated per-token acceptance alpha_n, proposing k tokens
     emits 1 + E[accepted] tokens for the price `costs.ratio(k + 1)` of plain steps. The drafter
     proposes the k <= gamma with the best ratio of the two, or nothing where no k beats a plain
     step. In a batch (`step_load`: B sequences, R rows before this draft) the step emits about
@@ -115,7 +177,7 @@ class NgramDrafter(Drafter):
         self.index = NgramIndex(n_min, n_max)
         self.costs = costs
         self.probe_every = probe_every
-        self.acceptance = AcceptanceByMatch(n_max)
+        self.acceptance = AcceptanceByMatch()
         self._declined = 0
         self._probe_interval = probe_every
         self._probing = False
@@ -129,7 +191,7 @@ class NgramDrafter(Drafter):
     def start(self, prompt: list[int]) -> None:
         self.index = NgramIndex(self.index.n_min, self.index.n_max)
         self.index.extend(prompt)
-        self.acceptance = AcceptanceByMatch(self.index.n_max)
+        self.acceptance = AcceptanceByMatch()
         self._declined = 0
         self._probe_interval = self.probe_every
 

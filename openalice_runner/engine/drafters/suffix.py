@@ -136,7 +136,7 @@ class SuffixDrafter(NgramDrafter):
                  costs: PassCostModel | None = None, probe_every: int = 8):
         super().__init__(n_min, n_max, costs, probe_every)
         self.shared = shared
-        self.shared_acceptance = AcceptanceByMatch(shared.n_max)
+        self.shared_acceptance = AcceptanceByMatch()
         self._handle: int | None = None
         self._published = 0  # tokens of the history handed to `shared`
         self._from_shared = False
