@@ -66,9 +66,9 @@ class NgramIndex:
     def match(self, max_tokens: int) -> tuple[list[int], int]:
         """(continuation, agreement) for the longest matching suffix; ([], 0) without a match.
         The agreement is the suffix's length n extended backwards while the tokens before the
-        occurrence equal those before now, up to MATCH_CAP (or n, if longer). Below n_max there
-        is one candidate worth looking at: every occurrence of a suffix that no longer one matches
-        agrees for exactly n, so the latest serves."""
+        occurrence equal those before now, up to MATCH_CAP (or n, if longer). Below n_max the
+        latest occurrence serves: where the suffix one token longer occurs nowhere earlier, every
+        occurrence of this one agrees for exactly n."""
         end = len(self.tokens)
         for n in range(min(self.n_max, end), self.n_min - 1, -1):
             gram = tuple(self.tokens[end - n :])
