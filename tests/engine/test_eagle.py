@@ -297,12 +297,13 @@ def test_lookup_first_drafts_copies_by_lookup_and_the_rest_by_the_head():
     greedy = SamplingParams()
     drafter.start([1, 2, 3, 4, 1, 2])
     assert drafter.propose([1, 2, 3, 4, 1, 2], 2, greedy, None).tokens == [3, 4]  # copies
-    before = lookup.acceptance.accepted[2], lookup.acceptance.rejected[2]
+    two = lookup.acceptance.length_class(2)  # the class of a match of 2 (agreeing for 2)
+    before = lookup.acceptance.accepted[two], lookup.acceptance.rejected[two]
     drafter.observe(torch.zeros(2, 4))
     drafter.update([1, 2, 3, 4, 1, 2, 3], 2, 1)
     assert head.updates == [] and head.observed == 2
     # the lookup learned: one accepted token and one rejection, for a match of 2
-    assert (lookup.acceptance.accepted[2], lookup.acceptance.rejected[2]) == (before[0] + 1, before[1] + 1)
+    assert (lookup.acceptance.accepted[two], lookup.acceptance.rejected[two]) == (before[0] + 1, before[1] + 1)
     assert drafter.propose([1, 2, 3, 4, 1, 2, 3, 9], 3, greedy, None).tokens == [7, 7, 7]  # no match
     drafter.update([1, 2, 3, 4, 1, 2, 3, 9, 5], 3, 0)
     assert head.updates == [(3, 0)] and drafter.rounds == {"lookup": 1, "head": 1}
