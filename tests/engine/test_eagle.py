@@ -451,6 +451,37 @@ def test_train_step_options(capsys):
         assert flag in err and said in err, err
 
 
+def test_training_runs_on_the_threads_the_engine_left_torch(tmp_path, monkeypatch):
+    """The engine leaves torch one thread for its passes (its kernels have their own workers);
+    training is torch's work alone, so it runs on the threads torch had before, and torch gets its
+    one thread back afterwards (where the engine goes on serving)."""
+    import openalice_runner.training.pipeline as pipeline
+    from openalice_runner.engine import Engine
+
+    engine = Engine.tiny_random(seed=0)
+    monkeypatch.setattr(engine, "torch_threads", 2)
+    seen = []
+    real = pipeline.train_head
+
+    def train_head(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "train_head", train_head)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = tmp_path / "prompts.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in builtin_prompts(4, seed=3)))
+        settings = BuildSettings(minutes=1.0, max_new_tokens=4, draft_vocab=64, max_steps=2, progress=False,
+                                 data_dir=tmp_path / "data")
+        _, figures = build_head(engine, [data], tmp_path / "head", settings=settings)
+        assert seen == [2] and figures["train_threads"] == 2
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_training_windows_hold_the_reply_and_acceptance_counts_reply_rows(tiny_engine, tiny_head):
     from openalice_runner.training.data import Sample
 
