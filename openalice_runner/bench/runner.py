@@ -83,15 +83,10 @@ def run_hf(engine: Engine, prompt: list[int], max_tokens: int, lookup: int | Non
     ids = torch.tensor([prompt])
     # transformers' generate runs on torch's threads, which the engine sets to 1 for its own
     # passes (its kernels have their own workers): give it every thread it had
-    engine_threads = torch.get_num_threads()
-    torch.set_num_threads(engine.torch_threads)
-    try:
+    with engine.torch_work(), torch.inference_mode():
         start = time.perf_counter()
-        with torch.inference_mode():
-            out = engine.hf_model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        out = engine.hf_model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
         seconds = time.perf_counter() - start
-    finally:
-        torch.set_num_threads(engine_threads)
     tokens = out[0, len(prompt) :].tolist()
     for i, t in enumerate(tokens):  # our engine reports ids without the EOS
         if t in engine.eos_token_ids:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -114,6 +115,17 @@ class Engine:
         self.recent_responses = TenantResponses()
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def torch_work(self) -> Iterator[None]:
+        """torch on the threads it had before the engine took them, for the block: work that is
+        torch's alone (training a head, transformers' generate) rather than the kernels' passes."""
+        own = torch.get_num_threads()
+        torch.set_num_threads(self.torch_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(own)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,19 +128,6 @@ def _training_prompts(
     return chats, n_read
 
 
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """torch's own threads set to `n` for the block, then put back. An engine on its kernels leaves
-    torch one thread (its passes run on the kernels' workers); training is torch's work alone, and
-    on two AVX2 cores two threads take 0.53 s a step where one takes 0.88."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def build_head(engine, data: list[str | Path], out: str | Path | None = None,
                exclude: list[str | Path] | None = None, settings: BuildSettings | None = None) -> tuple[Path, dict]:
     """Train a head for `engine`'s model on prompts from `data` (JSON lines), excluding the
@@ -214,8 +199,10 @@ def build_head(engine, data: list[str | Path], out: str | Path | None = None,
         bar.set_postfix(post)
 
     torch.manual_seed(s.seed)
-    threads = getattr(engine, "torch_threads", torch.get_num_threads())
-    with torch_threads(threads):
+    # an engine on its kernels leaves torch one thread; training is torch's work alone (on two AVX2
+    # cores a step takes 0.53 s on two threads, 0.88 on one)
+    with engine.torch_work():
+        threads = torch.get_num_threads()
         head, figures = train_head(model, cfg, train, heldout, tset, progress=progress)
     bar.close()
     figures.update(
